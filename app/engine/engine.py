@@ -1,0 +1,356 @@
+"""One llama.cpp context holding one conversation (sequence 0).
+
+The engine keeps the exact token ids that are in the context, so a new prompt reuses
+the longest common prefix and only its suffix is decoded. It knows nothing of
+sessions, SQLite or snapshot files: it hands out and accepts raw seq-state bytes.
+Not thread-safe: the caller runs every method on one thread.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import _internals as internals
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from app.errors import KvchatError
+
+SEQ_ID = 0
+# Prefill is decoded in slices this long so a cancel request is honoured between them.
+PREFILL_SLICE = 128
+
+GGML_TYPES: dict[str, int] = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+# Used when a GGUF carries no chat template: ChatML, which most small instruct models speak.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CancelCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What it takes to open a context; every field that changes KV layout is here."""
+
+    model_path: Path
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_threads: int = 2
+    n_gpu_layers: int = -1
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    max_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass
+class PrefillResult:
+    """How a prompt was brought into the context."""
+
+    prompt: int
+    reused: int
+    decoded: int
+
+
+@dataclass
+class GenerationStats:
+    """Filled in while :meth:`Engine.generate` streams."""
+
+    generated: int = 0
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str = "stop"
+    # When the user's turn began: TTFT counts restore and prefill too.
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """A loaded model and its one context."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.type_v != "f16" and not config.flash_attn:
+            raise KvchatError(
+                f"a quantized V cache (type_v={config.type_v}) needs flash attention: "
+                "set flash_attn = true or keep type_v = f16"
+            )
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=str(config.model_path),
+                n_ctx=config.n_ctx,
+                n_batch=config.n_batch,
+                n_ubatch=config.n_batch,
+                n_threads=config.n_threads,
+                n_threads_batch=config.n_threads,
+                n_gpu_layers=config.n_gpu_layers,
+                type_k=GGML_TYPES[config.type_k],
+                type_v=GGML_TYPES[config.type_v],
+                flash_attn=config.flash_attn,
+                seed=config.seed,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise KvchatError(f"could not load model {config.model_path}: {exc}") from exc
+        self.ctx = self.llm._ctx.ctx
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
+        self.metadata: dict[str, str] = dict(self.llm.metadata)
+        self._vocab = self.llm._model.vocab
+        template = self.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
+        self._formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=self._piece(self.llm.token_eos()),
+            bos_token=self._piece(self.llm.token_bos()),
+            add_generation_prompt=True,
+        )
+        self._state_buffer: ctypes.Array[ctypes.c_uint8] | None = None
+
+    # --- identity -------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.metadata.get("general.name") or self.config.model_path.stem
+
+    @property
+    def gpu_offload(self) -> bool:
+        return bool(llama_cpp.llama_supports_gpu_offload())
+
+    def layout(self) -> dict[str, Any]:
+        """Settings that decide the KV bytes' meaning; a snapshot must match all of them."""
+        arch = self.metadata.get("general.architecture", "")
+        model = self.llm._model.model
+        return {
+            "type_k": self.config.type_k,
+            "type_v": self.config.type_v,
+            "flash_attn": self.config.flash_attn,
+            "rope_freq_base": float(self.metadata.get(f"{arch}.rope.freq_base", 0.0) or 0.0),
+            "rope_freq_scale": float(llama_cpp.llama_model_rope_freq_scale_train(model)),
+            "n_swa": int(llama_cpp.llama_model_n_swa(model))
+            if hasattr(llama_cpp, "llama_model_n_swa")
+            else int(self.metadata.get(f"{arch}.attention.sliding_window", 0) or 0),
+            "n_layer": int(llama_cpp.llama_model_n_layer(model)),
+        }
+
+    # --- tokens ---------------------------------------------------------------------------
+
+    def _piece(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self._vocab_text(token)
+
+    def _vocab_text(self, token: int) -> str:
+        text = llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template over ``messages``, ending with the assistant's turn opening."""
+        return self._formatter(messages=list(messages)).prompt
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos(text), special=True)
+
+    def _add_bos(self, text: str) -> bool:
+        bos = self.llm.token_bos()
+        if bos < 0 or not llama_cpp.llama_vocab_get_add_bos(self._vocab):
+            return False
+        return not text.startswith(self._piece(bos))
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.tokenize(self.render(messages))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    @property
+    def tokens(self) -> list[int]:
+        """The exact token ids whose KV is in the context, in order."""
+        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.llm.n_tokens)
+
+    # --- context --------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Empty the context (the KV of sequence 0 and the token list)."""
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, -1, -1)
+        self.llm.n_tokens = 0
+
+    def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
+        """Bring ``prompt`` into the context, decoding only what follows the common prefix.
+
+        With nothing new to decode (a regenerate) the last token is decoded again, since
+        sampling needs its logits.
+        """
+        if len(prompt) >= self.n_ctx:
+            raise KvchatError(f"the prompt ({len(prompt)} tokens) does not fit n_ctx={self.n_ctx}")
+        current = self.llm.input_ids[: self.llm.n_tokens]
+        reused = 0
+        for have, want in zip(current, prompt):
+            if int(have) != want:
+                break
+            reused += 1
+        if reused == len(prompt):
+            reused -= 1
+        self.truncate(reused)
+        suffix = list(prompt[reused:])
+        for start in range(0, len(suffix), PREFILL_SLICE):
+            if cancel is not None and cancel():
+                break
+            self.llm.eval(suffix[start : start + PREFILL_SLICE])
+        return PrefillResult(prompt=len(prompt), reused=reused, decoded=self.n_tokens - reused)
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop the KV of every token from position ``n_keep`` on."""
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, n_keep, -1)
+        self.llm.n_tokens = n_keep
+
+    def generate(
+        self,
+        params: GenerationParams,
+        stats: GenerationStats,
+        cancel: CancelCheck | None = None,
+    ) -> Iterator[str]:
+        """Sample and stream text pieces until end of turn, ``max_tokens``, a full context or cancel.
+
+        Every sampled token except the closing end-of-generation one is decoded into the
+        context, so afterwards the context holds prompt + reply.
+        """
+        sampler = self._sampler(params)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        generation_started = time.perf_counter()
+        try:
+            while True:
+                if cancel is not None and cancel():
+                    stats.finish_reason = "cancelled"
+                    break
+                if stats.generated >= params.max_tokens:
+                    stats.finish_reason = "length"
+                    break
+                token = sampler.sample(self.llm._ctx, -1)
+                if stats.ttft_ms is None:
+                    stats.ttft_ms = (time.perf_counter() - stats.started) * 1000
+                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                    stats.finish_reason = "stop"
+                    break
+                stats.generated += 1
+                piece = decoder.decode(self._token_bytes(token))
+                if self.n_tokens + 1 >= self.n_ctx:
+                    stats.finish_reason = "context"
+                    if piece:
+                        yield piece
+                    break
+                self.llm.eval([token])
+                if piece:
+                    yield piece
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield tail
+        finally:
+            elapsed = time.perf_counter() - generation_started
+            if stats.generated and elapsed > 0:
+                stats.tokens_per_s = stats.generated / elapsed
+            sampler.close()
+
+    def _token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def _sampler(self, params: GenerationParams) -> internals.LlamaSampler:
+        sampler = internals.LlamaSampler()
+        if params.temperature <= 0:
+            sampler.add_greedy()
+        else:
+            sampler.add_top_k(params.top_k)
+            sampler.add_top_p(params.top_p, 1)
+            sampler.add_min_p(params.min_p, 1)
+            sampler.add_temp(params.temperature)
+            sampler.add_dist(params.seed & 0xFFFFFFFF)
+        return sampler
+
+    # --- sequence state -------------------------------------------------------------------
+
+    def state_size(self) -> int:
+        return int(llama_cpp.llama_state_seq_get_size(self.ctx, SEQ_ID))
+
+    def state_buffer(self, size: int) -> ctypes.Array[ctypes.c_uint8]:
+        """A reusable buffer of at least ``size`` bytes (fresh allocations page-fault)."""
+        if self._state_buffer is None or len(self._state_buffer) < size:
+            self._state_buffer = (ctypes.c_uint8 * max(size, 1))()
+        return self._state_buffer
+
+    def state_get(self) -> memoryview:
+        """The seq-state bytes of the context, as a view into the engine's reusable buffer."""
+        size = self.state_size()
+        buf = self.state_buffer(size)
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, SEQ_ID)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return memoryview(buf).cast("B")[:size]
+
+    def state_set(self, buf: ctypes.Array[ctypes.c_uint8], size: int, tokens: Sequence[int]) -> bool:
+        """Load ``size`` seq-state bytes from ``buf``; on success the context holds ``tokens``."""
+        self.clear()
+        loaded = llama_cpp.llama_state_seq_set_data(self.ctx, buf, size, SEQ_ID)
+        if loaded != size:
+            self.clear()
+            return False
+        n = len(tokens)
+        self.llm.input_ids[:n] = tokens
+        self.llm.n_tokens = n
+        return True
+
+    def state_save_file(self, path: Path) -> int:
+        """llama.cpp's own seq-state file writer (the benchmark's reference)."""
+        tokens = (llama_cpp.llama_token * max(self.n_tokens, 1))(*self.tokens)
+        return int(
+            llama_cpp.llama_state_seq_save_file(
+                self.ctx, os.fsencode(path), SEQ_ID, tokens, self.n_tokens
+            )
+        )
+
+    def state_load_file(self, path: Path) -> int:
+        """llama.cpp's own seq-state file reader (the benchmark's limit); returns bytes read."""
+        self.clear()
+        capacity = self.n_ctx
+        tokens = (llama_cpp.llama_token * capacity)()
+        count = ctypes.c_size_t(0)
+        read = llama_cpp.llama_state_seq_load_file(
+            self.ctx, os.fsencode(path), SEQ_ID, tokens, capacity, ctypes.byref(count)
+        )
+        n = int(count.value)
+        self.llm.input_ids[:n] = list(tokens[:n])
+        self.llm.n_tokens = n
+        return int(read)
+
+    def close(self) -> None:
+        self.llm.close()

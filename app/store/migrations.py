@@ -1,0 +1,110 @@
+"""Ordered, named schema migrations; each runs once and is recorded in ``_migrations``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import sqlite_utils
+
+Migration = Callable[[sqlite_utils.Database], None]
+
+
+def m001_sessions_and_messages(db: sqlite_utils.Database) -> None:
+    db["sessions"].create(
+        {
+            "id": str,
+            "title": str,
+            "system_prompt": str,
+            "settings": str,
+            "created": str,
+            "updated": str,
+        },
+        pk="id",
+        not_null={"title", "settings", "created", "updated"},
+        defaults={"settings": "{}"},
+        if_not_exists=True,
+    )
+    db["messages"].create(
+        {
+            "id": int,
+            "session_id": str,
+            "role": str,
+            "content": str,
+            "created": str,
+            "token_count": int,
+            "partial": int,
+        },
+        pk="id",
+        foreign_keys=[("session_id", "sessions", "id")],
+        not_null={"session_id", "role", "content", "created"},
+        defaults={"token_count": 0, "partial": 0},
+        if_not_exists=True,
+    )
+    db["messages"].create_index(["session_id", "id"], if_not_exists=True)
+    db["meta"].create({"key": str, "value": str}, pk="key", if_not_exists=True)
+
+
+def m002_message_search(db: sqlite_utils.Database) -> None:
+    db["messages"].enable_fts(
+        ["content"], tokenize="porter", create_triggers=True, replace=True
+    )
+
+
+def m003_kv_snapshots(db: sqlite_utils.Database) -> None:
+    db["kv_snapshots"].create(
+        {
+            "session_id": str,
+            "path": str,
+            "n_tokens": int,
+            "token_ids": bytes,
+            "model_id": str,
+            "llama_cpp_version": str,
+            "type_k": str,
+            "type_v": str,
+            "flash_attn": int,
+            "rope_freq_base": float,
+            "rope_freq_scale": float,
+            "n_swa": int,
+            "fingerprint": str,
+            "n_bytes": int,
+            "checksum": str,
+            "created": str,
+            "last_used": str,
+        },
+        pk="session_id",
+        foreign_keys=[("session_id", "sessions", "id")],
+        not_null={"path", "n_tokens", "token_ids", "fingerprint", "n_bytes", "checksum"},
+        if_not_exists=True,
+    )
+
+
+MIGRATIONS: list[Migration] = [
+    m001_sessions_and_messages,
+    m002_message_search,
+    m003_kv_snapshots,
+]
+
+
+def migrate(db: sqlite_utils.Database) -> list[str]:
+    """Apply every migration not yet recorded; returns the names applied now.
+
+    Each migration is idempotent (``if_not_exists`` / ``replace``), so one interrupted
+    before it was recorded simply runs again.
+    """
+    table = db["_migrations"]
+    if not table.exists():
+        db["_migrations"].create({"name": str, "applied": str}, pk="name")
+    done = {row["name"] for row in db["_migrations"].rows}
+    applied: list[str] = []
+    for migration in MIGRATIONS:
+        name = migration.__name__
+        if name in done:
+            continue
+        migration(db)
+        with db.conn:
+            db["_migrations"].insert(
+                {"name": name, "applied": datetime.now(timezone.utc).isoformat()}
+            )
+        applied.append(name)
+    return applied

@@ -1,0 +1,290 @@
+"""The only place that speaks SQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from app.errors import KvchatError
+from app.store.migrations import migrate
+from app.store.models import Message, SearchHit, Session, SessionSummary, SnapshotRow
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _create_private_file(path: Path) -> None:
+    """Create ``path`` as 0600 before SQLite opens it; its -wal/-shm inherit the mode."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
+class Store:
+    """Sessions, messages and the KV snapshot index in one SQLite file (WAL)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _create_private_file(path)
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+        self._lock = threading.RLock()
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        with self._lock:
+            self.applied_migrations = migrate(self.db)
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self.db.conn as conn:
+            yield conn
+
+    def _rows(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            cursor = self.db.execute(sql, params)
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+    # --- sessions -------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        title: str = "New chat",
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        stamp = now()
+        with self._tx() as conn:
+            while True:
+                session_id = secrets.token_hex(4)
+                if not conn.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone():
+                    break
+            conn.execute(
+                "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp),
+            )
+        return self.get_session(session_id)
+
+    @staticmethod
+    def _session(row: dict[str, Any]) -> Session:
+        return Session(
+            id=row["id"],
+            title=row["title"],
+            system_prompt=row["system_prompt"],
+            settings=json.loads(row["settings"] or "{}"),
+            created=row["created"],
+            updated=row["updated"],
+        )
+
+    def get_session(self, session_id: str) -> Session:
+        rows = self._rows("SELECT * FROM sessions WHERE id=?", (session_id,))
+        if not rows:
+            raise KvchatError(f"no session with id {session_id}")
+        return self._session(rows[0])
+
+    def resolve_session(self, ref: str) -> Session:
+        """A session by exact id, else by unique title prefix (case-insensitive)."""
+        rows = self._rows("SELECT * FROM sessions WHERE id=?", (ref,))
+        if rows:
+            return self._session(rows[0])
+        pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._rows(
+            "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC",
+            (pattern,),
+        )
+        if not rows:
+            raise KvchatError(f"no session matches {ref!r} (see `kvchat list`)")
+        if len(rows) > 1:
+            names = ", ".join(f"{r['id']} ({r['title']})" for r in rows[:5])
+            raise KvchatError(f"{ref!r} matches {len(rows)} sessions: {names}; use an id")
+        return self._session(rows[0])
+
+    def list_sessions(self) -> list[SessionSummary]:
+        rows = self._rows(
+            """
+            SELECT s.*,
+                   (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS n_messages,
+                   (SELECT COALESCE(SUM(token_count), 0) FROM messages m
+                     WHERE m.session_id = s.id) AS n_tokens,
+                   COALESCE(k.n_bytes, 0) AS snapshot_bytes,
+                   COALESCE(k.n_tokens, 0) AS snapshot_tokens
+            FROM sessions s LEFT JOIN kv_snapshots k ON k.session_id = s.id
+            ORDER BY s.updated DESC
+            """
+        )
+        return [
+            SessionSummary(
+                session=self._session(r),
+                messages=r["n_messages"],
+                tokens=r["n_tokens"],
+                snapshot_bytes=r["snapshot_bytes"],
+                snapshot_tokens=r["snapshot_tokens"],
+            )
+            for r in rows
+        ]
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        changes: dict[str, Any] = {"updated": now()}
+        if title is not None:
+            changes["title"] = title
+        if system_prompt is not None:
+            changes["system_prompt"] = system_prompt or None
+        if settings is not None:
+            changes["settings"] = json.dumps(settings)
+        assignments = ", ".join(f"{k}=?" for k in changes)
+        with self._tx() as conn:
+            conn.execute(
+                f"UPDATE sessions SET {assignments} WHERE id=?", (*changes.values(), session_id)
+            )
+        return self.get_session(session_id)
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session, its messages and its snapshot row (the caller removes files)."""
+        with self._tx() as conn:
+            conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM messages WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM sessions WHERE id=?", (session_id,))
+
+    def get_meta(self, key: str) -> str | None:
+        rows = self._rows("SELECT value FROM meta WHERE key=?", (key,))
+        return rows[0]["value"] if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (key, value),
+            )
+
+    # --- messages -------------------------------------------------------------------------
+
+    @staticmethod
+    def _message(row: dict[str, Any]) -> Message:
+        return Message(
+            id=row["id"],
+            session_id=row["session_id"],
+            role=row["role"],
+            content=row["content"],
+            created=row["created"],
+            token_count=row["token_count"] or 0,
+            partial=bool(row["partial"]),
+        )
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        *,
+        token_count: int = 0,
+        partial: bool = False,
+    ) -> Message:
+        """Append a message and commit it (durable once this returns)."""
+        stamp = now()
+        with self._tx() as conn:
+            cursor = conn.execute(
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, stamp, token_count, int(partial)),
+            )
+            conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
+            message_id = cursor.lastrowid
+        assert message_id is not None
+        return self.get_message(message_id)
+
+    def get_message(self, message_id: int) -> Message:
+        rows = self._rows("SELECT * FROM messages WHERE id=?", (message_id,))
+        if not rows:
+            raise KvchatError(f"no message with id {message_id}")
+        return self._message(rows[0])
+
+    def messages(self, session_id: str) -> list[Message]:
+        rows = self._rows("SELECT * FROM messages WHERE session_id=? ORDER BY id", (session_id,))
+        return [self._message(r) for r in rows]
+
+    def delete_message(self, message_id: int) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Full-text search over every message, best match first."""
+        terms = " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
+        if not terms:
+            return []
+        rows = self._rows(
+            """
+            SELECT m.*, s.title AS session_title,
+                   snippet(messages_fts, 0, '[', ']', '…', 12) AS snippet
+            FROM messages_fts
+            JOIN messages m ON m.id = messages_fts.rowid
+            JOIN sessions s ON s.id = m.session_id
+            WHERE messages_fts MATCH ?
+            ORDER BY rank LIMIT ?
+            """,
+            (terms, limit),
+        )
+        return [
+            SearchHit(message=self._message(r), session_title=r["session_title"], snippet=r["snippet"])
+            for r in rows
+        ]
+
+    # --- snapshot index -------------------------------------------------------------------
+
+    def get_snapshot(self, session_id: str) -> SnapshotRow | None:
+        rows = self._rows("SELECT * FROM kv_snapshots WHERE session_id=?", (session_id,))
+        return SnapshotRow.from_row(rows[0]) if rows else None
+
+    def put_snapshot(self, row: SnapshotRow) -> None:
+        """Insert or replace a session's snapshot row (after its file was renamed into place)."""
+        stamp = now()
+        row.created = row.created or stamp
+        row.last_used = row.last_used or stamp
+        values = row.to_row()
+        columns = ", ".join(values)
+        marks = ", ".join("?" for _ in values)
+        with self._tx() as conn:
+            conn.execute(
+                f"INSERT OR REPLACE INTO kv_snapshots ({columns}) VALUES ({marks})",
+                tuple(values.values()),
+            )
+
+    def touch_snapshot(self, session_id: str) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                "UPDATE kv_snapshots SET last_used=? WHERE session_id=?", (now(), session_id)
+            )
+
+    def delete_snapshot(self, session_id: str) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
+
+    def snapshot_paths(self) -> set[str]:
+        return {r["path"] for r in self._rows("SELECT path FROM kv_snapshots")}
+
+    def integrity_check(self) -> str:
+        return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])
