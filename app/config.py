@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     temperature: float = Field(default=0.7, ge=0.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     max_tokens: int = Field(default=512, ge=1)
-    seed: int = 0
+    seed: int | None = Field(default=None, description="sampling seed; unset: a new one each turn")
     system_prompt: str | None = None
 
     @classmethod

@@ -37,6 +37,7 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
         _create_private_file(path)
         conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
         self._lock = threading.RLock()

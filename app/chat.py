@@ -1,0 +1,400 @@
+"""The conversation service: one turn = store + engine + kvcache. It knows no UI.
+
+Not thread-safe: a UI runs every call that touches the engine on one worker thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.config import Settings
+from app.engine import Engine, EngineConfig, GenerationParams
+from app.engine.engine import CancelCheck, GenerationStats
+from app.errors import KvchatError
+from app.export import ExportFormat, export_session
+from app.kvcache import Fingerprint, RestoreResult, SnapshotStore
+from app.store import Message, SearchHit, Session, SessionSummary, Store
+
+TokenCallback = Callable[[str], None]
+DEFAULT_TITLE = "New chat"
+LAST_SESSION_KEY = "last_session"
+# Sampling settings a session may override.
+SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
+
+
+@dataclass
+class TokenCounts:
+    prompt: int = 0
+    reused: int = 0
+    decoded: int = 0
+    generated: int = 0
+
+
+@dataclass
+class SnapshotWrite:
+    bytes: int = 0
+    ms: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class TurnReport:
+    """Everything a UI shows about one turn; ``to_json`` is the CLI's ``--json`` object."""
+
+    session_id: str
+    reply: str
+    tokens: TokenCounts
+    restore: RestoreResult
+    ttft_ms: float | None
+    tokens_per_s: float | None
+    finish_reason: str
+    message_id: int | None = None
+    dropped_messages: int = 0
+    snapshot: SnapshotWrite = field(default_factory=SnapshotWrite)
+
+    @property
+    def partial(self) -> bool:
+        return self.finish_reason in ("cancelled", "context")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session_id,
+            "reply": self.reply,
+            "finish_reason": self.finish_reason,
+            "tokens": {
+                "prompt": self.tokens.prompt,
+                "reused": self.tokens.reused,
+                "decoded": self.tokens.decoded,
+                "generated": self.tokens.generated,
+            },
+            "restore": self.restore.to_json(),
+            "timing": {
+                "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+                "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
+            },
+            "window": {"dropped_messages": self.dropped_messages},
+            "snapshot": {
+                "bytes": self.snapshot.bytes,
+                "ms": round(self.snapshot.ms, 2),
+                "error": self.snapshot.error,
+            },
+        }
+
+    def summary(self) -> str:
+        """One line for a status bar or stderr, e.g. "restored 312 tokens from disk in 4 ms · …"."""
+        r = self.restore
+        if r.source == "hot":
+            head = f"hot context, reused {self.tokens.reused:,} tokens"
+        elif r.source in ("ram", "disk"):
+            head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
+        else:
+            head = f"full prefill: {r.reason}"
+        parts = [head, f"decoded {self.tokens.decoded:,}"]
+        if self.ttft_ms is not None:
+            parts.append(f"first token {self.ttft_ms:,.0f} ms")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        if self.dropped_messages:
+            parts.append(f"{self.dropped_messages} old messages left the window")
+        if self.finish_reason == "cancelled":
+            parts.append("cancelled")
+        return " · ".join(parts)
+
+
+class ChatService:
+    """Sessions and turns over one store, one snapshot store and one (lazily loaded) engine."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store(settings.db_path)
+        self.snapshots = SnapshotStore(settings.snapshot_dir, self.store)
+        self.snapshots.cleanup_orphans()
+        self._engine: Engine | None = None
+        self._fingerprint: Fingerprint | None = None
+        self.hot_session_id: str | None = None
+        # The hot context holds KV that no snapshot has yet (e.g. a failed save).
+        self._hot_dirty = False
+
+    # --- engine ---------------------------------------------------------------------------
+
+    def load_engine(self) -> Engine:
+        """Load the model (idempotent); raises KvchatError for a missing or invalid file."""
+        if self._engine is None:
+            s = self.settings
+            path = s.model_path()
+            self._engine = Engine(
+                EngineConfig(
+                    model_path=path,
+                    n_ctx=s.n_ctx,
+                    n_batch=s.n_batch,
+                    n_threads=s.n_threads,
+                    n_gpu_layers=s.n_gpu_layers,
+                    type_k=s.type_k,
+                    type_v=s.type_v,
+                    flash_attn=s.flash_attn,
+                )
+            )
+            self._fingerprint = Fingerprint.current(path, self._engine.layout())
+        return self._engine
+
+    @property
+    def engine(self) -> Engine:
+        return self.load_engine()
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        self.load_engine()
+        assert self._fingerprint is not None
+        return self._fingerprint
+
+    def close(self) -> None:
+        """Save the hot session if it has unsaved KV, then release everything."""
+        if self._engine is not None:
+            if self._hot_dirty and self.hot_session_id:
+                self.save_hot()
+            self._engine.close()
+            self._engine = None
+        self.store.close()
+
+    # --- sessions -------------------------------------------------------------------------
+
+    def new_session(self, title: str | None = None, system_prompt: str | None = None) -> Session:
+        session = self.store.create_session(title or DEFAULT_TITLE, system_prompt)
+        self.store.set_meta(LAST_SESSION_KEY, session.id)
+        return session
+
+    def resolve(self, ref: str) -> Session:
+        return self.store.resolve_session(ref)
+
+    def list_sessions(self) -> list[SessionSummary]:
+        return self.store.list_sessions()
+
+    def last_session(self) -> Session | None:
+        session_id = self.store.get_meta(LAST_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        sessions = self.store.list_sessions()
+        return sessions[0].session if sessions else None
+
+    def messages(self, session_id: str) -> list[Message]:
+        return self.store.messages(session_id)
+
+    def rename(self, session_id: str, title: str) -> Session:
+        title = title.strip()
+        if not title:
+            raise KvchatError("a session title cannot be empty")
+        return self.store.update_session(session_id, title=title)
+
+    def configure(
+        self,
+        session_id: str,
+        *,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        """Set a session's system prompt ("" clears it) and sampling overrides."""
+        if settings is not None:
+            unknown = set(settings) - set(SESSION_SETTINGS)
+            if unknown:
+                raise KvchatError(f"unknown session settings: {', '.join(sorted(unknown))}")
+        return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
+
+    def delete(self, session_id: str) -> None:
+        """Delete a session, its messages and its snapshot file."""
+        if self.hot_session_id == session_id:
+            self.hot_session_id = None
+            self._hot_dirty = False
+            if self._engine is not None:
+                self._engine.clear()
+        self.snapshots.delete(session_id)
+        self.store.delete_session(session_id)
+
+    def export(self, session_id: str, fmt: ExportFormat) -> str:
+        return export_session(self.store.get_session(session_id), self.store.messages(session_id), fmt)
+
+    def search(self, query: str) -> list[SearchHit]:
+        return self.store.search(query)
+
+    def kv_location(self, session_id: str) -> str:
+        """Where this session's KV lives now: hot, disk or none."""
+        if session_id == self.hot_session_id:
+            return "hot"
+        return "disk" if self.store.get_snapshot(session_id) is not None else "none"
+
+    # --- turns ----------------------------------------------------------------------------
+
+    def send(
+        self,
+        session_id: str,
+        text: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Commit the user's message, then run the model and commit its reply."""
+        text = text.strip()
+        if not text:
+            raise KvchatError("the message is empty")
+        session = self.store.get_session(session_id)
+        engine = self.load_engine()
+        self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
+        if session.title == DEFAULT_TITLE:
+            self.store.update_session(session_id, title=_title_from(text))
+        return self._turn(session_id, on_token, cancel, no_restore, overrides)
+
+    def regenerate(
+        self,
+        session_id: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Replace the last reply with a new one (the prompt is already in the context)."""
+        history = self.store.messages(session_id)
+        if not history:
+            raise KvchatError("nothing to regenerate: the session has no messages")
+        if history[-1].role == "assistant":
+            self.store.delete_message(history[-1].id)
+        return self._turn(session_id, on_token, cancel, no_restore, overrides)
+
+    def make_hot(self, session_id: str, *, no_restore: bool = False) -> RestoreResult:
+        """Bring a session's KV into the context from the best tier that has it."""
+        engine = self.load_engine()
+        if no_restore:
+            self._drop_hot()
+            engine.clear()
+            return RestoreResult("none", reason="full prefill requested (--no-restore)")
+        if session_id == self.hot_session_id:
+            return RestoreResult("hot", tokens=engine.n_tokens)
+        self._drop_hot()
+        result = self.snapshots.restore(session_id, engine, self.fingerprint, engine.n_ctx)
+        self.hot_session_id = session_id
+        return result
+
+    def _drop_hot(self) -> None:
+        """Before the context is overwritten: keep unsaved KV of the hot session."""
+        if self._hot_dirty and self.hot_session_id:
+            self.save_hot()
+        self.hot_session_id = None
+
+    def save_hot(self) -> SnapshotWrite:
+        """Snapshot the hot context to disk; a failure is reported, never raised."""
+        if not self.hot_session_id or self._engine is None or self._engine.n_tokens == 0:
+            return SnapshotWrite()
+        started = time.perf_counter()
+        try:
+            row = self.snapshots.save(self.hot_session_id, self._engine, self.fingerprint)
+        except OSError as exc:
+            return SnapshotWrite(error=f"could not save the KV snapshot: {exc}")
+        self._hot_dirty = False
+        return SnapshotWrite(bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000)
+
+    def _params(self, session: Session, overrides: dict[str, Any]) -> GenerationParams:
+        values: dict[str, Any] = {
+            key: getattr(self.settings, key) for key in SESSION_SETTINGS
+        }
+        values.update({k: v for k, v in session.settings.items() if k in SESSION_SETTINGS})
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - set(SESSION_SETTINGS)
+        if unknown:
+            raise TypeError(f"unknown generation settings: {unknown}")
+        if values["seed"] is None:
+            values["seed"] = secrets.randbits(31)
+        return GenerationParams(
+            temperature=float(values["temperature"]),
+            top_p=float(values["top_p"]),
+            max_tokens=int(values["max_tokens"]),
+            seed=int(values["seed"]),
+        )
+
+    def _window(
+        self, session: Session, history: list[Message], reserve: int
+    ) -> tuple[list[int], int]:
+        """Prompt tokens for the newest messages that fit n_ctx minus ``reserve``.
+
+        The system prompt always stays; the oldest messages leave the window first (their
+        text stays in SQLite). Returns the tokens and how many messages were left out.
+        """
+        engine = self.engine
+        system = session.system_prompt or self.settings.system_prompt
+        head = [{"role": "system", "content": system}] if system else []
+        chat = [m.as_chat() for m in history]
+        budget = engine.n_ctx - reserve
+        for dropped in range(len(chat)):
+            window = chat[dropped:]
+            if window and window[0]["role"] == "assistant":
+                continue
+            tokens = engine.chat_tokens(head + window)
+            if len(tokens) <= budget:
+                return tokens, dropped
+        raise KvchatError(
+            f"the last message does not fit the context (n_ctx={engine.n_ctx}); "
+            "shorten it or raise n_ctx"
+        )
+
+    def _turn(
+        self,
+        session_id: str,
+        on_token: TokenCallback | None,
+        cancel: CancelCheck | None,
+        no_restore: bool,
+        overrides: dict[str, Any],
+    ) -> TurnReport:
+        stats = GenerationStats()
+        session = self.store.get_session(session_id)
+        params = self._params(session, overrides)
+        engine = self.load_engine()
+        self.store.set_meta(LAST_SESSION_KEY, session_id)
+        restore = self.make_hot(session_id, no_restore=no_restore)
+        history = self.store.messages(session_id)
+        reserve = min(params.max_tokens, engine.n_ctx // 4)
+        prompt, dropped = self._window(session, history, reserve)
+        self.hot_session_id = session_id
+        prefill = engine.prefill(prompt, cancel)
+        self._hot_dirty = True
+        pieces: list[str] = []
+        if prefill.reused + prefill.decoded < len(prompt):
+            stats.finish_reason = "cancelled"
+        else:
+            for piece in engine.generate(params, stats, cancel):
+                pieces.append(piece)
+                if on_token is not None:
+                    on_token(piece)
+        reply = "".join(pieces)
+        report = TurnReport(
+            session_id=session_id,
+            reply=reply,
+            tokens=TokenCounts(len(prompt), prefill.reused, prefill.decoded, stats.generated),
+            restore=restore,
+            ttft_ms=stats.ttft_ms,
+            tokens_per_s=stats.tokens_per_s,
+            finish_reason=stats.finish_reason,
+            dropped_messages=dropped,
+        )
+        if reply.strip():
+            message = self.store.add_message(
+                session_id,
+                "assistant",
+                reply,
+                token_count=stats.generated,
+                partial=report.partial,
+            )
+            report.message_id = message.id
+        report.snapshot = self.save_hot()
+        return report
+
+
+def _title_from(text: str, limit: int = 48) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"

@@ -1,0 +1,234 @@
+"""The ``kvchat`` command."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from app.config import Settings, load_settings
+from app.errors import KvchatError
+from app.export import FORMATS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def model_options(func: F) -> F:
+    """Flags that override the config file and ``KVCHAT_*`` environment."""
+    options = [
+        click.option("--model", "model", type=str, help="GGUF file (default: bundled SmolLM2-135M)."),
+        click.option("--n-ctx", "n_ctx", type=int, help="Context length in tokens."),
+        click.option("--threads", "n_threads", type=int, help="CPU threads (default: physical cores)."),
+        click.option("--gpu-layers", "n_gpu_layers", type=int, help="Layers offloaded to the GPU (-1: all)."),
+        click.option("--kv-type", "kv_type", type=click.Choice(["f16", "q8_0", "q4_0"]), help="KV cache type (K and V)."),
+        click.option("--flash-attn/--no-flash-attn", "flash_attn", default=None, help="Flash attention."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def settings_from(ctx: click.Context, **flags: Any) -> Settings:
+    """Settings with this command's flags over the group's flags over env and file."""
+    merged: dict[str, Any] = dict(ctx.obj or {})
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    kv_type = merged.pop("kv_type", None)
+    if kv_type:
+        merged.setdefault("type_k", kv_type)
+        merged.setdefault("type_v", kv_type)
+        if kv_type != "f16":
+            merged.setdefault("flash_attn", True)
+    return load_settings(**merged)
+
+
+class KvchatGroup(click.Group):
+    """Turns :class:`KvchatError` into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvchatError as exc:
+            click.echo(f"kvchat: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=KvchatGroup, invoke_without_command=True)
+@model_options
+@click.version_option(package_name="kvchat")
+@click.pass_context
+def main(ctx: click.Context, **flags: Any) -> None:
+    """kvchat: chat with local GGUF models; conversations resume without re-reading."""
+    ctx.obj = {k: v for k, v in flags.items() if v is not None}
+    if ctx.invoked_subcommand is None:
+        settings = settings_from(ctx)
+        try:
+            from app.tui.app import run_app
+        except ImportError:
+            raise KvchatError(
+                "the terminal app is not available in this build; use `kvchat ask MESSAGE`"
+            ) from None
+        run_app(settings)
+
+
+def _service(settings: Settings) -> Any:
+    from app.chat import ChatService
+
+    return ChatService(settings)
+
+
+@main.command()
+@click.argument("message")
+@click.option("--session", "session_ref", help="Continue this session (id or unique title prefix).")
+@click.option("--new", "new", is_flag=True, help="Start a new session.")
+@click.option("--system", "system", help="System prompt (for a new session, or replacing it).")
+@click.option("--max-tokens", type=int, help="Most tokens to generate.")
+@click.option("--temperature", type=float, help="0 for greedy (deterministic) decoding.")
+@click.option("--seed", type=int, help="Sampling seed.")
+@click.option("--no-restore", is_flag=True, help="Ignore saved KV: full prefill (the baseline).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@model_options
+@click.pass_context
+def ask(
+    ctx: click.Context,
+    message: str,
+    session_ref: str | None,
+    new: bool,
+    system: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    no_restore: bool,
+    as_json: bool,
+    **flags: Any,
+) -> None:
+    """One turn: send MESSAGE, stream the reply to stdout.
+
+    Without --session or --new, a new session is started.
+    """
+    if session_ref and new:
+        raise KvchatError("use either --session or --new, not both")
+    settings = settings_from(ctx, **flags)
+    settings.model_path()
+    service = _service(settings)
+    try:
+        if session_ref:
+            session = service.resolve(session_ref)
+            if system is not None:
+                service.configure(session.id, system_prompt=system)
+        else:
+            session = service.new_session(system_prompt=system)
+
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        report = service.send(
+            session.id,
+            message,
+            on_token=None if as_json else stream,
+            no_restore=no_restore,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+        )
+    finally:
+        service.close()
+    if as_json:
+        click.echo(json.dumps(report.to_json(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        click.echo(f"[{session.id}] {report.summary()}", err=True)
+        if report.snapshot.error:
+            click.echo(f"kvchat: {report.snapshot.error}", err=True)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def list_sessions(ctx: click.Context, as_json: bool) -> None:
+    """Sessions, most recently updated first."""
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        summaries = service.list_sessions()
+    finally:
+        service.close()
+    if as_json:
+        click.echo(json.dumps([s.to_json() for s in summaries], ensure_ascii=False, indent=2))
+        return
+    if not summaries:
+        click.echo("No sessions yet. Start one with: kvchat ask --new \"Hello\"")
+        return
+    header = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"
+    click.echo(header)
+    for s in summaries:
+        title = s.session.title if len(s.session.title) <= 32 else s.session.title[:31] + "…"
+        snap = _human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
+        updated = s.session.updated[:16].replace("T", " ")
+        click.echo(
+            f"{s.session.id:<9} {title:<32} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
+        )
+
+
+@main.command()
+@click.argument("session_ref")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE.")
+@click.pass_context
+def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
+    """Export a session as Markdown, JSON or HTML."""
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        session = service.resolve(session_ref)
+        text = service.export(session.id, fmt)  # type: ignore[arg-type]
+    finally:
+        service.close()
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise KvchatError(f"cannot write {output}: {exc.strerror}") from exc
+    click.echo(f"wrote {output}", err=True)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--cold", is_flag=True, help="Evict snapshot files from the page cache first.")
+@click.option("--sizes", default="512,1024,2048,4096", show_default=True, help="History lengths in tokens.")
+@click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
+@model_options
+@click.pass_context
+def bench(ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int, **flags: Any) -> None:
+    """Time to first token resumed from a snapshot vs a full prefill, in one run."""
+    from app.bench import format_table, run_bench
+
+    try:
+        targets = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
+    settings = settings_from(ctx, **flags)
+    progress = None if as_json else (lambda line: click.echo(line, err=True))
+    rows = run_bench(settings, targets, cold=cold, repeat=repeat, progress=progress)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in rows], indent=2))
+    else:
+        click.echo(format_table(rows))

@@ -1,0 +1,98 @@
+"""Session transcripts as Markdown, JSON (OpenAI-style messages) and self-contained HTML."""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Literal
+
+from app import __version__
+from app.store import Message, Session
+
+ExportFormat = Literal["md", "json", "html"]
+FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+def to_markdown(session: Session, messages: list[Message]) -> str:
+    lines = [f"# {session.title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
+    if session.system_prompt:
+        lines += ["## System", "", session.system_prompt, ""]
+    for m in messages:
+        flag = " _(partial)_" if m.partial else ""
+        lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", "", m.content, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def to_json(session: Session, messages: list[Message]) -> str:
+    chat: list[dict[str, object]] = []
+    if session.system_prompt:
+        chat.append({"role": "system", "content": session.system_prompt})
+    for m in messages:
+        item: dict[str, object] = {"role": m.role, "content": m.content}
+        if m.partial:
+            item["partial"] = True
+        chat.append(item)
+    document = {
+        "format": "kvchat.session/1",
+        "exported_by": f"kvchat {__version__}",
+        "session": {
+            "id": session.id,
+            "title": session.title,
+            "created": session.created,
+            "updated": session.updated,
+            "system_prompt": session.system_prompt,
+            "settings": session.settings,
+        },
+        "messages": chat,
+        "message_meta": [
+            {"id": m.id, "created": m.created, "token_count": m.token_count} for m in messages
+        ],
+    }
+    return json.dumps(document, ensure_ascii=False, indent=2) + "\n"
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;max-width:50rem;margin:2rem auto;padding:0 1rem;
+line-height:1.5;color:#1d1d1f;background:#fafafa}
+.msg{border-radius:.6rem;padding:.6rem 1rem;margin:.8rem 0;white-space:pre-wrap;
+overflow-wrap:anywhere}
+.user{background:#e3efff}.assistant{background:#fff;border:1px solid #ddd}
+.system{background:#f3f3f3;font-style:italic}.role{font-weight:600;display:block}
+.partial{color:#a15c00;font-weight:400}footer{color:#888;font-size:.8rem}
+"""
+
+
+def to_html(session: Session, messages: list[Message]) -> str:
+    """One file, no scripts, no external resources; every piece of text is escaped."""
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(session.title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{esc(session.title)}</h1>",
+        f"<p><small>Session {esc(session.id)} · created {esc(session.created)}</small></p>",
+    ]
+    if session.system_prompt:
+        parts.append(
+            '<div class="msg system"><span class="role">System</span>'
+            f"{esc(session.system_prompt)}</div>"
+        )
+    for m in messages:
+        flag = ' <span class="partial">(partial)</span>' if m.partial else ""
+        role = esc(ROLE_NAMES.get(m.role, m.role))
+        parts.append(
+            f'<div class="msg {esc(m.role)}"><span class="role">{role}{flag}</span>'
+            f"{esc(m.content)}</div>"
+        )
+    parts.append(f"<footer>Exported by kvchat {esc(__version__)}</footer></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def export_session(session: Session, messages: list[Message], fmt: ExportFormat) -> str:
+    if fmt == "md":
+        return to_markdown(session, messages)
+    if fmt == "json":
+        return to_json(session, messages)
+    return to_html(session, messages)

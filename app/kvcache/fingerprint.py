@@ -1,0 +1,100 @@
+"""What a snapshot's KV bytes depend on, checked before llama.cpp ever sees them.
+
+llama.cpp verifies only byte layout when loading state, so bytes from another model
+with the same shape would load and silently produce garbage. Everything that changes
+the meaning of those bytes is in the fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import xxhash
+
+# Bytes hashed from each end of the model file: the GGUF header and metadata live at
+# the start, so any metadata edit changes the identity; hashing all of a multi-GB file
+# on every start would cost seconds.
+IDENTITY_SPAN = 4 << 20
+
+
+def model_identity(path: Path) -> str:
+    """A fast identity of a model file: its size plus xxh3-128 of its first and last 4 MiB."""
+    size = path.stat().st_size
+    h = xxhash.xxh3_128()
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as fh:
+        h.update(fh.read(IDENTITY_SPAN))
+        if size > IDENTITY_SPAN:
+            fh.seek(max(IDENTITY_SPAN, size - IDENTITY_SPAN))
+            h.update(fh.read(IDENTITY_SPAN))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of the model and context settings that produced some KV bytes."""
+
+    model_id: str
+    model_file: str
+    llama_cpp_version: str
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    rope_freq_base: float
+    rope_freq_scale: float
+    n_swa: int
+    n_layer: int
+
+    @classmethod
+    def current(cls, model_path: Path, layout: dict[str, Any]) -> Fingerprint:
+        return cls(
+            model_id=model_identity(model_path),
+            model_file=os.path.basename(model_path),
+            llama_cpp_version=llama_cpp.__version__,
+            type_k=layout["type_k"],
+            type_v=layout["type_v"],
+            flash_attn=bool(layout["flash_attn"]),
+            rope_freq_base=float(layout["rope_freq_base"]),
+            rope_freq_scale=float(layout["rope_freq_scale"]),
+            n_swa=int(layout["n_swa"]),
+            n_layer=int(layout["n_layer"]),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def mismatch(self, saved: dict[str, Any]) -> str | None:
+        """Why KV saved under ``saved`` cannot be loaded here, or None when it can."""
+        if saved.get("model_id") != self.model_id:
+            return (
+                f"snapshot was made with a different model file "
+                f"({saved.get('model_file')}, id {str(saved.get('model_id'))[:12]}; "
+                f"now {self.model_file}, id {self.model_id[:12]})"
+            )
+        if saved.get("llama_cpp_version") != self.llama_cpp_version:
+            return (
+                f"snapshot was made with llama-cpp-python {saved.get('llama_cpp_version')}, "
+                f"this is {self.llama_cpp_version}"
+            )
+        if (saved.get("type_k"), saved.get("type_v")) != (self.type_k, self.type_v):
+            return (
+                f"snapshot KV type is type_k={saved.get('type_k')} type_v={saved.get('type_v')}, "
+                f"the context uses type_k={self.type_k} type_v={self.type_v}"
+            )
+        if bool(saved.get("flash_attn")) != self.flash_attn:
+            return (
+                f"snapshot was made with flash attention {'on' if saved.get('flash_attn') else 'off'}, "
+                f"now it is {'on' if self.flash_attn else 'off'}"
+            )
+        for key in ("rope_freq_base", "rope_freq_scale"):
+            if float(saved.get(key, -1)) != getattr(self, key):
+                return f"snapshot RoPE setting {key}={saved.get(key)} differs from {getattr(self, key)}"
+        if int(saved.get("n_swa", -1)) != self.n_swa:
+            return f"snapshot sliding-window size {saved.get('n_swa')} differs from {self.n_swa}"
+        if int(saved.get("n_layer", -1)) != self.n_layer:
+            return f"snapshot has {saved.get('n_layer')} layers, the model has {self.n_layer}"
+        return None
