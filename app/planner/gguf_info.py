@@ -1,0 +1,423 @@
+"""What the planner needs to know about a model, read without loading it.
+
+Two sources give the same :class:`ModelInfo`:
+
+- a GGUF file, read with ``gguf.GGUFReader`` (metadata and tensor table only, memory-mapped;
+  no weights are touched): architecture, layer count, heads, KV heads (a number or a
+  per-layer array), head dims, sliding-window layers, trained context, and the exact bytes
+  of every tensor, grouped by where llama.cpp puts them;
+- an entry of ``models/catalog.toml``, for a model that is not on disk yet. Its figures come
+  from the model's public ``config.json``; tensor bytes are then estimated from the file size
+  (see :func:`info_from_catalog`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.errors import KvchatError
+
+# Architectures whose sliding-window layout llama.cpp hard-codes when the GGUF carries no
+# ``{arch}.attention.sliding_window_pattern``: period n means that in every group of n
+# layers the first n-1 use the sliding window and the last one attends to everything
+# (llama.cpp's ``llama_hparams::set_swa_pattern``). Other architectures get SWA only from an
+# explicit pattern key: llama.cpp ignores ``sliding_window`` for them (Mistral v0.1, Qwen2
+# and Phi-3 configs carry one that llama.cpp does not apply).
+SWA_PERIOD_BY_ARCH: dict[str, int] = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
+# llama.cpp's default window for Gemma 2 when the key is absent.
+DEFAULT_SWA_BY_ARCH: dict[str, int] = {"gemma2": 4096}
+
+# Bits per weight of the token-embedding / output matrices in common llama.cpp quantizations,
+# used only to estimate where a catalog model's bytes sit (llama.cpp quantizes an untied
+# token_embd with the file's base type and the output matrix, or a tied token_embd, as Q6_K).
+_EMBD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_S": 4.5, "Q4_K_M": 4.5, "Q5_K_S": 5.5,
+              "Q5_K_M": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0}
+_OUTPUT_BITS_DEFAULT = 6.5625
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shape and weight layout of one model, as far as memory planning needs."""
+
+    name: str
+    architecture: str
+    n_layer: int
+    n_head: tuple[int, ...]  # per layer
+    n_head_kv: tuple[int, ...]  # per layer; 0 = the layer keeps no KV cache
+    head_dim_k: int
+    head_dim_v: int
+    head_dim_k_swa: int
+    head_dim_v_swa: int
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    context_length: int
+    sliding_window: int  # 0 = none
+    swa_layers: tuple[bool, ...]  # per layer: True = sliding-window attention
+    weight_bytes: int  # every tensor
+    layer_bytes: tuple[int, ...]  # per repeating block (blk.N.*)
+    input_bytes: int  # token embedding & friends: llama.cpp always keeps them in host RAM
+    output_bytes: int  # output norm + output matrix (a copy of token_embd when tied)
+    tied_embeddings: bool
+    source: str  # "gguf" or "catalog"
+    path: str | None = None
+    quantization: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def n_head_kv_max(self) -> int:
+        return max(self.n_head_kv) if self.n_head_kv else 0
+
+    @property
+    def attention_kind(self) -> str:
+        """MHA, GQA or MQA, judged from the layers that keep a KV cache."""
+        pairs = [(h, kv) for h, kv in zip(self.n_head, self.n_head_kv) if kv > 0]
+        if not pairs:
+            return "none"
+        if all(kv == h for h, kv in pairs):
+            return "MHA"
+        if all(kv == 1 for _, kv in pairs):
+            return "MQA"
+        return "GQA"
+
+    def head_dims(self, layer: int) -> tuple[int, int]:
+        """(K, V) head dims of ``layer``."""
+        if self.swa_layers[layer]:
+            return self.head_dim_k_swa, self.head_dim_v_swa
+        return self.head_dim_k, self.head_dim_v
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key, value in data.items():
+            if isinstance(value, tuple):
+                data[key] = list(value)
+        data["attention_kind"] = self.attention_kind
+        return data
+
+
+# --------------------------------------------------------------------------- GGUF files
+
+
+# String arrays longer than this (the tokenizer's vocabulary and merges) are skipped, not
+# decoded: materialising them costs seconds and the planner needs only their length.
+_SKIP_STRING_ARRAYS = 1024
+
+
+def _metadata_reader(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` that reads numeric arrays as one view and skips long string arrays.
+
+    The stock reader builds a numpy view per array element: ~4 s for the bundled model's
+    49k-token vocabulary. Skipped arrays keep their element count in ``parts[1]``.
+    """
+    import gguf
+    import numpy as np
+
+    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+
+    class MetadataReader(gguf.GGUFReader):  # type: ignore[misc]
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if gguf.GGUFValueType(raw_type) != array:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs = orig_offs + 12
+            itype = gguf.GGUFValueType(int(raw_itype[0]))
+            count = int(alen[0])
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(offs, nptype, count)
+                offs += int(values.nbytes)
+                return offs - orig_offs, [raw_itype, alen, values], [2], [array, itype]
+            if itype == string and count > _SKIP_STRING_ARRAYS:
+                buf = self.data.data
+                swapped = {"little": "big", "big": "little"}[sys.byteorder]
+                order = swapped if self.byte_order == "S" else sys.byteorder
+                for _ in range(count):
+                    offs += 8 + int.from_bytes(buf[offs:offs + 8], order)
+                return offs - orig_offs, [raw_itype, alen], [], [array, string]
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return MetadataReader(str(path), "r")
+
+
+def _field(reader: Any, key: str) -> Any:
+    """The value of GGUF key ``key`` (scalar, string or list), or None when absent."""
+    import gguf
+
+    fld = reader.fields.get(key)
+    if fld is None or not fld.types:
+        return None
+    main = fld.types[0]
+    if main == gguf.GGUFValueType.ARRAY:
+        if fld.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(fld.parts[i]).decode("utf-8", errors="replace") for i in fld.data]
+        return [v for i in fld.data for v in fld.parts[i].tolist()]
+    if main == gguf.GGUFValueType.STRING:
+        return bytes(fld.parts[fld.data[0]]).decode("utf-8", errors="replace")
+    return fld.parts[fld.data[0]].tolist()[0]
+
+
+def _per_layer(value: Any, n_layer: int, key: str) -> tuple[int, ...]:
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise KvchatError(f"GGUF key {key} has {len(value)} entries for {n_layer} layers")
+        return tuple(int(v) for v in value)
+    return (int(value),) * n_layer
+
+
+def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:
+    """llama.cpp's ``set_swa_pattern(period)``: True for sliding-window layers."""
+    if period == 0:
+        return (True,) * n_layer
+    return tuple(il % period < period - 1 for il in range(n_layer))
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInfo:
+    """Read a GGUF file's metadata and tensor table (no weights are loaded)."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvchatError(f"model file not found: {path}")
+    try:
+        reader = _metadata_reader(path)
+    except Exception as exc:  # the gguf package raises ValueError/struct errors on junk
+        raise KvchatError(f"not a readable GGUF file: {path} ({exc})") from exc
+
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise KvchatError(f"{path} has no general.architecture: not a model GGUF")
+
+    def key(suffix: str) -> Any:
+        return _field(reader, f"{arch}.{suffix}")
+
+    n_layer = key("block_count")
+    if n_layer is None:
+        raise KvchatError(f"{path}: {arch}.block_count is missing")
+    n_layer = int(n_layer)
+    n_embd = int(key("embedding_length") or 0)
+    head_raw = key("attention.head_count")
+    if head_raw is None:
+        raise KvchatError(f"{path}: {arch}.attention.head_count is missing")
+    n_head = _per_layer(head_raw, n_layer, f"{arch}.attention.head_count")
+    kv_raw = key("attention.head_count_kv")
+    n_head_kv = _per_layer(kv_raw if kv_raw is not None else head_raw, n_layer,
+                           f"{arch}.attention.head_count_kv")
+
+    head_max = max(n_head) if n_head else 0
+    default_dim = n_embd // head_max if head_max else 0
+    head_dim_k = int(key("attention.key_length") or default_dim)
+    head_dim_v = int(key("attention.value_length") or default_dim)
+    head_dim_k_swa = int(key("attention.key_length_swa") or head_dim_k)
+    head_dim_v_swa = int(key("attention.value_length_swa") or head_dim_v)
+
+    # Layers past n_layer - shared_kv_layers reuse earlier layers' KV (Gemma 3n style).
+    shared = int(key("attention.shared_kv_layers") or 0)
+    if shared:
+        n_head_kv = tuple(kv if il < n_layer - shared else 0 for il, kv in enumerate(n_head_kv))
+
+    notes: list[str] = []
+    window = int(key("attention.sliding_window") or DEFAULT_SWA_BY_ARCH.get(arch, 0))
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        swa = tuple(bool(v) for v in pattern)
+        if len(swa) != n_layer:
+            raise KvchatError(f"{path}: sliding_window_pattern has {len(swa)} entries "
+                              f"for {n_layer} layers")
+    elif pattern is not None and window:
+        swa = swa_pattern(n_layer, int(pattern))
+    elif arch in SWA_PERIOD_BY_ARCH and window:
+        swa = swa_pattern(n_layer, SWA_PERIOD_BY_ARCH[arch])
+    else:
+        if window:
+            notes.append(f"{arch}.attention.sliding_window = {window} is not applied by "
+                         "llama.cpp for this architecture: every layer keeps the full context")
+        swa = (False,) * n_layer
+        window = 0
+    if not any(swa):
+        window = 0
+
+    layer_bytes = [0] * n_layer
+    input_bytes = output_bytes = 0
+    has_output = False
+    embd_bytes = 0
+    for tensor in reader.tensors:
+        size = int(tensor.n_bytes)
+        match = _BLOCK.match(tensor.name)
+        if match and int(match.group(1)) < n_layer:
+            layer_bytes[int(match.group(1))] += size
+        elif tensor.name.startswith("output"):
+            output_bytes += size
+            has_output = has_output or tensor.name == "output.weight"
+        else:
+            input_bytes += size
+            if tensor.name == "token_embd.weight":
+                embd_bytes = size
+    weight_bytes = sum(layer_bytes) + input_bytes + output_bytes
+    if not has_output:
+        # llama.cpp loads token_embd a second time as the output matrix, on the output
+        # layer's device (the GPU at full offload).
+        output_bytes += embd_bytes
+
+    n_vocab = key("vocab_size")
+    if n_vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        n_vocab = int(tokens.parts[1][0]) if tokens is not None else 0
+    quant = _FILE_TYPES.get(_field(reader, "general.file_type"))
+    label = name or _field(reader, "general.name") or path.stem
+    return ModelInfo(
+        name=str(label), architecture=arch, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
+        head_dim_k_swa=head_dim_k_swa, head_dim_v_swa=head_dim_v_swa, n_embd=n_embd,
+        n_ff=_first_int(key("feed_forward_length"), 4 * n_embd), n_vocab=int(n_vocab),
+        context_length=int(key("context_length") or 0), sliding_window=window,
+        swa_layers=swa, weight_bytes=weight_bytes, layer_bytes=tuple(layer_bytes),
+        input_bytes=input_bytes, output_bytes=output_bytes, tied_embeddings=not has_output,
+        source="gguf", path=str(path), quantization=quant, notes=tuple(notes),
+    )
+
+
+def _first_int(value: Any, default: int) -> int:
+    if isinstance(value, list):
+        return int(max(value)) if value else default
+    return int(value) if value else default
+
+
+# general.file_type (llama_ftype) → quantization name, for display only.
+_FILE_TYPES: dict[Any, str] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0",
+                               9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L",
+                               14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M",
+                               18: "Q6_K", 30: "IQ4_XS", 32: "BF16"}
+
+
+# --------------------------------------------------------------------------- the catalog
+
+REQUIRED_CATALOG_KEYS = ("name", "title", "file", "quantization", "size_bytes", "architecture",
+                         "layers", "heads", "kv_heads", "head_dim", "embedding_length",
+                         "feed_forward_length", "vocab_size", "tied_embeddings",
+                         "context_length", "attention", "license", "source_model")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One recommended model (a row of ``models/catalog.toml``)."""
+
+    name: str
+    title: str
+    file: str
+    quantization: str
+    size_bytes: int
+    architecture: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    embedding_length: int
+    feed_forward_length: int
+    vocab_size: int
+    tied_embeddings: bool
+    context_length: int
+    attention: str
+    license: str
+    source_model: str
+    hf_repo: str | None = None
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    bundled: bool = False
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_catalog_path() -> Path:
+    """``KVCHAT_CATALOG``, else ``models/catalog.toml`` next to the ``app`` package."""
+    env = os.environ.get("KVCHAT_CATALOG")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2] / "models" / "catalog.toml"
+
+
+def load_catalog(path: str | os.PathLike[str] | None = None) -> list[CatalogEntry]:
+    """Parse and check the catalog; a missing file is an empty catalog."""
+    path = Path(path) if path is not None else default_catalog_path()
+    if not path.is_file():
+        return []
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise KvchatError(f"model catalog {path} is not valid TOML: {exc}") from exc
+    entries: list[CatalogEntry] = []
+    known = set(CatalogEntry.__dataclass_fields__)
+    for i, row in enumerate(data.get("model", [])):
+        missing = [k for k in REQUIRED_CATALOG_KEYS if k not in row]
+        if missing:
+            raise KvchatError(f"{path}: model #{i + 1} lacks {', '.join(missing)}")
+        unknown = set(row) - known
+        if unknown:
+            raise KvchatError(f"{path}: model {row['name']!r} has unknown keys "
+                              f"{', '.join(sorted(unknown))}")
+        entries.append(CatalogEntry(**row))
+    names = [e.name for e in entries]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise KvchatError(f"{path}: duplicate model names {', '.join(sorted(dupes))}")
+    return entries
+
+
+def find_entry(name: str, catalog: Sequence[CatalogEntry]) -> CatalogEntry | None:
+    """The entry called ``name`` (case-insensitive), or whose GGUF file is ``name``."""
+    wanted = name.strip().lower()
+    for entry in catalog:
+        if wanted in (entry.name.lower(), entry.file.lower()):
+            return entry
+    return None
+
+
+def info_from_catalog(entry: CatalogEntry) -> ModelInfo:
+    """A :class:`ModelInfo` from the catalog's figures alone (no file needed).
+
+    Tensor bytes are estimated: the token embedding is vocab × n_embd at the quantization's
+    base bits (Q6_K when tied), the output matrix vocab × n_embd at Q6_K (a copy of the
+    embedding when tied), and the rest of ``size_bytes`` is split evenly over the layers.
+    """
+    n = entry.layers
+    if entry.sliding_window and entry.sliding_window_pattern:
+        swa = swa_pattern(n, entry.sliding_window_pattern)
+    else:
+        swa = (False,) * n
+    embd_elems = entry.vocab_size * entry.embedding_length
+    quant = entry.quantization.upper()
+    if entry.tied_embeddings:
+        input_bytes = int(embd_elems * _OUTPUT_BITS_DEFAULT / 8)
+        output_bytes = input_bytes  # the duplicated output copy
+        body = entry.size_bytes - input_bytes
+    else:
+        input_bytes = int(embd_elems * _EMBD_BITS.get(quant, 4.5) / 8)
+        output_bits = 8.5 if quant == "Q8_0" else _OUTPUT_BITS_DEFAULT
+        output_bytes = int(embd_elems * output_bits / 8)
+        body = entry.size_bytes - input_bytes - output_bytes
+    per_layer = max(body, 0) // n
+    return ModelInfo(
+        name=entry.name, architecture=entry.architecture, n_layer=n,
+        n_head=(entry.heads,) * n, n_head_kv=(entry.kv_heads,) * n,
+        head_dim_k=entry.head_dim, head_dim_v=entry.head_dim,
+        head_dim_k_swa=entry.head_dim, head_dim_v_swa=entry.head_dim,
+        n_embd=entry.embedding_length, n_ff=entry.feed_forward_length,
+        n_vocab=entry.vocab_size, context_length=entry.context_length,
+        sliding_window=entry.sliding_window if any(swa) else 0, swa_layers=swa,
+        weight_bytes=entry.size_bytes, layer_bytes=(per_layer,) * n,
+        input_bytes=input_bytes, output_bytes=output_bytes,
+        tied_embeddings=entry.tied_embeddings, source="catalog", path=None,
+        quantization=entry.quantization,
+        notes=("weights per layer estimated from the catalog's file size",),
+    )

@@ -1,0 +1,378 @@
+"""How much context fits in a VRAM budget: KV bytes per token, weights, compute buffer.
+
+The model of llama.cpp's GPU memory (llama-cpp-python 0.3.36, one sequence):
+
+- **KV cache.** Per token and per layer that keeps a cache:
+  ``row(n_kv_heads × head_dim_k, type_k) + row(n_kv_heads × head_dim_v, type_v)`` where
+  ``row(n, f16) = 2n``, ``row(n, q8_0) = 34 · n/32`` and ``row(n, q4_0) = 18 · n/32``.
+  Full-attention layers hold ``n_ctx`` cells (llama.cpp pads n_ctx up to a multiple of 256).
+  Sliding-window layers hold ``n_ctx`` cells too when ``swa_full`` is on (llama-cpp-python's
+  default, and what kvchat needs: a pruned SWA cache cannot be rolled back for prefix reuse
+  or saved as a whole-history snapshot), else ``min(n_ctx, pad256(n_swa + n_ubatch))``.
+  A layer's cache lives on the same device as the layer.
+- **Weights.** With ``n_gpu_layers = k`` llama.cpp puts the output layer and the last k-1
+  repeating layers on the GPU (``i_gpu_start = n_layer + 1 - k``); k = n_layer + 1 (or -1)
+  is full offload. The token embedding always stays in host RAM; a model with tied
+  embeddings gets a second copy of it as the output matrix, on the output layer's device.
+- **Compute buffer** (an estimate, not llama.cpp's own measure): the scratch of the graph for
+  one micro-batch of ``n_ubatch`` tokens, whose big tensors are reused across layers::
+
+      compute = max(logits, ffn, attention) + mask + dequant
+      logits    = n_vocab · n_ubatch · 4          (only when the output layer is on the GPU)
+      ffn       = 3 · n_ff · n_ubatch · 4         (gate, up and their product, f32)
+      attention = n_kv · n_ubatch · n_head · 4    (the f32 KQ matrix; without flash attention)
+                = 2 · n_head · head_dim · n_ubatch · 4   (with flash attention: no KQ matrix)
+      mask      = n_kv · n_ubatch · 4
+      dequant   = n_kv · (n_kv_heads·head_dim_k + n_kv_heads·head_dim_v) · 2
+                  (flash attention with a quantized cache: the CUDA kernels convert K and V
+                   to f16 for prompt processing)
+
+  For Llama-3-8B at n_ctx 8192 with flash attention this gives 266 MiB; llama.cpp's CUDA
+  backend reports about 258 MiB.
+- **Reserve**: a fixed amount for the CUDA context, cuBLAS workspace, the desktop and
+  fragmentation (default 512 MiB; ``--reserve``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from app.errors import KvchatError
+from app.planner.gguf_info import ModelInfo
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+DEFAULT_VRAM = 6 * GiB
+DEFAULT_RESERVE = 512 * MiB
+DEFAULT_UBATCH = 512
+CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256
+
+# ggml type → (elements per block, bytes per block)
+KV_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18),
+}
+CLI_KV_TYPES = ("f16", "q8_0", "q4_0")
+
+
+def row_bytes(n_elems: int, kv_type: str) -> int:
+    """Bytes of one cache row of ``n_elems`` elements stored as ``kv_type``."""
+    try:
+        block, size = KV_TYPES[kv_type]
+    except KeyError:
+        raise KvchatError(f"unknown KV cache type {kv_type!r}: use one of "
+                          f"{', '.join(CLI_KV_TYPES)}") from None
+    if n_elems % block:
+        raise KvchatError(f"a {kv_type} KV cache needs rows that are a multiple of {block} "
+                          f"elements; this model's rows have {n_elems}")
+    return n_elems // block * size
+
+
+@dataclass(frozen=True)
+class KvPerToken:
+    """KV-cache bytes each token costs, split by layer kind."""
+
+    full: int  # all full-attention layers together
+    swa: int  # all sliding-window layers together
+    per_layer: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        """Per token when every layer holds the token (swa_full, or n_ctx ≤ window)."""
+        return self.full + self.swa
+
+
+def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str | None = None
+                       ) -> KvPerToken:
+    """Per-token KV bytes: Σ layers row(n_kv·d_k, type_k) + row(n_kv·d_v, type_v)."""
+    type_v = type_v or type_k
+    full = swa = 0
+    per_layer = []
+    for il in range(info.n_layer):
+        kv_heads = info.n_head_kv[il]
+        d_k, d_v = info.head_dims(il)
+        size = (row_bytes(kv_heads * d_k, type_k) + row_bytes(kv_heads * d_v, type_v)
+                if kv_heads else 0)
+        per_layer.append(size)
+        if info.swa_layers[il]:
+            swa += size
+        else:
+            full += size
+    return KvPerToken(full=full, swa=swa, per_layer=tuple(per_layer))
+
+
+def pad(n: int, step: int = CTX_STEP) -> int:
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The settings a plan is made for."""
+
+    vram_bytes: int = DEFAULT_VRAM
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+    swa_full: bool = True
+    n_ubatch: int = DEFAULT_UBATCH
+    reserve_bytes: int = DEFAULT_RESERVE
+
+    def __post_init__(self) -> None:
+        for kv_type in (self.type_k, self.type_v):
+            if kv_type not in KV_TYPES:
+                raise KvchatError(f"unknown KV cache type {kv_type!r}")
+        if self.type_v not in ("f16", "f32", "bf16") and not self.flash_attn:
+            raise KvchatError(f"a quantized V cache ({self.type_v}) needs flash attention")
+
+
+def gpu_layers(info: ModelInfo, n_gpu_layers: int) -> tuple[list[bool], bool]:
+    """(per repeating layer: on the GPU?, output layer on the GPU?) for ``n_gpu_layers``."""
+    n = info.n_layer
+    k = n + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n + 1)
+    start = n + 1 - k
+    return [il >= start for il in range(n)], k > 0 and n >= start
+
+
+def compute_bytes(info: ModelInfo, n_ctx: int, cfg: PlanConfig, output_on_gpu: bool = True
+                  ) -> dict[str, int]:
+    """The documented compute-buffer estimate (see the module docstring)."""
+    ub = cfg.n_ubatch
+    n_kv = pad(n_ctx)
+    n_head = max(info.n_head) if info.n_head else 0
+    logits = info.n_vocab * ub * 4 if output_on_gpu else 0
+    ffn = 3 * info.n_ff * ub * 4
+    if cfg.flash_attn:
+        attention = 2 * n_head * max(info.head_dim_v, info.head_dim_v_swa) * ub * 4
+    else:
+        attention = n_kv * ub * n_head * 4
+    mask = n_kv * ub * 4
+    dequant = 0
+    if cfg.flash_attn and (cfg.type_k not in ("f16", "bf16") or cfg.type_v not in ("f16", "bf16")):
+        widest = max((kv * (info.head_dims(il)[0] + info.head_dims(il)[1])
+                      for il, kv in enumerate(info.n_head_kv)), default=0)
+        dequant = n_kv * widest * 2
+    total = max(logits, ffn, attention) + mask + dequant
+    return {"logits": logits, "ffn": ffn, "attention": attention, "mask": mask,
+            "dequant": dequant, "total": total}
+
+
+def memory_at(info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig,
+              kv: KvPerToken | None = None) -> dict[str, int]:
+    """VRAM and host-RAM bytes for ``n_ctx`` tokens with ``n_gpu_layers`` offloaded."""
+    kv = kv or kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
+    on_gpu, out_gpu = gpu_layers(info, n_gpu_layers)
+    full_cells = pad(n_ctx)
+    swa_cells = full_cells
+    if not cfg.swa_full and info.sliding_window:
+        swa_cells = min(full_cells, pad(info.sliding_window + cfg.n_ubatch))
+    gpu_w = host_w = gpu_kv = host_kv = 0
+    for il in range(info.n_layer):
+        cells = swa_cells if info.swa_layers[il] else full_cells
+        layer_kv = kv.per_layer[il] * cells
+        if on_gpu[il]:
+            gpu_w += info.layer_bytes[il]
+            gpu_kv += layer_kv
+        else:
+            host_w += info.layer_bytes[il]
+            host_kv += layer_kv
+    if out_gpu:
+        gpu_w += info.output_bytes
+    else:
+        host_w += info.output_bytes
+    host_w += info.input_bytes
+    any_gpu = any(on_gpu) or out_gpu
+    compute = compute_bytes(info, n_ctx, cfg, out_gpu)["total"] if any_gpu else 0
+    reserve = cfg.reserve_bytes if any_gpu else 0
+    return {"n_ctx": full_cells, "weights": gpu_w, "kv": gpu_kv, "compute": compute,
+            "reserve": reserve, "total": gpu_w + gpu_kv + compute + reserve,
+            "host_weights": host_w, "host_kv": host_kv}
+
+
+def max_context(info: ModelInfo, n_gpu_layers: int, cfg: PlanConfig, limit: int | None = None,
+                kv: KvPerToken | None = None) -> int:
+    """Largest n_ctx (a multiple of 256, ≤ ``limit``) whose VRAM total fits; 0 if none."""
+    limit = limit or info.context_length or 131072
+    kv = kv or kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
+
+    def fits(steps: int) -> bool:
+        return memory_at(info, steps * CTX_STEP, n_gpu_layers, cfg, kv)["total"] <= cfg.vram_bytes
+
+    lo, hi = 0, limit // CTX_STEP
+    if hi == 0 or not fits(1):
+        return 0
+    while lo < hi:  # largest fitting step count; memory grows with n_ctx
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CTX_STEP
+
+
+@dataclass
+class OffloadRow:
+    """What fits with one n_gpu_layers setting."""
+
+    n_gpu_layers: int
+    gpu_layers: int  # repeating layers on the GPU
+    output_on_gpu: bool
+    gpu_weight_bytes: int
+    max_ctx: int
+    memory: dict[str, int]  # breakdown at max_ctx (or at 256 tokens when nothing fits)
+
+
+@dataclass
+class Plan:
+    """A model's memory plan for one budget and KV type."""
+
+    info: ModelInfo
+    config: PlanConfig
+    kv: KvPerToken
+    full: OffloadRow
+    partial: list[OffloadRow]
+    target_ctx: int
+    best_split: OffloadRow | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``kv_bytes_per_token`` is the all-layers per-token figure."""
+        return {
+            "model": self.info.to_dict(),
+            "config": asdict(self.config),
+            "kv_bytes_per_token": self.kv.total,
+            "kv_bytes_per_token_by_kind": {"full_attention": self.kv.full,
+                                           "sliding_window": self.kv.swa},
+            "kv_bytes_per_token_per_layer": list(self.kv.per_layer),
+            "weight_bytes": self.info.weight_bytes,
+            "gpu_weight_bytes_full_offload": self.full.gpu_weight_bytes,
+            "compute_buffer_estimate": compute_bytes(self.info, max(self.full.max_ctx, 1),
+                                                     self.config),
+            "full_offload": asdict(self.full),
+            "partial_offload": [asdict(row) for row in self.partial],
+            "target_ctx": self.target_ctx,
+            "best_split": asdict(self.best_split) if self.best_split else None,
+            "notes": self.notes,
+        }
+
+
+def _row(info: ModelInfo, ngl: int, cfg: PlanConfig, kv: KvPerToken, limit: int) -> OffloadRow:
+    ctx = max_context(info, ngl, cfg, limit, kv)
+    mem = memory_at(info, ctx or CTX_STEP, ngl, cfg, kv)
+    on_gpu, out_gpu = gpu_layers(info, ngl)
+    return OffloadRow(n_gpu_layers=ngl, gpu_layers=sum(on_gpu), output_on_gpu=out_gpu,
+                      gpu_weight_bytes=mem["weights"], max_ctx=ctx, memory=mem)
+
+
+def make_plan(info: ModelInfo, cfg: PlanConfig | None = None, target_ctx: int | None = None
+              ) -> Plan:
+    """Full offload, a few partial-offload splits, and the best split for ``target_ctx``."""
+    cfg = cfg or PlanConfig()
+    kv = kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
+    limit = info.context_length or 131072
+    target = min(target_ctx or limit, limit)
+    n = info.n_layer
+    full = _row(info, n + 1, cfg, kv, limit)
+    partial_ngls = sorted({n, (3 * n) // 4, n // 2, n // 4} - {0}, reverse=True)
+    partial = [_row(info, k, cfg, kv, limit) for k in partial_ngls]
+    best: OffloadRow | None = None
+    for k in range(n + 1, 0, -1):
+        if memory_at(info, target, k, cfg, kv)["total"] <= cfg.vram_bytes:
+            best = _row(info, k, cfg, kv, limit)
+            best.memory = memory_at(info, target, k, cfg, kv)
+            break
+    notes = list(info.notes)
+    if info.sliding_window and cfg.swa_full:
+        notes.append(f"sliding-window layers keep every token (swa_full, llama-cpp-python's "
+                     f"default and what prefix reuse needs); with swa_full off they would "
+                     f"keep only ~{pad(info.sliding_window + cfg.n_ubatch)} cells")
+    if info.attention_kind == "MHA":
+        notes.append("multi-head attention (one KV head per query head): the KV cache is "
+                     "large per token; a GQA model of the same size fits far more context")
+    return Plan(info=info, config=cfg, kv=kv, full=full, partial=partial, target_ctx=target,
+                best_split=best, notes=notes)
+
+
+# --------------------------------------------------------------------------- text
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": GiB, "b": 1, "k": KiB, "kib": KiB, "kb": 1000, "m": MiB, "mib": MiB, "mb": 10**6,
+          "g": GiB, "gib": GiB, "gb": 10**9, "t": 1024**4, "tib": 1024**4, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``"6GiB"``, ``"6G"`` and a bare ``"6"`` are 6·2³⁰ bytes; ``"6GB"`` is 6·10⁹."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").lower() if match else None
+    if not match or unit not in _UNITS:
+        raise KvchatError(f"not a size: {text!r} (try 6GiB, 5.5GiB, 8000MiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ctx(row: OffloadRow, limit: int) -> str:
+    if row.max_ctx == 0:
+        return "does not fit"
+    suffix = " (trained limit)" if row.max_ctx >= (limit // CTX_STEP) * CTX_STEP else ""
+    return f"{row.max_ctx:,}{suffix}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan printed by ``kvchat models plan``."""
+    info, cfg, kv = plan.info, plan.config, plan.kv
+    kinds = {kv_h for kv_h in info.n_head_kv if kv_h}
+    kv_heads = "/".join(str(k) for k in sorted(kinds)) or "0"
+    heads = "/".join(str(h) for h in sorted(set(info.n_head)))
+    where = info.path if info.source == "gguf" else "catalog figures (file not downloaded)"
+    lines = [
+        f"{info.name}: {info.architecture}, {info.n_layer} layers, {heads} heads, "
+        f"{kv_heads} KV heads ({info.attention_kind}), head dim {info.head_dim_k}/"
+        f"{info.head_dim_v}, trained context {info.context_length:,}",
+        f"  from: {where}",
+        f"weights: {fmt_bytes(info.weight_bytes)} ({info.quantization or '?'}); on the GPU at "
+        f"full offload: {fmt_bytes(plan.full.gpu_weight_bytes)}",
+        f"KV cache ({cfg.type_k} K, {cfg.type_v} V): {kv.total:,} bytes/token "
+        f"({fmt_bytes(kv.total)})",
+    ]
+    n_full = sum(1 for il in range(info.n_layer) if not info.swa_layers[il] and info.n_head_kv[il])
+    n_swa = sum(1 for il in range(info.n_layer) if info.swa_layers[il] and info.n_head_kv[il])
+    lines.append(f"  full-attention layers: {n_full}, {kv.full:,} bytes/token")
+    if n_swa:
+        lines.append(f"  sliding-window layers: {n_swa} (window {info.sliding_window:,}), "
+                     f"{kv.swa:,} bytes/token")
+    comp = compute_bytes(info, max(plan.full.max_ctx, CTX_STEP), cfg)
+    lines += [
+        f"budget: {fmt_bytes(cfg.vram_bytes)} VRAM, of which {fmt_bytes(cfg.reserve_bytes)} "
+        f"reserved (CUDA context, desktop); compute buffer estimate "
+        f"{fmt_bytes(comp['total'])} (flash attention {'on' if cfg.flash_attn else 'off'}, "
+        f"n_ubatch {cfg.n_ubatch})",
+        "",
+        f"full offload (n_gpu_layers={plan.full.n_gpu_layers}): max context "
+        f"{fmt_ctx(plan.full, info.context_length)}",
+    ]
+    mem = plan.full.memory
+    if plan.full.max_ctx:
+        lines.append(f"  VRAM then: weights {fmt_bytes(mem['weights'])} + KV "
+                     f"{fmt_bytes(mem['kv'])} + compute {fmt_bytes(mem['compute'])} + reserve "
+                     f"{fmt_bytes(mem['reserve'])} = {fmt_bytes(mem['total'])}")
+    lines.append("partial offload (the rest of the layers and their KV stay in host RAM):")
+    lines.append(f"  {'n_gpu_layers':>12}  {'weights on GPU':>14}  max context")
+    for row in plan.partial:
+        lines.append(f"  {row.n_gpu_layers:>12}  {fmt_bytes(row.gpu_weight_bytes):>14}  "
+                     f"{fmt_ctx(row, info.context_length)}")
+    if plan.best_split:
+        b = plan.best_split
+        lines.append(f"best split for {plan.target_ctx:,} tokens: n_gpu_layers={b.n_gpu_layers} "
+                     f"(VRAM {fmt_bytes(b.memory['total'])}, host RAM "
+                     f"{fmt_bytes(b.memory['host_weights'] + b.memory['host_kv'])})")
+    else:
+        lines.append(f"{plan.target_ctx:,} tokens do not fit even with one layer on the GPU")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

