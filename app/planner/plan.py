@@ -327,6 +327,8 @@ def fmt_ctx(row: OffloadRow, limit: int) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable plan printed by ``kvchat models plan``."""
     info, cfg, kv = plan.info, plan.config, plan.kv
+    limit = info.context_length or 131072
+    trained = f"{info.context_length:,}" if info.context_length else "unknown (planned to 131,072)"
     kinds = {kv_h for kv_h in info.n_head_kv if kv_h}
     kv_heads = "/".join(str(k) for k in sorted(kinds)) or "0"
     heads = "/".join(str(h) for h in sorted(set(info.n_head)))
@@ -334,7 +336,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"{info.name}: {info.architecture}, {info.n_layer} layers, {heads} heads, "
         f"{kv_heads} KV heads ({info.attention_kind}), head dim {info.head_dim_k}/"
-        f"{info.head_dim_v}, trained context {info.context_length:,}",
+        f"{info.head_dim_v}, trained context {trained}",
         f"  from: {where}",
         f"weights: {fmt_bytes(info.weight_bytes)} ({info.quantization or '?'}); on the GPU at "
         f"full offload: {fmt_bytes(plan.full.gpu_weight_bytes)}",
@@ -355,7 +357,7 @@ def format_plan(plan: Plan) -> str:
         f"n_ubatch {cfg.n_ubatch})",
         "",
         f"full offload (n_gpu_layers={plan.full.n_gpu_layers}): max context "
-        f"{fmt_ctx(plan.full, info.context_length)}",
+        f"{fmt_ctx(plan.full, limit)}",
     ]
     mem = plan.full.memory
     if plan.full.max_ctx:
@@ -366,7 +368,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'n_gpu_layers':>12}  {'weights on GPU':>14}  max context")
     for row in plan.partial:
         lines.append(f"  {row.n_gpu_layers:>12}  {fmt_bytes(row.gpu_weight_bytes):>14}  "
-                     f"{fmt_ctx(row, info.context_length)}")
+                     f"{fmt_ctx(row, limit)}")
     if plan.best_split:
         b = plan.best_split
         lines.append(f"best split for {plan.target_ctx:,} tokens: n_gpu_layers={b.n_gpu_layers} "
