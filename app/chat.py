@@ -9,9 +9,10 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from app.config import Settings
+from app.config import Settings, data_dir
 from app.engine import Engine, EngineConfig, GenerationParams
 from app.engine.engine import CancelCheck, GenerationStats
 from app.errors import KvchatError
@@ -108,10 +109,12 @@ class TurnReport:
 class ChatService:
     """Sessions and turns over one store, one snapshot store and one (lazily loaded) engine."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, home: Path | None = None) -> None:
+        """``home`` overrides the data directory (the benchmark uses a scratch one)."""
         self.settings = settings
-        self.store = Store(settings.db_path)
-        self.snapshots = SnapshotStore(settings.snapshot_dir, self.store)
+        directory = home or data_dir()
+        self.store = Store(directory / "kvchat.db")
+        self.snapshots = SnapshotStore(directory / "snapshots", self.store)
         self.snapshots.cleanup_orphans()
         self._engine: Engine | None = None
         self._fingerprint: Fingerprint | None = None
@@ -300,6 +303,34 @@ class ChatService:
         self._hot_dirty = False
         return SnapshotWrite(bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000)
 
+    def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
+        """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).
+
+        The session is made hot from scratch each time (the hot tier is skipped), and the
+        context is left holding the probe, so the hot session is forgotten afterwards.
+        """
+        stats = GenerationStats()
+        session = self.store.get_session(session_id)
+        engine = self.load_engine()
+        self._drop_hot()
+        restore = self.make_hot(session_id, no_restore=no_restore)
+        history = self.store.messages(session_id)
+        chat = [m.as_chat() for m in history] + [{"role": "user", "content": text}]
+        prompt = engine.chat_tokens(self._system_head(session) + chat)
+        prefill = engine.prefill(prompt)
+        params = GenerationParams(temperature=0.0, max_tokens=1)
+        pieces = list(engine.generate(params, stats))
+        self.hot_session_id = None
+        return TurnReport(
+            session_id=session_id,
+            reply="".join(pieces),
+            tokens=TokenCounts(len(prompt), prefill.reused, prefill.decoded, stats.generated),
+            restore=restore,
+            ttft_ms=stats.ttft_ms,
+            tokens_per_s=stats.tokens_per_s,
+            finish_reason=stats.finish_reason,
+        )
+
     def _params(self, session: Session, overrides: dict[str, Any]) -> GenerationParams:
         values: dict[str, Any] = {
             key: getattr(self.settings, key) for key in SESSION_SETTINGS
@@ -318,6 +349,10 @@ class ChatService:
             seed=int(values["seed"]),
         )
 
+    def _system_head(self, session: Session) -> list[dict[str, str]]:
+        system = session.system_prompt or self.settings.system_prompt
+        return [{"role": "system", "content": system}] if system else []
+
     def _window(
         self, session: Session, history: list[Message], reserve: int
     ) -> tuple[list[int], int]:
@@ -327,8 +362,7 @@ class ChatService:
         text stays in SQLite). Returns the tokens and how many messages were left out.
         """
         engine = self.engine
-        system = session.system_prompt or self.settings.system_prompt
-        head = [{"role": "system", "content": system}] if system else []
+        head = self._system_head(session)
         chat = [m.as_chat() for m in history]
         budget = engine.n_ctx - reserve
         for dropped in range(len(chat)):
@@ -391,8 +425,34 @@ class ChatService:
                 partial=report.partial,
             )
             report.message_id = message.id
+        if engine.n_tokens >= len(prompt):
+            self._settle(session, prompt)
         report.snapshot = self.save_hot()
         return report
+
+    def _settle(self, session: Session, prompt: list[int]) -> int:
+        """Leave the context holding exactly the next turn's prompt up to the user's words.
+
+        The reply is re-decoded in batches (see :meth:`Engine.settle`), followed by what
+        the template puts between the reply and the next user's words (e.g.
+        ``<|im_end|>\n<|im_start|>user\n``): known already, so decoding it now takes it
+        off the next turn's time to first token. That opening is the common prefix of the
+        prompts for two different next messages. Returns the number of tokens decoded.
+        """
+        engine = self.engine
+        chat = self._system_head(session) + [m.as_chat() for m in self.store.messages(session.id)]
+        first = engine.chat_tokens(chat + [{"role": "user", "content": "A"}])
+        second = engine.chat_tokens(chat + [{"role": "user", "content": "B"}])
+        shared = 0
+        for a, b in zip(first, second):
+            if a != b:
+                break
+            shared += 1
+        if first[: len(prompt)] == prompt and len(prompt) < shared < engine.n_ctx - 1:
+            target = first[:shared]
+        else:  # the template re-rendered the history differently: settle what is there
+            target = engine.tokens
+        return engine.settle(len(prompt), target)
 
 
 def _title_from(text: str, limit: int = 48) -> str:

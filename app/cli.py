@@ -232,3 +232,12 @@ def bench(ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
     else:
         click.echo(format_table(rows))
+
+
+def _register_subcommands() -> None:
+    from app.cli_models import models_group
+
+    main.add_command(models_group, name="models")
+
+
+_register_subcommands()

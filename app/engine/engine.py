@@ -26,6 +26,8 @@ from app.errors import KvchatError
 SEQ_ID = 0
 # Prefill is decoded in slices this long so a cancel request is honoured between them.
 PREFILL_SLICE = 128
+# The smallest batch decoded (see Engine.prefill).
+MIN_BATCH = 2
 
 GGML_TYPES: dict[str, int] = {
     "f16": llama_cpp.GGML_TYPE_F16,
@@ -204,8 +206,10 @@ class Engine:
     def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
         """Bring ``prompt`` into the context, decoding only what follows the common prefix.
 
-        With nothing new to decode (a regenerate) the last token is decoded again, since
-        sampling needs its logits.
+        Never decodes a batch of one token: llama.cpp's single-token path computes slightly
+        different KV than its batched path, and the batched bytes are what a full prefill
+        produces. So a one-token suffix (e.g. a regenerate, which must decode the last
+        prompt token again for its logits) backs off one more token.
         """
         if len(prompt) >= self.n_ctx:
             raise KvchatError(f"the prompt ({len(prompt)} tokens) does not fit n_ctx={self.n_ctx}")
@@ -215,15 +219,23 @@ class Engine:
             if int(have) != want:
                 break
             reused += 1
-        if reused == len(prompt):
-            reused -= 1
+        reused = max(0, min(reused, len(prompt) - MIN_BATCH))
         self.truncate(reused)
-        suffix = list(prompt[reused:])
-        for start in range(0, len(suffix), PREFILL_SLICE):
+        for batch in _batches(list(prompt[reused:]), PREFILL_SLICE):
             if cancel is not None and cancel():
                 break
-            self.llm.eval(suffix[start : start + PREFILL_SLICE])
+            self.llm.eval(batch)
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=self.n_tokens - reused)
+
+    def settle(self, keep: int, tokens: Sequence[int]) -> int:
+        """Re-decode everything after position ``keep`` as batches, ending with ``tokens``.
+
+        Generation decodes one token at a time; re-decoding the reply in batches makes the
+        context's KV bit-identical to a full prefill of the same tokens, so a greedy
+        continuation after a restore equals one after a full prefill. Returns tokens decoded.
+        """
+        self.truncate(min(keep, self.n_tokens))
+        return self.prefill(tokens).decoded
 
     def truncate(self, n_keep: int) -> None:
         """Drop the KV of every token from position ``n_keep`` on."""
@@ -317,8 +329,11 @@ class Engine:
             raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return memoryview(buf).cast("B")[:size]
 
-    def state_set(self, buf: ctypes.Array[ctypes.c_uint8], size: int, tokens: Sequence[int]) -> bool:
-        """Load ``size`` seq-state bytes from ``buf``; on success the context holds ``tokens``."""
+    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
+        """Load ``size`` seq-state bytes from ``buf`` (a ctypes array or uint8 pointer).
+
+        On success the context holds ``tokens``; on failure it is empty.
+        """
         self.clear()
         loaded = llama_cpp.llama_state_seq_set_data(self.ctx, buf, size, SEQ_ID)
         if loaded != size:
@@ -354,3 +369,14 @@ class Engine:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def _batches(tokens: list[int], size: int) -> Iterator[list[int]]:
+    """Slices of at most ``size`` tokens, none of exactly one token (unless only one exists)."""
+    start = 0
+    while start < len(tokens):
+        end = min(start + size, len(tokens))
+        if len(tokens) - end == 1:
+            end -= 1
+        yield tokens[start:end]
+        start = end

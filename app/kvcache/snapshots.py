@@ -13,7 +13,9 @@ broken file. Data dir 0700, files 0600.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import struct
 import time
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import xxhash
 
 from app.engine import Engine
@@ -36,6 +39,8 @@ ORPHAN_GRACE_S = 60.0
 # Test hook: seconds to stall halfway through writing a snapshot file, so a test can kill
 # the process mid-write deterministically.
 STALL_ENV = "KVCHAT_FAULT_STALL_SNAPSHOT_WRITE"
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 Source = Literal["hot", "ram", "disk", "none"]
 
@@ -169,12 +174,16 @@ class SnapshotStore:
         if reason is not None:
             engine.clear()
             return RestoreResult("none", reason=reason)
-        self.store.touch_snapshot(session_id)
         elapsed = (time.perf_counter() - started) * 1000
+        self.store.touch_snapshot(session_id)
         return RestoreResult("disk", ms=elapsed, bytes=row.n_bytes, tokens=row.n_tokens)
 
     def _load(self, row: SnapshotRow, engine: Engine) -> str | None:
-        """Read, verify and load one snapshot file; the reason it failed, or None."""
+        """Map, verify and load one snapshot file; the reason it failed, or None.
+
+        The file is mapped read-only with MAP_POPULATE: no copy into a Python buffer,
+        the checksum and llama.cpp both read the page cache directly.
+        """
         path = self.directory / row.path
         try:
             fh = open(path, "rb", buffering=0)
@@ -186,35 +195,46 @@ class SnapshotStore:
             if len(prefix) < 12 or prefix[:8] != MAGIC:
                 return f"{path.name} is not a kvchat snapshot file (bad magic)"
             (header_len,) = struct.unpack("<I", prefix[8:])
-            expected = 12 + header_len + 4 * row.n_tokens + row.n_bytes
+            tokens_at = 12 + header_len
+            state_at = tokens_at + 4 * row.n_tokens
+            expected = state_at + row.n_bytes
             if actual != expected:
                 return f"snapshot file is truncated or padded ({actual} of {expected} bytes)"
-            try:
-                header = json.loads(fh.read(header_len))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                return "snapshot header is corrupt"
-            if (
-                header.get("n_tokens") != row.n_tokens
-                or header.get("n_bytes") != row.n_bytes
-                or header.get("checksum") != row.checksum
-                or header.get("fingerprint") != row.fingerprint
-            ):
-                return "snapshot header does not match its index row"
-            token_bytes = fh.read(4 * row.n_tokens)
-            if token_bytes != array("i", row.token_ids).tobytes():
-                return "snapshot token ids do not match its index row"
-            buf = engine.state_buffer(row.n_bytes)
-            view = memoryview(buf).cast("B")[: row.n_bytes]
-            got = 0
-            while got < row.n_bytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    return "snapshot file ended early"
-                got += n
-        if checksum(token_bytes, view) != row.checksum:
-            return "snapshot checksum mismatch: the file is corrupt"
-        if not engine.state_set(buf, row.n_bytes, row.token_ids):
-            return "llama.cpp rejected the snapshot state"
+            mapped = mmap.mmap(
+                fh.fileno(), actual, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ
+            )
+        try:
+            return self._load_mapped(row, engine, mapped, tokens_at, state_at)
+        finally:
+            mapped.close()
+
+    @staticmethod
+    def _load_mapped(
+        row: SnapshotRow, engine: Engine, mapped: mmap.mmap, tokens_at: int, state_at: int
+    ) -> str | None:
+        try:
+            header = json.loads(mapped[12:tokens_at])
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "snapshot header is corrupt"
+        if (
+            header.get("n_tokens") != row.n_tokens
+            or header.get("n_bytes") != row.n_bytes
+            or header.get("checksum") != row.checksum
+            or header.get("fingerprint") != row.fingerprint
+        ):
+            return "snapshot header does not match its index row"
+        token_bytes = mapped[tokens_at:state_at]
+        if token_bytes != array("i", row.token_ids).tobytes():
+            return "snapshot token ids do not match its index row"
+        state = np.frombuffer(mapped, dtype=np.uint8, count=row.n_bytes, offset=state_at)
+        try:
+            if checksum(token_bytes, state) != row.checksum:
+                return "snapshot checksum mismatch: the file is corrupt"
+            pointer = ctypes.cast(state.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+            if not engine.state_set(pointer, row.n_bytes, row.token_ids):
+                return "llama.cpp rejected the snapshot state"
+        finally:
+            del state
         return None
 
     # --- housekeeping ---------------------------------------------------------------------

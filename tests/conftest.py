@@ -1,0 +1,87 @@
+"""Shared fixtures: a private KVCHAT_HOME per test and a runner for the real `kvchat` CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Short, deterministic turns: greedy decoding, few tokens, a small context.
+FAST = ["--temperature", "0", "--max-tokens", "24", "--n-ctx", "1024"]
+
+
+@pytest.fixture
+def kvhome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh KVCHAT_HOME for this test (database, snapshots and config)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("KVCHAT_HOME", str(home))
+    for name in list(os.environ):
+        if name.startswith("KVCHAT_") and name != "KVCHAT_HOME":
+            monkeypatch.delenv(name)
+    return home
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+def run_cli(
+    home: Path, *args: str, env: dict[str, str] | None = None, check: bool = True
+) -> CliResult:
+    """Run `python -m app ARGS` in a new process with KVCHAT_HOME=home."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    full_env["KVCHAT_HOME"] = str(home)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = CliResult(proc.returncode, proc.stdout, proc.stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvchat {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return result
+
+
+@pytest.fixture
+def cli() -> Callable[..., CliResult]:
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def one_turn_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A KVCHAT_HOME holding one session after one greedy turn, and that turn's report."""
+    home = tmp_path_factory.mktemp("one-turn") / "home"
+    first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
+    return home, first
+
+
+@pytest.fixture
+def copy_home(tmp_path: Path) -> Callable[[Path, str], Path]:
+    """Copy a KVCHAT_HOME so that two futures of one conversation can be compared."""
+
+    def copy(source: Path, name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(source, target)
+        return target
+
+    return copy
