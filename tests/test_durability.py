@@ -1,0 +1,137 @@
+"""Crashes leave the database and snapshot files consistent; the user's message is never lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.chat import ChatService
+from app.config import Settings
+from app.kvcache.snapshots import STALL_ENV
+from tests.conftest import FAST, REPO
+
+
+def test_kill_during_snapshot_write_leaves_session_resumable(one_turn_home, copy_home, cli):
+    home = copy_home(one_turn_home[0], "killed")
+    session = one_turn_home[1]["session"]
+    db = sqlite3.connect(home / "kvchat.db")
+    (old_file, old_tokens) = db.execute("SELECT path, n_tokens FROM kv_snapshots").fetchone()
+    db.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env.update({"KVCHAT_HOME": str(home), STALL_ENV: "60"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "ask", "--session", session, "And then?", "--json", *FAST],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    snapshots = home / "snapshots"
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(".tmp") for p in snapshots.iterdir()):
+        assert proc.poll() is None, "kvchat exited before writing its snapshot"
+        assert time.monotonic() < deadline, "no snapshot write started"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    db = sqlite3.connect(home / "kvchat.db")
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert db.execute("SELECT path FROM kv_snapshots").fetchone()[0] == old_file
+    roles = [r for (r,) in db.execute("SELECT role FROM messages ORDER BY id")]
+    db.close()
+    assert roles == ["user", "assistant", "user", "assistant"]  # the reply was committed first
+
+    resumed = cli(home, "ask", "--session", session, "Why?", "--json", *FAST).json
+    assert resumed["restore"]["from"] == "disk"
+    assert resumed["restore"]["tokens"] == old_tokens
+    assert resumed["tokens"]["reused"] == old_tokens
+    names = [p.name for p in snapshots.iterdir()]
+    assert not [n for n in names if n.endswith(".tmp")], names  # the torn write was cleaned up
+    assert old_file not in names  # replaced by the new snapshot
+    assert len(names) == 1
+
+
+def test_user_message_is_durable_when_generation_crashes(kvhome: Path):
+    service = ChatService(Settings(temperature=0, max_tokens=24, n_ctx=1024))
+    session = service.new_session()
+
+    def crash(_piece: str) -> None:
+        raise RuntimeError("the UI died mid-reply")
+
+    with pytest.raises(RuntimeError):
+        service.send(session.id, "Write a haiku about tea.", on_token=crash)
+    service.store.close()
+
+    reopened = ChatService(Settings())
+    messages = reopened.messages(session.id)
+    assert [(m.role, m.content) for m in messages] == [("user", "Write a haiku about tea.")]
+    reopened.close()
+
+
+def test_cancel_keeps_the_partial_reply_marked_and_resumes_hot(kvhome: Path):
+    service = ChatService(Settings(temperature=0, max_tokens=64, n_ctx=1024))
+    session = service.new_session()
+    pieces: list[str] = []
+    report = service.send(
+        session.id, "Count from one to twenty in words.",
+        on_token=pieces.append, cancel=lambda: len(pieces) >= 5,
+    )
+    assert report.finish_reason == "cancelled"
+    assert report.tokens.generated == 5
+    stored = service.messages(session.id)[-1]
+    assert stored.role == "assistant" and stored.partial and stored.content == report.reply
+    assert report.snapshot.bytes > 0
+
+    follow = service.send(session.id, "Go on.")
+    assert follow.restore.source == "hot"
+    assert follow.tokens.reused == follow.restore.tokens
+    assert follow.tokens.decoded < 32
+    service.close()
+
+
+def test_regenerate_reuses_the_whole_prompt(kvhome: Path):
+    service = ChatService(Settings(temperature=0, max_tokens=16, n_ctx=1024))
+    session = service.new_session()
+    first = service.send(session.id, "Name a colour.")
+    again = service.regenerate(session.id)
+    assert again.restore.source == "hot"
+    assert again.tokens.decoded == 2  # never one token alone (see Engine.prefill)
+    assert again.tokens.reused == again.tokens.prompt - 2
+    assert again.reply == first.reply  # greedy: the same reply again
+    assert [m.role for m in service.messages(session.id)] == ["user", "assistant"]
+    service.close()
+
+
+def test_orphans_are_removed_and_referenced_files_kept(one_turn_home, copy_home, monkeypatch):
+    home = copy_home(one_turn_home[0], "orphans")
+    snapshots = home / "snapshots"
+    (kept,) = [p.name for p in snapshots.iterdir()]
+    stale = snapshots / "deadbeef-1.kvs"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    fresh = snapshots / "deadbeef-2.kvs"  # may be another process's, between rename and commit
+    fresh.write_bytes(b"x")
+    torn = snapshots / "cafe-3.kvs.999999999.tmp"  # no such pid: its writer is dead
+    torn.write_bytes(b"x")
+    monkeypatch.setenv("KVCHAT_HOME", str(home))
+    service = ChatService(Settings())
+    service.close()
+    assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, fresh.name])
+
+
+def test_private_permissions(one_turn_home):
+    home = one_turn_home[0]
+    assert (home.stat().st_mode & 0o777) == 0o700
+    assert ((home / "snapshots").stat().st_mode & 0o777) == 0o700
+    assert ((home / "kvchat.db").stat().st_mode & 0o777) == 0o600
+    for path in (home / "snapshots").iterdir():
+        assert (path.stat().st_mode & 0o777) == 0o600

@@ -1,0 +1,58 @@
+"""Export: readable Markdown, JSON an import could read back, self-contained escaped HTML."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.chat import ChatService
+from app.config import Settings
+
+EVIL = "<script>alert('x')</script> & <b>bold</b>"
+
+
+def make_session(home: Path) -> str:
+    service = ChatService(Settings())
+    session = service.new_session(title="Export <me>", system_prompt="Be brief.")
+    service.store.add_message(session.id, "user", EVIL)
+    service.store.add_message(session.id, "assistant", "```python\nprint('hi')\n```")
+    service.store.add_message(session.id, "user", "more?")
+    service.store.add_message(session.id, "assistant", "cut sho", partial=True)
+    service.close()
+    return session.id
+
+
+def test_markdown_transcript(kvhome: Path, cli):
+    session = make_session(kvhome)
+    text = cli(kvhome, "export", session).stdout
+    assert text.startswith("# Export <me>\n")
+    assert "## System\n\nBe brief." in text
+    assert "## You\n\n" + EVIL in text
+    assert "```python\nprint('hi')\n```" in text
+    assert "## Assistant _(partial)_\n\ncut sho" in text
+
+
+def test_json_has_openai_style_messages_and_metadata(kvhome: Path, cli, tmp_path: Path):
+    session = make_session(kvhome)
+    out = tmp_path / "s.json"
+    result = cli(kvhome, "export", session, "--format", "json", "-o", str(out))
+    assert f"wrote {out}" in result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["session"]["id"] == session and doc["session"]["title"] == "Export <me>"
+    assert doc["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": EVIL},
+        {"role": "assistant", "content": "```python\nprint('hi')\n```"},
+        {"role": "user", "content": "more?"},
+        {"role": "assistant", "content": "cut sho", "partial": True},
+    ]
+
+
+def test_html_is_self_contained_and_escapes_everything(kvhome: Path, cli):
+    session = make_session(kvhome)
+    page = cli(kvhome, "export", session, "--format", "html").stdout
+    assert "<script" not in page.lower()
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in page
+    assert "<title>Export &lt;me&gt;</title>" in page
+    assert "http://" not in page and "https://" not in page
+    assert page.count('class="msg ') == 5

@@ -1,0 +1,85 @@
+"""The SQLite store: migrations, sessions, messages, search."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from app.errors import KvchatError
+from app.store import Store
+from app.store.migrations import MIGRATIONS
+
+
+def test_migrations_on_an_empty_database_then_rerun(tmp_path: Path):
+    path = tmp_path / "kv.db"
+    store = Store(path)
+    assert store.applied_migrations == [m.__name__ for m in MIGRATIONS]
+    session = store.create_session("Keep me")
+    store.add_message(session.id, "user", "hello there")
+    store.close()
+
+    again = Store(path)
+    assert again.applied_migrations == []
+    assert [m.content for m in again.messages(session.id)] == ["hello there"]
+    again.close()
+
+    db = sqlite3.connect(path)
+    recorded = [r for (r,) in db.execute("SELECT name FROM _migrations ORDER BY name")]
+    assert recorded == sorted(m.__name__ for m in MIGRATIONS)
+    tables = {r for (r,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"sessions", "messages", "kv_snapshots", "messages_fts", "meta"} <= tables
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_an_interrupted_migration_runs_again(tmp_path: Path):
+    path = tmp_path / "kv.db"
+    Store(path).close()
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("DELETE FROM _migrations WHERE name = 'm003_kv_snapshots'")
+    db.close()
+    store = Store(path)
+    assert store.applied_migrations == ["m003_kv_snapshots"]
+    store.close()
+
+
+def test_sessions_resolve_by_id_or_unique_title_prefix(tmp_path: Path):
+    store = Store(tmp_path / "kv.db")
+    rust = store.create_session("Rust lifetimes")
+    store.create_session("Rust macros")
+    poem = store.create_session("Poem about 100% cotton")
+    assert store.resolve_session(rust.id) == rust
+    assert store.resolve_session("rust l").id == rust.id
+    assert store.resolve_session("Poem about 100%").id == poem.id
+    with pytest.raises(KvchatError, match="matches 2 sessions"):
+        store.resolve_session("Rust")
+    with pytest.raises(KvchatError, match="no session matches"):
+        store.resolve_session("Python")
+
+
+def test_full_text_search_finds_messages_across_sessions(tmp_path: Path):
+    store = Store(tmp_path / "kv.db")
+    a = store.create_session("A")
+    b = store.create_session("B")
+    store.add_message(a.id, "user", "How do volcanoes erupt?")
+    store.add_message(b.id, "assistant", "A volcano erupts when magma rises.")
+    store.add_message(b.id, "user", "Tell me about glaciers")
+    hits = store.search("volcano")
+    assert {h.message.session_id for h in hits} == {a.id, b.id}  # porter stemming
+    assert all("[" in h.snippet for h in hits)
+    assert store.search('magma "rises') and store.search("") == []
+
+
+def test_delete_session_removes_its_messages_and_snapshot_row(tmp_path: Path):
+    store = Store(tmp_path / "kv.db")
+    doomed = store.create_session("Doomed")
+    kept = store.create_session("Kept")
+    store.add_message(doomed.id, "user", "bye")
+    store.add_message(kept.id, "user", "stay")
+    store.delete_session(doomed.id)
+    assert [s.session.id for s in store.list_sessions()] == [kept.id]
+    assert store.search("bye") == []
+    assert [m.content for m in store.messages(kept.id)] == ["stay"]
