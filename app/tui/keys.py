@@ -1,0 +1,72 @@
+"""Every key of the app in one table: bindings, the help screen, the command palette
+and KEYS.md are all made from it, so they cannot disagree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+
+@dataclass(frozen=True)
+class Key:
+    keys: str  # Textual key names, comma-separated; "" for keys handled by a widget
+    label: str  # how the help screen and KEYS.md show the key
+    action: str | None  # app action name; None for keys a widget handles itself
+    description: str
+    footer: str | None = None  # short footer label; None keeps it out of the footer
+    palette: bool = True  # listed in the command palette
+
+
+KEYS: tuple[Key, ...] = (
+    Key("", "Enter", None, "Send the message", palette=False),
+    Key("", "Ctrl+J / Shift+Enter", None, "Insert a new line in the message", palette=False),
+    Key("escape", "Esc", "cancel", "Stop the reply being generated (the partial reply is kept)",
+        footer="Stop"),
+    Key("ctrl+n", "Ctrl+N", "new_session", "New session", footer="New"),
+    Key("f2", "F2", "rename", "Rename the session", footer="Rename"),
+    Key("f8", "F8", "delete", "Delete the session (asks first)"),
+    Key("ctrl+f", "Ctrl+F", "search", "Search all messages and jump to a hit", footer="Search"),
+    Key("ctrl+s", "Ctrl+S", "export", "Export the session (Markdown, JSON or HTML)",
+        footer="Export"),
+    Key("ctrl+g", "Ctrl+G", "settings", "Session settings: system prompt and sampling"),
+    Key("ctrl+r", "Ctrl+R", "regenerate", "Regenerate the last reply"),
+    Key("ctrl+o", "Ctrl+O", "copy_message", "Copy the selected message (or the last reply)"),
+    Key("ctrl+b", "Ctrl+B", "copy_code", "Copy a code block (of the selected message, or any)"),
+    Key("ctrl+l", "Ctrl+L", "focus_sessions", "Go to the sessions list (Enter opens a session)"),
+    Key("", "Tab / Shift+Tab", None, "Move between the input, the sessions and the messages",
+        palette=False),
+    Key("", "c / b (on a message)", None, "Copy that message / one of its code blocks",
+        palette=False),
+    Key("f1", "F1", "help", "Show every key", footer="Help"),
+    Key("ctrl+p", "Ctrl+P", None, "Command palette: every action by name", palette=False),
+    Key("ctrl+q", "Ctrl+Q", "app.quit", "Quit (saves the open session's memory first)",
+        footer="Quit"),
+)
+
+
+def bindings() -> list[Binding]:
+    """The app's bindings; Ctrl+Q is a priority binding so no widget can swallow it."""
+    out: list[Binding] = []
+    for key in KEYS:
+        if not key.keys or not key.action:
+            continue
+        out.append(
+            Binding(
+                key.keys,
+                key.action,
+                key.footer or key.description,
+                show=key.footer is not None,
+                priority=key.action == "app.quit",
+                id=key.action,
+                tooltip=key.description,
+            )
+        )
+    return out
+
+
+def keys_markdown() -> str:
+    """The key reference as a Markdown table (KEYS.md and the README)."""
+    rows = ["| Key | Action |", "| --- | --- |"]
+    rows += [f"| {k.label} | {k.description} |" for k in KEYS]
+    return "\n".join(rows) + "\n"

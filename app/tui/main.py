@@ -1,0 +1,550 @@
+"""The main screen: sessions, conversation, input and status, wired to ChatService.
+
+Every call that touches the model goes to the app's engine thread; store reads and
+store-only writes go to its store thread. The UI thread only awaits their results.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.widgets import Footer
+
+from app.chat import SESSION_SETTINGS, ChatService, TurnReport
+from app.errors import KvchatError
+from app.kvcache import RestoreResult
+from app.store import Message, SearchHit
+from app.tui.format import code_blocks, restore_phrase, shorten, slug
+from app.tui.keys import bindings
+from app.tui.screens.dialogs import (
+    CodePickerDialog,
+    ConfirmDialog,
+    ExportDialog,
+    ExportRequest,
+    SessionSettings,
+    SettingsDialog,
+    TextDialog,
+)
+from app.tui.screens.help import HelpScreen
+from app.tui.screens.search import SearchScreen
+from app.tui.widgets.conversation import Conversation, MessageView
+from app.tui.widgets.prompt import PromptInput
+from app.tui.widgets.sidebar import SessionItem, SessionList, SessionRow
+from app.tui.widgets.status import StatusBar
+
+if TYPE_CHECKING:
+    from app.tui.app import KvchatApp
+
+# Streamed tokens are buffered by the engine thread and drawn this often.
+FLUSH_HZ = 25
+READY_PLACEHOLDER = "Message (Enter sends · Ctrl+J new line · F1 keys)"
+LOADING_PLACEHOLDER = "Loading the model… (you can type already)"
+
+
+@dataclass
+class ActiveTurn:
+    """A reply being generated: the engine thread appends to ``sink``; the UI drains it."""
+
+    kind: str  # "send" or "regenerate"
+    session_id: str | None
+    text: str | None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    sink: deque[str] = field(default_factory=deque)
+    view: MessageView | None = None
+    pieces: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class MainScreen(Screen[None]):
+    BINDINGS = bindings()
+
+    def __init__(self) -> None:
+        super().__init__(id="main-screen")
+        self.session_id: str | None = None
+        self.ready = False
+        self.turn: ActiveTurn | None = None
+        self.last_turn: ActiveTurn | None = None
+        self.last_report: TurnReport | None = None
+        self.last_restore: RestoreResult | None = None
+        self.last_switch_ms: float | None = None
+        self._flusher: Timer | None = None
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    @property
+    def kv_app(self) -> KvchatApp:
+        return self.app  # type: ignore[return-value]
+
+    @property
+    def service(self) -> ChatService:
+        service = self.kv_app.service
+        assert service is not None
+        return service
+
+    def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.kv_app.engine_thread.run(fn, *args, **kwargs)
+
+    def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.kv_app.store_thread.run(fn, *args, **kwargs)
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.query_one(Conversation)
+
+    @property
+    def sessions(self) -> SessionList:
+        return self.query_one(SessionList)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            yield SessionList(id="sessions")
+            with Vertical(id="chat"):
+                yield Conversation(id="conversation")
+                yield PromptInput(
+                    id="prompt",
+                    placeholder=LOADING_PLACEHOLDER,
+                    soft_wrap=True,
+                    show_line_numbers=False,
+                    tab_behavior="focus",
+                )
+        yield StatusBar(id="status")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.prompt.focus()
+        self.prompt.cursor_blink = self.kv_app.cursor_blink
+        self.status.set_turn("starting…", "busy")
+        self._flusher = self.set_interval(1 / FLUSH_HZ, self._flush, pause=True)
+        self.startup()
+
+    # --- start ----------------------------------------------------------------------------
+
+    @work(group="startup")
+    async def startup(self) -> None:
+        app = self.kv_app
+        if app.service is None:
+            try:
+                app.service = await self.on_engine(ChatService, app.settings)
+            except KvchatError as exc:
+                app.show_fatal("kvchat cannot open its data", str(exc))
+                return
+        service = self.service
+        last = await self.on_store(service.last_session)
+        if last is not None:
+            self.session_id = last.id
+            await self.conversation.show(await self.on_store(service.messages, last.id))
+        else:
+            await self.conversation.show([])
+        await self.refresh_sessions()
+        self.status.set_turn(f"loading model {app.model_label}…", "busy")
+        try:
+            name, n_ctx, used = await self.on_engine(self._engine_load)
+        except KvchatError as exc:
+            app.show_model_error(exc)
+            return
+        self.ready = True
+        self.status.set_model(name, n_ctx)
+        self.status.set_context(0)
+        self.prompt.placeholder = READY_PLACEHOLDER
+        self.status.set_turn("ready")
+        app.ready_at = time.perf_counter()
+        if self.session_id is not None:
+            await self._make_hot(self.session_id)
+
+    def _engine_load(self) -> tuple[str, int, int]:
+        engine = self.service.load_engine()
+        return engine.config.model_path.stem, engine.n_ctx, engine.n_tokens
+
+    # --- sessions -------------------------------------------------------------------------
+
+    async def refresh_sessions(self) -> None:
+        rows = await self.on_store(self._session_rows)
+        await self.sessions.show(rows, self.session_id)
+
+    def _session_rows(self) -> list[SessionRow]:
+        service = self.service
+        return [SessionRow(s, service.kv_location(s.session.id)) for s in service.list_sessions()]
+
+    @work(group="sidebar", exclusive=True)
+    async def request_refresh(self) -> None:
+        await self.refresh_sessions()
+
+    def _engine_make_hot(self, session_id: str) -> tuple[RestoreResult, int]:
+        result = self.service.make_hot(session_id)
+        return result, self.service.engine.n_tokens
+
+    async def _make_hot(self, session_id: str) -> None:
+        """Bring the open session's KV into the context and show where it came from."""
+        started = time.perf_counter()
+        self.status.set_memory("KV: restoring…", "busy")
+        result, used = await self.on_engine(self._engine_make_hot, session_id)
+        if session_id != self.session_id:
+            return
+        self.last_switch_ms = (time.perf_counter() - started) * 1000
+        self.last_restore = result
+        self.status.set_memory(f"KV: {restore_phrase(result)}", result.source)
+        self.status.set_context(used if result.source != "none" else 0)
+        self.request_refresh()
+
+    @on(SessionList.Selected)
+    def _session_selected(self, event: SessionList.Selected) -> None:
+        if isinstance(event.item, SessionItem):
+            self.open_session(event.item.session_id, focus_prompt=True)
+
+    @work(group="open", exclusive=True)
+    async def open_session(
+        self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
+    ) -> None:
+        """Show a session's messages, then make it hot on the engine thread."""
+        if self.turn is not None and session_id != self.session_id:
+            self.notify("A reply is being generated: press Esc to stop it first", severity="warning")
+            self.sessions.highlight(self.session_id)
+            return
+        changed = session_id != self.session_id
+        if changed or highlight is not None:
+            messages: list[Message] = await self.on_store(self.service.messages, session_id)
+            self.session_id = session_id
+            await self.conversation.show(messages)
+            self.sessions.highlight(session_id)
+        if highlight is not None:
+            self._jump_to(highlight)
+        elif focus_prompt:
+            self.prompt.focus()
+        if changed:
+            self.status.set_turn("")
+            if self.ready:
+                await self._make_hot(session_id)
+
+    def _jump_to(self, message_id: int) -> None:
+        view = self.conversation.find(message_id)
+        if view is None:
+            return
+        self.conversation.anchor(False)
+        self.conversation.scroll_to_widget(view, animate=False, top=True)
+        view.focus(scroll_visible=False)
+        view.add_class("-hit")
+        self.set_timer(4, lambda: view.remove_class("-hit"))
+
+    async def _new_session_id(self) -> str:
+        session = await self.on_store(self.service.new_session)
+        return str(session.id)
+
+    # --- turns ----------------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    def _submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
+            return
+        if not self.ready:
+            self.notify("The model is still loading; your message is kept", severity="warning")
+            return
+        if self.turn is not None:
+            self.notify("Wait for the reply, or press Esc to stop it", severity="warning")
+            return
+        self.prompt.clear()
+        self.turn = ActiveTurn("send", self.session_id, text)
+        self.run_turn(self.turn)
+
+    def action_regenerate(self) -> None:
+        if not self.ready or self.turn is not None:
+            self.notify("Wait for the model to be ready and idle", severity="warning")
+            return
+        views = self.conversation.views
+        if self.session_id is None or not views:
+            self.notify("Nothing to regenerate yet", severity="warning")
+            return
+        self.turn = ActiveTurn("regenerate", self.session_id, None)
+        self.run_turn(self.turn)
+
+    @work(group="turn")
+    async def run_turn(self, turn: ActiveTurn) -> None:
+        conversation = self.conversation
+        try:
+            if turn.session_id is None:
+                turn.session_id = self.session_id = await self._new_session_id()
+                self.request_refresh()
+            if turn.kind == "send":
+                assert turn.text is not None
+                await conversation.add(MessageView("user", turn.text))
+            else:
+                views = conversation.views
+                if views and views[-1].role == "assistant":
+                    await views[-1].remove()
+            turn.view = await conversation.add(MessageView("assistant", streaming=True))
+            turn.view.start_stream()
+            self.status.set_turn("reading the prompt…  (Esc stops)", "busy")
+            assert self._flusher is not None
+            self._flusher.resume()
+            try:
+                report, used = await self.on_engine(self._engine_turn, turn)
+            finally:
+                self._flusher.pause()
+                await self._flush()
+        except KvchatError as exc:
+            self.turn = None
+            self.status.set_turn(str(exc), "error")
+            self.notify(str(exc), severity="error", markup=False)
+            if turn.view is not None and turn.view.stream is not None:
+                await turn.view.stream.stop()
+            if turn.session_id is not None and turn.session_id == self.session_id:
+                await conversation.show(await self.on_store(self.service.messages, turn.session_id))
+            self.request_refresh()
+            return
+        self.turn = None
+        self.last_turn = turn
+        await self._finish_turn(turn, report, used)
+
+    def _engine_turn(self, turn: ActiveTurn) -> tuple[TurnReport, int]:
+        service = self.service
+        assert turn.session_id is not None
+        if turn.kind == "send":
+            assert turn.text is not None
+            report = service.send(
+                turn.session_id, turn.text, on_token=turn.sink.append, cancel=turn.cancel.is_set
+            )
+        else:
+            report = service.regenerate(
+                turn.session_id, on_token=turn.sink.append, cancel=turn.cancel.is_set
+            )
+        return report, service.engine.n_tokens
+
+    async def _flush(self) -> None:
+        """Move buffered pieces from the engine thread into the Markdown stream."""
+        turn = self.turn
+        if turn is None or turn.view is None:
+            return
+        chunks: list[str] = []
+        while turn.sink:
+            chunks.append(turn.sink.popleft())
+        if not chunks:
+            return
+        turn.pieces += len(chunks)
+        if not turn.cancel.is_set():
+            self.status.set_turn(f"generating · {turn.pieces} tokens  (Esc stops)", "busy")
+        await turn.view.write("".join(chunks))
+
+    async def _finish_turn(self, turn: ActiveTurn, report: TurnReport, used: int) -> None:
+        view = turn.view
+        assert view is not None
+        self.last_report = report
+        if report.message_id is None:
+            await view.finish(text="", message_id=None, partial=True)
+            await view.remove()
+            if report.finish_reason == "cancelled":
+                self.notify("Stopped before the first token: no reply to keep")
+        else:
+            await view.finish(text=report.reply, message_id=report.message_id, partial=report.partial)
+        self.status.set_turn(report.summary(), "warning" if report.partial else "")
+        self.status.set_context(used)
+        if report.restore.source != "hot":
+            self.last_restore = report.restore
+            self.status.set_memory(f"KV: {restore_phrase(report.restore)}", report.restore.source)
+        if report.snapshot.error:
+            self.notify(report.snapshot.error, severity="warning", markup=False)
+        self.request_refresh()
+
+    def action_cancel(self) -> None:
+        """Esc: stop the reply; the engine thread sees the flag between tokens."""
+        if self.turn is not None and not self.turn.cancel.is_set():
+            self.turn.cancel.set()
+            self.status.set_turn("stopping…", "busy")
+        elif self.focused is not self.prompt:
+            self.prompt.focus()
+
+    # --- session actions ------------------------------------------------------------------
+
+    def _idle(self, what: str) -> bool:
+        if self.turn is not None:
+            self.notify(f"Cannot {what} while a reply is generated (Esc stops it)", severity="warning")
+            return False
+        return True
+
+    def _need_session(self, what: str) -> str | None:
+        if self.session_id is None:
+            self.notify(f"No session to {what} yet: send a message first", severity="warning")
+        return self.session_id
+
+    def _title(self, session_id: str) -> str:
+        row = self.sessions.row(session_id)
+        return row.summary.session.title if row else session_id
+
+    @work(group="action")
+    async def action_new_session(self) -> None:
+        if not self._idle("start a session"):
+            return
+        session_id = await self._new_session_id()
+        await self.refresh_sessions()
+        self.open_session(session_id, focus_prompt=True)
+
+    @work(group="action")
+    async def action_rename(self) -> None:
+        session_id = self._need_session("rename")
+        if session_id is None:
+            return
+        title = await self.app.push_screen_wait(
+            TextDialog("Rename session", self._title(session_id), "a title")
+        )
+        if not title:
+            return
+        try:
+            await self.on_store(self.service.rename, session_id, title)
+        except KvchatError as exc:
+            self.notify(str(exc), severity="error", markup=False)
+            return
+        await self.refresh_sessions()
+
+    @work(group="action")
+    async def action_delete(self) -> None:
+        session_id = self._need_session("delete")
+        if session_id is None or not self._idle("delete a session"):
+            return
+        title = self._title(session_id)
+        confirmed = await self.app.push_screen_wait(
+            ConfirmDialog(
+                f"Delete “{shorten(title, 40)}”?",
+                "Its messages and its saved memory (KV snapshot) are removed for good.",
+            )
+        )
+        if not confirmed or self.turn is not None:
+            return
+        await self.on_engine(self.service.delete, session_id)
+        self.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
+        rows = await self.on_store(self._session_rows)
+        if self.session_id == session_id:
+            self.session_id = None
+            self.status.set_memory("")
+            self.status.set_turn("")
+            await self.conversation.show([])
+        await self.sessions.show(rows, self.session_id)
+        if self.session_id is None and rows:
+            self.open_session(rows[0].id)
+
+    @work(group="action")
+    async def action_search(self) -> None:
+        async def searcher(query: str) -> list[SearchHit]:
+            result: list[SearchHit] = await self.on_store(self.service.search, query)
+            return result
+
+        hit: SearchHit | None = await self.app.push_screen_wait(SearchScreen(searcher))
+        if hit is not None:
+            self.open_session(hit.message.session_id, highlight=hit.message.id)
+
+    @work(group="action")
+    async def action_export(self) -> None:
+        session_id = self._need_session("export")
+        if session_id is None:
+            return
+        request: ExportRequest | None = await self.app.push_screen_wait(
+            ExportDialog(Path.cwd(), slug(self._title(session_id)))
+        )
+        if request is None:
+            return
+        try:
+            text = await self.on_store(self.service.export, session_id, request.fmt)
+            await self.on_store(_write_text, request.path, text)
+        except (KvchatError, OSError) as exc:
+            message = f"Export failed: {getattr(exc, 'strerror', None) or exc}"
+            self.notify(message, severity="error", markup=False)
+            return
+        self.notify(f"Exported to {request.path}", markup=False)
+
+    @work(group="action")
+    async def action_settings(self) -> None:
+        session_id = self.session_id
+        if session_id is None:
+            session_id = self.session_id = await self._new_session_id()
+            await self.refresh_sessions()
+        session = await self.on_store(self.service.resolve, session_id)
+        defaults = {key: getattr(self.kv_app.settings, key) for key in SESSION_SETTINGS}
+        result: SessionSettings | None = await self.app.push_screen_wait(
+            SettingsDialog(session.system_prompt or "", dict(session.settings), defaults)
+        )
+        if result is None:
+            return
+        try:
+            await self.on_store(
+                self.service.configure,
+                session_id,
+                system_prompt=result.system_prompt,
+                settings=result.settings,
+            )
+        except KvchatError as exc:
+            self.notify(str(exc), severity="error", markup=False)
+            return
+        self.notify("Session settings saved; they apply from the next reply")
+
+    # --- copy -----------------------------------------------------------------------------
+
+    def _selected_view(self) -> MessageView | None:
+        focused = self.focused
+        if isinstance(focused, MessageView):
+            return focused
+        views = self.conversation.views
+        replies = [v for v in views if v.role == "assistant" and not v.streaming]
+        return replies[-1] if replies else (views[-1] if views else None)
+
+    def action_copy_message(self) -> None:
+        view = self._selected_view()
+        if view is None or not view.text:
+            self.notify("No message to copy", severity="warning")
+            return
+        self._copy(view.text, "message")
+
+    @work(group="action")
+    async def action_copy_code(self, view: MessageView | None = None) -> None:
+        focused = view or (self.focused if isinstance(self.focused, MessageView) else None)
+        sources = [focused] if focused is not None else self.conversation.views
+        blocks = [b for v in sources for b in code_blocks(v.text)]
+        if not blocks:
+            self.notify("No code block to copy", severity="warning")
+            return
+        if len(blocks) == 1:
+            self._copy(blocks[0], "code block")
+            return
+        picked = await self.app.push_screen_wait(CodePickerDialog(blocks[::-1]))
+        if picked is not None:
+            self._copy(picked, "code block")
+
+    def _copy(self, text: str, what: str) -> None:
+        self.app.copy_to_clipboard(text)
+        lines = text.count("\n") + 1
+        self.notify(f"Copied the {what} ({lines} line{'s' if lines != 1 else ''})")
+
+    @on(MessageView.CopyRequested)
+    def _copy_requested(self, event: MessageView.CopyRequested) -> None:
+        if event.code:
+            self.action_copy_code(event.view)
+        elif event.view.text:
+            self._copy(event.view.text, "message")
+
+    # --- other ----------------------------------------------------------------------------
+
+    def action_focus_sessions(self) -> None:
+        self.sessions.focus()
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen())
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")

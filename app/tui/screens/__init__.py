@@ -1,0 +1,1 @@
+"""Modal dialogs and the error screen."""

@@ -1,0 +1,236 @@
+"""Small modal dialogs: confirm, rename, export, session settings, code-block picker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.content import Content
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, TextArea
+from textual.widgets.option_list import Option
+
+from app.chat import SESSION_SETTINGS
+from app.export import FORMATS
+from app.tui.format import shorten
+
+FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
+
+
+class Dialog(ModalScreen[Any]):
+    """A modal box; Esc cancels (dismisses with None)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmDialog(Dialog):
+    BINDINGS = [Binding("y", "confirm", "Yes", show=False), Binding("n", "cancel", "No", show=False)]
+
+    def __init__(self, question: str, detail: str = "", yes: str = "Delete") -> None:
+        super().__init__(classes="dialog-screen")
+        self.question, self.detail, self.yes = question, detail, yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.question, classes="dialog-title", markup=False)
+            if self.detail:
+                yield Label(self.detail, classes="dialog-detail", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(f"{self.yes} (y)", variant="error", id="yes")
+                yield Button("Cancel (n)", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class TextDialog(Dialog):
+    """One line of text, e.g. a new session title."""
+
+    def __init__(self, title: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__(classes="dialog-screen")
+        self.title_text, self.value, self.placeholder = title, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title", markup=False)
+            yield Input(self.value, placeholder=self.placeholder, id="text")
+            yield Label("Enter saves · Esc cancels", classes="dialog-hint")
+
+    @on(Input.Submitted)
+    def _submit(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        self.dismiss(text or None)
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    fmt: str
+    path: Path
+
+
+class ExportDialog(Dialog):
+    """Choose a format and a path; the file name follows the format until edited."""
+
+    def __init__(self, default_dir: Path, stem: str) -> None:
+        super().__init__(classes="dialog-screen")
+        self.default_dir, self.stem = default_dir, stem
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Export session", classes="dialog-title")
+            with RadioSet(id="format"):
+                for i, fmt in enumerate(FORMATS):
+                    yield RadioButton(FORMAT_NAMES[fmt], value=i == 0, name=fmt)
+            yield Label("Save to:", classes="dialog-detail")
+            yield Input(str(self.default_dir / f"{self.stem}.md"), id="path")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Export", variant="primary", id="export")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#path", Input).focus()
+
+    @property
+    def fmt(self) -> str:
+        pressed = self.query_one(RadioSet).pressed_button
+        return pressed.name if pressed is not None and pressed.name else "md"
+
+    @on(RadioSet.Changed)
+    def _format_changed(self) -> None:
+        path_input = self.query_one("#path", Input)
+        path = Path(path_input.value)
+        if path.suffix.lstrip(".") in FORMATS:
+            path_input.value = str(path.with_suffix("." + self.fmt))
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#export")
+    def _export(self) -> None:
+        value = self.query_one("#path", Input).value.strip()
+        if not value:
+            self.notify("Choose a file to write", severity="warning")
+            return
+        self.dismiss(ExportRequest(self.fmt, Path(value).expanduser()))
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    system_prompt: str
+    settings: dict[str, Any]
+
+
+class SettingsDialog(Dialog):
+    """The session's system prompt and sampling overrides; an empty field means the default."""
+
+    BINDINGS = [Binding("ctrl+s", "save", "Save", show=False)]
+
+    def __init__(self, system_prompt: str, values: dict[str, Any], defaults: dict[str, Any]) -> None:
+        super().__init__(classes="dialog-screen")
+        self.system_prompt, self.values, self.defaults = system_prompt, values, defaults
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label("Session settings", classes="dialog-title")
+            yield Label("System prompt (empty: the app default)", classes="dialog-detail")
+            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+            with Grid(id="sampling"):
+                for key in SESSION_SETTINGS:
+                    value = self.values.get(key)
+                    default = self.defaults.get(key)
+                    yield Label(key.replace("_", " "))
+                    yield Input(
+                        "" if value is None else str(value),
+                        placeholder=f"default: {'random' if default is None else default}",
+                        id=f"set-{key}",
+                        type="integer" if key in ("max_tokens", "seed") else "number",
+                    )
+            yield Label("Ctrl+S saves · Esc cancels", classes="dialog-hint")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def action_save(self) -> None:
+        values: dict[str, Any] = {}
+        for key in SESSION_SETTINGS:
+            raw = self.query_one(f"#set-{key}", Input).value.strip()
+            if not raw:
+                continue
+            try:
+                value: float | int = int(raw) if key in ("max_tokens", "seed") else float(raw)
+            except ValueError:
+                self.notify(f"{key} must be a number", severity="error")
+                return
+            problem = _check(key, value)
+            if problem:
+                self.notify(problem, severity="error")
+                return
+            values[key] = value
+        prompt = self.query_one("#system-prompt", TextArea).text.strip()
+        self.dismiss(SessionSettings(prompt, values))
+
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _check(key: str, value: float) -> str | None:
+    if key == "temperature" and value < 0:
+        return "temperature must be 0 or more (0: greedy)"
+    if key == "top_p" and not 0 < value <= 1:
+        return "top p must be in (0, 1]"
+    if key == "max_tokens" and value < 1:
+        return "max tokens must be at least 1"
+    if key == "seed" and value < 0:
+        return "seed must be 0 or more"
+    return None
+
+
+class CodePickerDialog(Dialog):
+    """Pick one of several code blocks to copy."""
+
+    def __init__(self, blocks: list[str]) -> None:
+        super().__init__(classes="dialog-screen")
+        self.blocks = blocks
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label("Copy which code block?", classes="dialog-title")
+            yield OptionList(
+                *(
+                    Option(
+                        Content(
+                            f"{i + 1}. {shorten(b.splitlines()[0] if b else '', 60)} "
+                            f"({len(b.splitlines())} lines)"
+                        ),
+                        id=str(i),
+                    )
+                    for i, b in enumerate(self.blocks)
+                ),
+                id="blocks",
+            )
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.blocks[int(event.option.id or 0)])

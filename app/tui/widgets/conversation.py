@@ -1,0 +1,136 @@
+"""The conversation: one focusable MessageView (role line + Markdown) per message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message as TextualMessage
+from textual.widgets import Label, Markdown
+from textual.widgets._markdown import MarkdownStream
+
+from app.store import Message
+
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+WELCOME = """\
+# Welcome to kvchat
+
+Type a message below and press **Enter** to send it (**Ctrl+J** or **Shift+Enter** for a new line).
+
+kvchat keeps each conversation's memory (its KV cache) on disk, so going back to a
+session — even after a restart — does not make the model read it all again.
+The status bar shows where that memory came from on every turn.
+
+**F1** lists every key · **Ctrl+P** finds any action by name.
+"""
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (click or Tab) to copy it with ``c`` or a code block with ``b``."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy message", show=False),
+        Binding("b", "copy_code", "Copy code block", show=False),
+    ]
+
+    @dataclass
+    class CopyRequested(TextualMessage):
+        view: MessageView
+        code: bool
+
+    def __init__(
+        self,
+        role: str,
+        text: str = "",
+        *,
+        message_id: int | None = None,
+        partial: bool = False,
+        streaming: bool = False,
+    ) -> None:
+        super().__init__(classes=f"message -{role}")
+        self.role = role
+        self.text = text
+        self.message_id = message_id
+        self.partial = partial
+        self.streaming = streaming
+        self.stream: MarkdownStream | None = None
+
+    @classmethod
+    def from_message(cls, message: Message) -> MessageView:
+        return cls(message.role, message.content, message_id=message.id, partial=message.partial)
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._header(), classes="message-role")
+        yield Markdown(self.text, classes="message-body")
+
+    def _header(self) -> str:
+        name = ROLE_NAMES.get(self.role, self.role)
+        if self.streaming:
+            return f"{name} ▍"
+        if self.partial:
+            return f"{name} · partial (stopped)"
+        return name
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".message-body", Markdown)
+
+    def start_stream(self) -> MarkdownStream:
+        self.streaming = True
+        self.stream = Markdown.get_stream(self.body)
+        return self.stream
+
+    async def write(self, text: str) -> None:
+        """Append a buffered chunk of the reply being streamed."""
+        self.text += text
+        if self.stream is not None:
+            await self.stream.write(text)
+
+    async def finish(self, *, text: str, message_id: int | None, partial: bool) -> None:
+        """End the stream; ``text`` is the reply as the service committed it."""
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
+        self.streaming = False
+        self.message_id = message_id
+        self.partial = partial
+        if text != self.text:
+            self.text = text
+            await self.body.update(text)
+        self.set_class(partial, "-partial")
+        self.query_one(".message-role", Label).update(self._header())
+
+    def action_copy(self) -> None:
+        self.post_message(self.CopyRequested(self, code=False))
+
+    def action_copy_code(self) -> None:
+        self.post_message(self.CopyRequested(self, code=True))
+
+
+class Conversation(VerticalScroll):
+    """The messages of the open session; stays scrolled to the end while a reply streams."""
+
+    async def show(self, messages: list[Message]) -> None:
+        await self.remove_children()
+        if messages:
+            await self.mount_all(MessageView.from_message(m) for m in messages)
+        else:
+            await self.mount(Markdown(WELCOME, id="welcome"))
+        self.anchor()
+
+    async def add(self, view: MessageView) -> MessageView:
+        for welcome in self.query("#welcome"):
+            await welcome.remove()
+        await self.mount(view)
+        self.anchor()
+        return view
+
+    @property
+    def views(self) -> list[MessageView]:
+        return list(self.query(MessageView))
+
+    def find(self, message_id: int) -> MessageView | None:
+        return next((v for v in self.views if v.message_id == message_id), None)

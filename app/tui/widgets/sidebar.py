@@ -1,0 +1,67 @@
+"""The sessions sidebar: title, last updated, tokens and where each session's KV lives."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Label, ListItem, ListView
+
+from app.store import SessionSummary
+from app.tui.format import KV_LABELS, ago
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    summary: SessionSummary
+    kv: str  # hot / ram / disk / none
+
+    @property
+    def id(self) -> str:
+        return self.summary.session.id
+
+
+class SessionItem(ListItem):
+    def __init__(self, row: SessionRow) -> None:
+        super().__init__(classes=f"-kv-{row.kv}")
+        self.row = row
+
+    @property
+    def session_id(self) -> str:
+        return self.row.id
+
+    def compose(self) -> ComposeResult:
+        s = self.row.summary
+        yield Label(s.session.title, classes="session-title", markup=False)
+        with Horizontal(classes="session-meta"):
+            yield Label(f"{ago(s.session.updated)} · {s.tokens:,} tok", classes="session-info")
+            yield Label(KV_LABELS.get(self.row.kv, self.row.kv), classes=f"kv-badge kv-{self.row.kv}")
+
+
+class SessionList(ListView):
+    """Sessions, most recently updated first; selecting one opens it."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.rows: list[SessionRow] = []
+        self._lock = asyncio.Lock()
+
+    async def show(self, rows: list[SessionRow], current: str | None) -> None:
+        """Replace the items, keeping the open session highlighted."""
+        async with self._lock:
+            self.rows = rows
+            await self.clear()
+            await self.extend(SessionItem(row) for row in rows)
+            self.highlight(current)
+
+    def highlight(self, session_id: str | None) -> None:
+        for i, row in enumerate(self.rows):
+            if row.id == session_id:
+                self.index = i
+                return
+        self.index = None
+
+    def row(self, session_id: str) -> SessionRow | None:
+        return next((r for r in self.rows if r.id == session_id), None)

@@ -1,0 +1,67 @@
+"""The status bar: model, context gauge, how the session got its KV, and the last turn."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label
+
+from app.tui.format import gauge, shorten
+
+
+class StatusBar(Vertical):
+    """Two lines. First: model · context gauge · memory. Second: the last turn or activity."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.model_name = ""
+        self.n_ctx = 0
+        self.used = 0
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="status-top"):
+            yield Label("", id="status-model")
+            yield Label("", id="status-ctx")
+            yield Label("", id="status-memory")
+        yield Label("", id="status-turn")
+
+    def set_model(self, name: str, n_ctx: int) -> None:
+        self.model_name, self.n_ctx = name, n_ctx
+        self.query_one("#status-model", Label).update(shorten(name, 28))
+        self._show_ctx()
+
+    def set_context(self, used: int) -> None:
+        self.used = used
+        self._show_ctx()
+
+    def _show_ctx(self) -> None:
+        label = self.query_one("#status-ctx", Label)
+        if not self.n_ctx:
+            label.update("")
+            return
+        label.update(f"ctx {gauge(self.used, self.n_ctx)} {self.used:,}/{self.n_ctx:,}")
+        ratio = self.used / self.n_ctx
+        label.set_class(ratio >= 0.9, "-full")
+        label.set_class(0.7 <= ratio < 0.9, "-high")
+
+    def set_memory(self, text: str, kind: str = "") -> None:
+        """How the open session's KV got into the context (restore figures)."""
+        label = self.query_one("#status-memory", Label)
+        label.update(text)
+        for name in ("hot", "ram", "disk", "none"):
+            label.set_class(kind == name, f"-{name}")
+
+    @property
+    def memory_text(self) -> str:
+        return str(self.query_one("#status-memory", Label).content)
+
+    def set_turn(self, text: str, kind: str = "") -> None:
+        """The last turn's figures, or what the app is doing now."""
+        label = self.query_one("#status-turn", Label)
+        label.update(text)
+        for name in ("busy", "error", "warning"):
+            label.set_class(kind == name, f"-{name}")
+
+    @property
+    def turn_text(self) -> str:
+        return str(self.query_one("#status-turn", Label).content)

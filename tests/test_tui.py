@@ -1,0 +1,313 @@
+"""Pilot tests of the terminal app on the real app and the real model (SmolLM2-135M).
+
+Conversations are a few dozen tokens so the whole file runs in about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from textual.pilot import Pilot
+
+from app.chat import ChatService
+from app.config import Settings
+from app.tui.app import KvchatApp
+from app.tui.main import MainScreen
+from app.tui.screens.dialogs import ConfirmDialog, ExportDialog, TextDialog
+from app.tui.screens.error import ErrorScreen
+from app.tui.screens.help import HelpScreen
+from app.tui.screens.search import SearchScreen
+from app.tui.widgets.conversation import MessageView
+
+SIZE = (100, 30)
+
+
+@pytest.fixture
+def home(kvhome: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """conftest's private KVCHAT_HOME, and a scratch working directory for exports."""
+    monkeypatch.chdir(tmp_path)
+    return kvhome
+
+
+def make_settings(**overrides: object) -> Settings:
+    values: dict[str, object] = {"temperature": 0, "max_tokens": 24, "n_ctx": 2048, "n_threads": 2}
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def make_app(**overrides: object) -> KvchatApp:
+    return KvchatApp(make_settings(**overrides), cursor_blink=False)
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    """Poll for work the app runs in its threads and workers."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+        await asyncio.sleep(0.05)
+
+
+async def ready(app: KvchatApp) -> MainScreen:
+    main = app.main
+    await wait_until(lambda: main.ready)
+    # The reopened session is made hot right after the model loads.
+    await wait_until(lambda: main.session_id is None or main.last_restore is not None)
+    return main
+
+
+async def send(pilot: Pilot[None], main: MainScreen, text: str, timeout: float = 90) -> MessageView:
+    """Type and send a message, wait for the reply; return the reply's view."""
+    main.prompt.focus()
+    main.prompt.insert(text)
+    before = main.last_turn
+    await pilot.press("enter")
+    await wait_until(lambda: main.last_turn is not before and main.turn is None, timeout)
+    await pilot.pause()
+    return main.conversation.views[-1]
+
+
+async def quit_app(app: KvchatApp) -> None:
+    """Ctrl+Q as a key event (Pilot.press would wait for a screen that is gone)."""
+    app.simulate_key("ctrl+q")
+    await wait_until(lambda: app._closed)
+
+
+def texts(main: MainScreen) -> list[tuple[str, str]]:
+    return [(v.role, v.text) for v in main.conversation.views]
+
+
+async def test_send_stream_quit_and_resume_from_disk(home: Path) -> None:
+    """Two turns, quit, relaunch in a new app: the session reopens restored from disk."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id is None  # first run: nothing to reopen
+        reply = await send(pilot, main, "Hi! What is 2+2?")
+        assert reply.role == "assistant" and reply.text.strip()
+        assert main.last_turn is not None and main.last_turn.pieces > 0  # it streamed
+        assert reply.message_id is not None and not reply.partial
+        assert main.status.turn_text.startswith("full prefill:")
+        assert "decoded" in main.status.turn_text
+        await send(pilot, main, "And 3+3?")
+        assert main.status.turn_text.startswith("hot context, reused")
+        first_session = main.session_id
+        shown = texts(main)
+        assert [r for r, _ in shown] == ["user", "assistant", "user", "assistant"]
+        await quit_app(app)
+    assert app.return_code == 0
+
+    app2 = make_app()
+    async with app2.run_test(size=SIZE) as pilot:
+        main = await ready(app2)
+        assert main.session_id == first_session
+        assert texts(main) == shown
+        assert main.last_restore is not None and main.last_restore.source == "disk"
+        assert main.status.memory_text.startswith("KV: restored ")
+        assert "from disk in" in main.status.memory_text
+        restored = main.last_restore.tokens
+        assert main.status.used == restored > 0
+        await send(pilot, main, "And 4+4?")
+        assert main.last_report is not None
+        assert main.last_report.tokens.reused >= restored - 1
+        assert main.status.turn_text.startswith("hot context, reused")
+        assert "restored" in main.status.memory_text  # still says how the session came back
+        assert len(main.conversation.views) == 6
+        await quit_app(app2)
+
+
+async def test_escape_cancels_and_keeps_the_partial_reply(home: Path) -> None:
+    app = make_app(max_tokens=400, temperature=0.8, seed=1)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        main.prompt.insert("Write a very long story about a dragon who learns to bake bread.")
+        await pilot.press("enter")
+        await wait_until(lambda: main.turn is not None and main.turn.pieces >= 3)
+        await pilot.press("escape")
+        await wait_until(lambda: main.turn is None and main.last_turn is not None)
+        await pilot.pause()
+        report = main.last_report
+        assert report is not None and report.finish_reason == "cancelled"
+        assert report.tokens.decoded > 0 and 3 <= report.tokens.generated < 400
+        view = main.conversation.views[-1]
+        assert view.partial and view.has_class("-partial")
+        assert "partial" in str(view.query_one(".message-role").render())
+        assert "cancelled" in main.status.turn_text
+        stored = app.service.messages(main.session_id)  # type: ignore[union-attr, arg-type]
+        assert stored[-1].role == "assistant" and stored[-1].partial
+        assert stored[-1].content == view.text
+        # Regenerate replaces the partial reply with a complete one (greedy, short).
+        app.service.configure(main.session_id, settings={"max_tokens": 12})  # type: ignore[union-attr, arg-type]
+        before = main.last_turn
+        await pilot.press("ctrl+r")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await pilot.pause()
+        stored = app.service.messages(main.session_id)  # type: ignore[union-attr, arg-type]
+        assert [m.role for m in stored] == ["user", "assistant"]
+        assert main.conversation.views[-1].text == stored[-1].content
+        assert main.last_report is not None and main.last_report.tokens.generated <= 12
+
+
+async def test_sessions_new_switch_rename_delete(home: Path) -> None:
+    app = make_app(max_tokens=12)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Name a color.")
+        first = main.session_id
+        await pilot.press("ctrl+n")
+        await wait_until(lambda: main.session_id not in (None, first))
+        second = main.session_id
+        assert main.conversation.views == []
+        await send(pilot, main, "Name a fruit.")
+        await wait_until(lambda: len(main.sessions.rows) == 2)
+        assert {r.id: r.kv for r in main.sessions.rows}[second] == "hot"
+
+        # Switch back: the first session is restored from its snapshot on disk.
+        started = time.perf_counter()
+        main.open_session(first)  # what selecting it in the sidebar does
+        await wait_until(lambda: main.session_id == first and main.last_restore is not None
+                         and main.last_restore.source == "disk")
+        switch_s = time.perf_counter() - started
+        assert switch_s < 10
+        assert main.status.memory_text.startswith("KV: restored")
+        assert texts(main)[0] == ("user", "Name a color.")
+        await wait_until(lambda: {r.id: r.kv for r in main.sessions.rows}.get(first) == "hot")
+        assert {r.id: r.kv for r in main.sessions.rows}[second] == "disk"
+
+        # Rename (F2).
+        await pilot.press("f2")
+        await wait_until(lambda: isinstance(app.screen, TextDialog))
+        field = app.screen.query_one("Input")
+        field.value = ""  # type: ignore[attr-defined]
+        await pilot.press(*"Colors")
+        await pilot.press("enter")
+        await wait_until(lambda: any(r.summary.session.title == "Colors" for r in main.sessions.rows))
+        assert app.service.resolve(first).title == "Colors"  # type: ignore[union-attr]
+
+        # Delete (F8) asks first; "n" keeps it, "y" deletes it.
+        await pilot.press("f8")
+        await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
+        await pilot.press("n")
+        await wait_until(lambda: app.screen is main)
+        assert len(app.service.list_sessions()) == 2  # type: ignore[union-attr]
+        await pilot.press("f8")
+        await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
+        await pilot.press("y")
+        await wait_until(lambda: len(main.sessions.rows) == 1 and main.session_id == second)
+        assert [s.session.id for s in app.service.list_sessions()] == [second]  # type: ignore[union-attr]
+        await wait_until(lambda: texts(main) and texts(main)[0] == ("user", "Name a fruit."))
+
+
+async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) -> None:
+    # Two sessions written through the service (no model needed to store text).
+    service = ChatService(make_settings())
+    target = service.new_session("Travel")
+    service.store.add_message(target.id, "user", "Where is the Eiffel tower?")
+    service.store.add_message(target.id, "assistant", "The **Eiffel tower** is in Paris.\n\n```python\nprint('Paris')\n```")
+    other = service.new_session("Other")
+    service.store.add_message(other.id, "user", "Tell me about pancakes")
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id == other.id  # the last session reopens
+        await pilot.press("ctrl+f")
+        await wait_until(lambda: isinstance(app.screen, SearchScreen))
+        search = app.screen
+        await pilot.press(*"eiffel")
+        await wait_until(lambda: len(search.hits) == 2)  # type: ignore[attr-defined]
+        await pilot.press("down", "down", "enter")  # the second hit: the reply
+        await wait_until(lambda: main.session_id == target.id and len(main.conversation.views) == 2)
+        await pilot.pause()
+        focused = app.focused
+        assert isinstance(focused, MessageView) and focused.role == "assistant"
+        assert focused.has_class("-hit")
+
+        # Copy that message (c) and its code block (Ctrl+B: the focused message's only one).
+        await pilot.press("c")
+        assert app.clipboard.startswith("The **Eiffel tower**")
+        await pilot.press("ctrl+b")
+        await wait_until(lambda: app.clipboard == "print('Paris')")
+
+        # Export as JSON and HTML to a chosen path.
+        for fmt_index, suffix in ((1, "json"), (2, "html")):
+            await pilot.press("ctrl+s")
+            await wait_until(lambda: isinstance(app.screen, ExportDialog))
+            dialog = app.screen
+            dialog.query("RadioButton")[fmt_index].value = True  # type: ignore[attr-defined]
+            await pilot.pause()
+            path_input = dialog.query_one("#path")
+            assert path_input.value.endswith(f"travel.{suffix}")  # type: ignore[attr-defined]
+            out = tmp_path / f"out.{suffix}"
+            path_input.value = str(out)  # type: ignore[attr-defined]
+            await pilot.click("#export")
+            await wait_until(lambda: out.exists())
+        doc = json.loads((tmp_path / "out.json").read_text())
+        assert doc["session"]["title"] == "Travel"
+        assert doc["messages"][0]["content"] == "Where is the Eiffel tower?"
+        assert "<title>Travel</title>" in (tmp_path / "out.html").read_text()
+
+
+async def test_session_settings_help_and_palette(home: Path) -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await pilot.press("ctrl+g")
+        await wait_until(lambda: app.screen.__class__.__name__ == "SettingsDialog")
+        dialog = app.screen
+        dialog.query_one("#system-prompt").text = "Answer like a pirate."  # type: ignore[attr-defined]
+        dialog.query_one("#set-temperature").value = "0.2"  # type: ignore[attr-defined]
+        dialog.query_one("#set-max_tokens").value = "16"  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s")
+        await wait_until(lambda: app.screen is main)
+        assert main.session_id is not None
+        await wait_until(lambda: app.service.resolve(main.session_id).settings != {})  # type: ignore[union-attr, arg-type]
+        session = app.service.resolve(main.session_id)  # type: ignore[union-attr, arg-type]
+        assert session.system_prompt == "Answer like a pirate."
+        assert session.settings == {"temperature": 0.2, "max_tokens": 16}
+
+        await pilot.press("f1")
+        await wait_until(lambda: isinstance(app.screen, HelpScreen))
+        table = app.screen.query_one("#keys")
+        assert table.row_count >= 15  # type: ignore[attr-defined]
+        await pilot.press("escape")
+        await wait_until(lambda: app.screen is main)
+
+        await pilot.press("ctrl+p")
+        await pilot.press(*"export the session")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_until(lambda: isinstance(app.screen, ExportDialog))
+        await pilot.press("escape")
+        await wait_until(lambda: app.screen is main)
+
+
+async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model.gguf"
+    app = make_app(model=str(missing))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(lambda: isinstance(app.screen, ErrorScreen))
+        await wait_until(lambda: app.screen.query("#error-detail"))
+        screen = app.screen
+        assert "model file not found" in str(screen.query_one("#error-detail").render())
+        assert str(missing) in str(screen.query_one("#error-path").render())
+        assert "--model" in screen.query_one("#error-fix").source  # type: ignore[attr-defined]
+        app.simulate_key("q")
+        await wait_until(lambda: app._closed)
+    assert app.return_code == 0
+
+
+async def test_not_a_gguf_file_shows_an_error_screen(home: Path, tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a model")
+    app = make_app(model=str(bogus))
+    async with app.run_test(size=SIZE):
+        await wait_until(lambda: isinstance(app.screen, ErrorScreen))
+        await wait_until(lambda: app.screen.query("#error-detail"))
+        assert "not a GGUF model file" in str(app.screen.query_one("#error-detail").render())
