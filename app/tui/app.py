@@ -5,16 +5,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from textual.app import App
 from textual.screen import Screen
 
-from app.chat import ChatService
 from app.config import Settings, bundled_model_path
 from app.errors import KvchatError
 from app.tui.commands import KvchatCommands
 from app.tui.main import MainScreen
 from app.tui.screens.error import ErrorScreen
 from app.tui.threads import SerialThread
+
+if TYPE_CHECKING:
+    from app.chat import ChatService
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 

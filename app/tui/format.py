@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
-from app.kvcache import RestoreResult
+if TYPE_CHECKING:
+    from app.kvcache import RestoreResult
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)

@@ -20,10 +20,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer
 
-from app.chat import SESSION_SETTINGS, ChatService, TurnReport
 from app.errors import KvchatError
-from app.kvcache import RestoreResult
-from app.store import Message, SearchHit
 from app.tui.format import code_blocks, restore_phrase, shorten, slug
 from app.tui.keys import bindings
 from app.tui.screens.dialogs import (
@@ -43,6 +40,11 @@ from app.tui.widgets.sidebar import SessionItem, SessionList, SessionRow
 from app.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
+    # Imported lazily at run time: app.chat pulls in llama.cpp, which is not needed to
+    # paint the first screen (it is imported on the engine thread while the model loads).
+    from app.chat import ChatService, TurnReport
+    from app.kvcache import RestoreResult
+    from app.store import Message, SearchHit
     from app.tui.app import KvchatApp
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
@@ -142,7 +144,7 @@ class MainScreen(Screen[None]):
         app = self.kv_app
         if app.service is None:
             try:
-                app.service = await self.on_engine(ChatService, app.settings)
+                app.service = await self.on_engine(_open_service, app.settings)
             except KvchatError as exc:
                 app.show_fatal("kvchat cannot open its data", str(exc))
                 return
@@ -474,6 +476,8 @@ class MainScreen(Screen[None]):
             session_id = self.session_id = await self._new_session_id()
             await self.refresh_sessions()
         session = await self.on_store(self.service.resolve, session_id)
+        from app.chat import SESSION_SETTINGS
+
         defaults = {key: getattr(self.kv_app.settings, key) for key in SESSION_SETTINGS}
         result: SessionSettings | None = await self.app.push_screen_wait(
             SettingsDialog(session.system_prompt or "", dict(session.settings), defaults)
@@ -543,6 +547,13 @@ class MainScreen(Screen[None]):
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen())
+
+
+def _open_service(settings: Any) -> ChatService:
+    """Runs on the engine thread: importing app.chat loads llama.cpp's bindings."""
+    from app.chat import ChatService
+
+    return ChatService(settings)
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -15,8 +15,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, TextArea
 from textual.widgets.option_list import Option
 
-from app.chat import SESSION_SETTINGS
-from app.export import FORMATS
 from app.tui.format import shorten
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
@@ -94,7 +92,7 @@ class ExportDialog(Dialog):
         with Vertical(classes="dialog"):
             yield Label("Export session", classes="dialog-title")
             with RadioSet(id="format"):
-                for i, fmt in enumerate(FORMATS):
+                for i, fmt in enumerate(FORMAT_NAMES):
                     yield RadioButton(FORMAT_NAMES[fmt], value=i == 0, name=fmt)
             yield Label("Save to:", classes="dialog-detail")
             yield Input(str(self.default_dir / f"{self.stem}.md"), id="path")
@@ -114,7 +112,7 @@ class ExportDialog(Dialog):
     def _format_changed(self) -> None:
         path_input = self.query_one("#path", Input)
         path = Path(path_input.value)
-        if path.suffix.lstrip(".") in FORMATS:
+        if path.suffix.lstrip(".") in FORMAT_NAMES:
             path_input.value = str(path.with_suffix("." + self.fmt))
 
     @on(Input.Submitted)
@@ -143,8 +141,10 @@ class SettingsDialog(Dialog):
     BINDINGS = [Binding("ctrl+s", "save", "Save", show=False)]
 
     def __init__(self, system_prompt: str, values: dict[str, Any], defaults: dict[str, Any]) -> None:
+        """``defaults``: the app-wide value of every setting a session may override."""
         super().__init__(classes="dialog-screen")
         self.system_prompt, self.values, self.defaults = system_prompt, values, defaults
+        self.keys = tuple(defaults)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide"):
@@ -152,7 +152,7 @@ class SettingsDialog(Dialog):
             yield Label("System prompt (empty: the app default)", classes="dialog-detail")
             yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
             with Grid(id="sampling"):
-                for key in SESSION_SETTINGS:
+                for key in self.keys:
                     value = self.values.get(key)
                     default = self.defaults.get(key)
                     yield Label(key.replace("_", " "))
@@ -169,7 +169,7 @@ class SettingsDialog(Dialog):
 
     def action_save(self) -> None:
         values: dict[str, Any] = {}
-        for key in SESSION_SETTINGS:
+        for key in self.keys:
             raw = self.query_one(f"#set-{key}", Input).value.strip()
             if not raw:
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -14,12 +15,14 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from app.store import SearchHit
 from app.tui.format import shorten
+
+if TYPE_CHECKING:
+    from app.store import SearchHit
 
 _MARK = re.compile(r"\[([^\[\]]*)\]")
 
-Searcher = Callable[[str], Awaitable[list[SearchHit]]]
+Searcher = Callable[[str], Awaitable[list["SearchHit"]]]
 
 
 def hit_content(hit: SearchHit) -> Content:
@@ -38,7 +41,7 @@ def hit_content(hit: SearchHit) -> Content:
     return Content("\n").join([head, Content("").join(parts)])
 
 
-class SearchScreen(ModalScreen[SearchHit | None]):
+class SearchScreen(ModalScreen["SearchHit | None"]):
     """Type to search; Enter or ↓ goes to the results; Enter on a result jumps to it."""
 
     BINDINGS = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -11,7 +12,8 @@ from textual.message import Message as TextualMessage
 from textual.widgets import Label, Markdown
 from textual.widgets._markdown import MarkdownStream
 
-from app.store import Message
+if TYPE_CHECKING:
+    from app.store import Message
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 

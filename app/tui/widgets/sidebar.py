@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Label, ListItem, ListView
 
-from app.store import SessionSummary
 from app.tui.format import KV_LABELS, ago
+
+if TYPE_CHECKING:
+    from app.store import SessionSummary
 
 
 @dataclass(frozen=True)
