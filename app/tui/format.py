@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from app.chat import TurnReport
     from app.kvcache import RestoreResult
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
@@ -14,7 +15,7 @@ _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \
 
 
 def ago(stamp: str, now: datetime | None = None) -> str:
-    """"just now", "5 min ago", "3 h ago", "yesterday", "4 d ago" or the date."""
+    """"just now", "5m ago", "3h ago", "yesterday", "4d ago" or the date."""
     try:
         then = datetime.fromisoformat(stamp)
     except ValueError:
@@ -25,13 +26,13 @@ def ago(stamp: str, now: datetime | None = None) -> str:
     if seconds < 60:
         return "just now"
     if seconds < 3600:
-        return f"{int(seconds // 60)} min ago"
+        return f"{int(seconds // 60)}m ago"
     if seconds < 86400:
-        return f"{int(seconds // 3600)} h ago"
+        return f"{int(seconds // 3600)}h ago"
     if seconds < 2 * 86400:
         return "yesterday"
     if seconds < 7 * 86400:
-        return f"{int(seconds // 86400)} d ago"
+        return f"{int(seconds // 86400)}d ago"
     return then.date().isoformat()
 
 
@@ -48,10 +49,55 @@ def gauge(used: int, total: int, width: int = 10) -> str:
 def restore_phrase(result: RestoreResult) -> str:
     """How the open session got its KV, e.g. "restored 3,812 tokens from disk in 41 ms"."""
     if result.source in ("ram", "disk"):
-        return f"restored {result.tokens:,} tokens from {result.source} in {result.ms:,.0f} ms"
+        tier = KV_LABELS[result.source]
+        return f"restored {result.tokens:,} tokens from {tier} in {result.ms:,.0f} ms"
     if result.source == "hot":
         return f"already hot ({result.tokens:,} tokens in the context)"
     return f"no saved KV: {result.reason}" if result.reason else "no saved KV yet"
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def saved_phrase(report: TurnReport) -> str:
+    """What happened to the turn's snapshot, e.g. "saved to disk (1.7 MB, 9 ms)"."""
+    snap = report.snapshot
+    if snap.error:
+        return "not saved to disk (see the notice)"
+    if snap.bytes:
+        return f"saved to disk ({human_bytes(snap.bytes)}, {snap.ms:,.0f} ms)"
+    return "not saved yet"
+
+
+def hard_breaks(text: str) -> str:
+    """Markdown that keeps a typed message's line breaks (outside code fences)."""
+    lines = text.split("\n")
+    out: list[str] = []
+    fence: str | None = None
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith(("```", "~~~")):
+            mark = stripped[:3]
+            fence = mark if fence is None else (None if mark == fence else fence)
+            out.append(line)
+            continue
+        following = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if (
+            fence is None
+            and stripped
+            and following
+            and not following.startswith(("```", "~~~"))
+            and not line.endswith("\\")
+        ):
+            line += "\\"
+        out.append(line)
+    return "\n".join(out)
 
 
 def code_blocks(markdown: str) -> list[str]:

@@ -21,7 +21,7 @@ from textual.timer import Timer
 from textual.widgets import Footer
 
 from app.errors import KvchatError
-from app.tui.format import code_blocks, restore_phrase, shorten, slug
+from app.tui.format import code_blocks, restore_phrase, saved_phrase, shorten, slug
 from app.tui.keys import bindings
 from app.tui.screens.dialogs import (
     CodePickerDialog,
@@ -357,9 +357,16 @@ class MainScreen(Screen[None]):
             await view.finish(text=report.reply, message_id=report.message_id, partial=report.partial)
         self.status.set_turn(report.summary(), "warning" if report.partial else "")
         self.status.set_context(used)
-        if report.restore.source != "hot":
-            self.last_restore = report.restore
-            self.status.set_memory(f"KV: {restore_phrase(report.restore)}", report.restore.source)
+        restore = report.restore
+        if restore.source in ("disk", "ram"):
+            self.last_restore = restore
+            self.status.set_memory(f"KV: {restore_phrase(restore)}", restore.source)
+        elif restore.source == "none" or not (
+            self.last_restore is not None and self.last_restore.source in ("disk", "ram")
+        ):
+            # Keep showing how the session came back (after a restore); else what was saved.
+            self.last_restore = restore
+            self.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
         if report.snapshot.error:
             self.notify(report.snapshot.error, severity="warning", markup=False)
         self.request_refresh()

@@ -73,10 +73,12 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
 
     @work(exclusive=True, group="search")
     async def run_search(self, text: str) -> None:
-        if text.strip():
-            hits = await self.searcher(text)
-        else:
-            hits = []
+        await self._search(text)
+
+    async def _search(self, text: str) -> None:
+        hits = await self.searcher(text) if text.strip() else []
+        if text != self.query_one("#query", Input).value:
+            return  # typed on meanwhile: a newer search follows
         self.hits = hits
         options = self.query_one("#hits", OptionList)
         options.clear_options()
@@ -88,8 +90,8 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
             count.update(f"{len(hits)} hit{'s' if len(hits) != 1 else ''} · Enter opens · Esc closes")
 
     @on(Input.Submitted, "#query")
-    async def _submitted(self) -> None:
-        await self.workers.wait_for_complete()
+    async def _submitted(self, event: Input.Submitted) -> None:
+        await self._search(event.value)
         if len(self.hits) == 1:
             self.dismiss(self.hits[0])
         else:

@@ -12,6 +12,8 @@ from textual.message import Message as TextualMessage
 from textual.widgets import Label, Markdown
 from textual.widgets._markdown import MarkdownStream
 
+from app.tui.format import hard_breaks
+
 if TYPE_CHECKING:
     from app.store import Message
 
@@ -65,8 +67,9 @@ class MessageView(Vertical, can_focus=True):
         return cls(message.role, message.content, message_id=message.id, partial=message.partial)
 
     def compose(self) -> ComposeResult:
-        yield Label(self._header(), classes="message-role")
-        yield Markdown(self.text, classes="message-body")
+        yield Label(self._header(), classes="message-role", markup=False)
+        shown = hard_breaks(self.text) if self.role == "user" else self.text
+        yield Markdown(shown, classes="message-body")
 
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)

@@ -28,7 +28,7 @@ class SessionRow:
 
 class SessionItem(ListItem):
     def __init__(self, row: SessionRow) -> None:
-        super().__init__(classes=f"-kv-{row.kv}")
+        super().__init__()
         self.row = row
 
     @property
@@ -36,11 +36,24 @@ class SessionItem(ListItem):
         return self.row.id
 
     def compose(self) -> ComposeResult:
-        s = self.row.summary
-        yield Label(s.session.title, classes="session-title", markup=False)
+        yield Label(classes="session-title", markup=False)
         with Horizontal(classes="session-meta"):
-            yield Label(f"{ago(s.session.updated)} · {s.tokens:,} tok", classes="session-info")
-            yield Label(KV_LABELS.get(self.row.kv, self.row.kv), classes=f"kv-badge kv-{self.row.kv}")
+            yield Label(classes="session-info")
+            yield Label(classes="kv-badge")
+
+    def on_mount(self) -> None:
+        self.update_row(self.row)
+
+    def update_row(self, row: SessionRow) -> None:
+        """Show ``row`` (same session) without rebuilding the item."""
+        self.row = row
+        s = row.summary
+        self.query_one(".session-title", Label).update(s.session.title)
+        self.query_one(".session-info", Label).update(f"{ago(s.session.updated)} · {s.tokens:,} tok")
+        badge = self.query_one(".kv-badge", Label)
+        badge.update(KV_LABELS.get(row.kv, row.kv))
+        for kv in KV_LABELS:
+            badge.set_class(kv == row.kv, f"kv-{kv}")
 
 
 class SessionList(ListView):
@@ -54,9 +67,14 @@ class SessionList(ListView):
     async def show(self, rows: list[SessionRow], current: str | None) -> None:
         """Replace the items, keeping the open session highlighted."""
         async with self._lock:
+            items = list(self.query(SessionItem))
+            if [i.session_id for i in items] == [r.id for r in rows]:
+                for item, row in zip(items, rows):
+                    item.update_row(row)  # same sessions, same order: no flicker
+            else:
+                await self.clear()
+                await self.extend(SessionItem(row) for row in rows)
             self.rows = rows
-            await self.clear()
-            await self.extend(SessionItem(row) for row in rows)
             self.highlight(current)
 
     def highlight(self, session_id: str | None) -> None:

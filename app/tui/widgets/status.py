@@ -20,10 +20,10 @@ class StatusBar(Vertical):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="status-top"):
-            yield Label("", id="status-model")
+            yield Label("", id="status-model", markup=False)
             yield Label("", id="status-ctx")
-            yield Label("", id="status-memory")
-        yield Label("", id="status-turn")
+            yield Label("", id="status-memory", markup=False)
+        yield Label("", id="status-turn", markup=False)
 
     def set_model(self, name: str, n_ctx: int) -> None:
         self.model_name, self.n_ctx = name, n_ctx
