@@ -18,6 +18,8 @@ from app.engine.engine import CancelCheck, GenerationStats
 from app.errors import KvchatError
 from app.export import ExportFormat, export_session
 from app.kvcache import Fingerprint, RestoreResult, SnapshotStore
+from app.kvcache.warm import WarmTier
+from app.planner.defaults import DefaultsChoice, plan_defaults
 from app.store import Message, SearchHit, Session, SessionSummary, Store
 
 TokenCallback = Callable[[str], None]
@@ -37,9 +39,12 @@ class TokenCounts:
 
 @dataclass
 class SnapshotWrite:
-    bytes: int = 0
+    bytes: int = 0  # the snapshot's state size
     ms: float = 0.0
     error: str | None = None
+    written: int = 0  # bytes written to disk for it (only new chunks)
+    chunks_written: int = 0
+    chunks_shared: int = 0
 
 
 @dataclass
@@ -56,6 +61,11 @@ class TurnReport:
     message_id: int | None = None
     dropped_messages: int = 0
     snapshot: SnapshotWrite = field(default_factory=SnapshotWrite)
+    # Context overflow on this turn: tokens and messages moved out of the KV by a shift, or
+    # why the kept window was re-read instead (see ChatService._shift_window).
+    shifted_tokens: int = 0
+    shifted_messages: int = 0
+    window_note: str | None = None
 
     @property
     def partial(self) -> bool:
@@ -77,9 +87,17 @@ class TurnReport:
                 "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
                 "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
             },
-            "window": {"dropped_messages": self.dropped_messages},
+            "window": {
+                "dropped_messages": self.dropped_messages,
+                "shifted_messages": self.shifted_messages,
+                "shifted_tokens": self.shifted_tokens,
+                "note": self.window_note,
+            },
             "snapshot": {
                 "bytes": self.snapshot.bytes,
+                "written": self.snapshot.written,
+                "chunks_written": self.snapshot.chunks_written,
+                "chunks_shared": self.snapshot.chunks_shared,
                 "ms": round(self.snapshot.ms, 2),
                 "error": self.snapshot.error,
             },
@@ -99,8 +117,15 @@ class TurnReport:
             parts.append(f"first token {self.ttft_ms:,.0f} ms")
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s")
-        if self.dropped_messages:
+        if self.shifted_tokens:
+            parts.append(
+                f"KV shift: {self.shifted_messages} old messages ({self.shifted_tokens:,} tokens) "
+                f"left the window, {self.dropped_messages} out in all (text kept)"
+            )
+        elif self.dropped_messages:
             parts.append(f"{self.dropped_messages} old messages left the window")
+        if self.window_note:
+            parts.append(self.window_note)
         if self.finish_reason == "cancelled":
             parts.append("cancelled")
         return " · ".join(parts)
@@ -114,10 +139,19 @@ class ChatService:
         self.settings = settings
         directory = home or data_dir()
         self.store = Store(directory / "kvchat.db")
-        self.snapshots = SnapshotStore(directory / "snapshots", self.store)
+        self.snapshots = SnapshotStore(
+            directory / "snapshots",
+            self.store,
+            chunk_tokens=settings.chunk_tokens,
+            budget_bytes=int(settings.disk_cache_gib * 2**30),
+            chunked=settings.snapshot_chunks,
+        )
+        self.warm = WarmTier(settings.ram_cache_mib * 2**20)
         self.snapshots.cleanup_orphans()
         self._engine: Engine | None = None
         self._fingerprint: Fingerprint | None = None
+        # n_ctx, KV types, flash attention and GPU layers as planned (see load_engine).
+        self.plan: DefaultsChoice | None = None
         self.hot_session_id: str | None = None
         # The hot context holds KV that no snapshot has yet (e.g. a failed save).
         self._hot_dirty = False
@@ -127,8 +161,9 @@ class ChatService:
     def load_engine(self) -> Engine:
         """Load the model (idempotent); raises KvchatError for a missing or invalid file."""
         if self._engine is None:
-            s = self.settings
-            path = s.model_path()
+            path = self.settings.model_path()
+            self.plan = plan_defaults(self.settings, path)
+            s = self.plan.apply(self.settings)
             self._engine = Engine(
                 EngineConfig(
                     model_path=path,
@@ -147,6 +182,11 @@ class ChatService:
     @property
     def engine(self) -> Engine:
         return self.load_engine()
+
+    @property
+    def plan_note(self) -> str | None:
+        """The context settings chosen for this machine, one line (None before the model loads)."""
+        return self.plan.note if self.plan is not None else None
 
     @property
     def fingerprint(self) -> Fingerprint:
@@ -216,6 +256,7 @@ class ChatService:
             self._hot_dirty = False
             if self._engine is not None:
                 self._engine.clear()
+        self.warm.drop(session_id)
         self.snapshots.delete(session_id)
         self.store.delete_session(session_id)
 
@@ -226,10 +267,70 @@ class ChatService:
         return self.store.search(query)
 
     def kv_location(self, session_id: str) -> str:
-        """Where this session's KV lives now: hot, disk or none."""
+        """Where this session's KV lives now: hot, ram, disk or none."""
         if session_id == self.hot_session_id:
             return "hot"
+        if session_id in self.warm:
+            return "ram"
         return "disk" if self.store.get_snapshot(session_id) is not None else "none"
+
+    def fork(self, session_id: str, at_message: int | None = None) -> Session:
+        """A new session with this one's messages up to ``at_message`` (an id; default all).
+
+        Its KV is shared, not copied: a whole-session fork points at the same chunks; an
+        earlier fork point finds the shared prefix in the chunks on its first turn.
+        """
+        parent = self.store.get_session(session_id)
+        history = self.store.messages(session_id)
+        if at_message is not None:
+            ids = [m.id for m in history]
+            if at_message not in ids:
+                raise KvchatError(f"session {session_id} has no message {at_message}")
+            history = history[: ids.index(at_message) + 1]
+        child = self.store.create_session(
+            f"{parent.title} (fork)", parent.system_prompt, parent.settings
+        )
+        for message in history:
+            self.store.add_message(
+                child.id, message.role, message.content,
+                token_count=message.token_count, partial=message.partial,
+            )
+        row = self.store.get_snapshot(session_id)
+        if at_message is None and row is not None and row.format == "chunks":
+            row.session_id = child.id
+            row.created = ""
+            self.store.put_snapshot(row)
+        self.store.set_meta(LAST_SESSION_KEY, child.id)
+        return self.store.get_session(child.id)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
+        rows = self.store.snapshots()
+        counters = self.store.counters()
+        return {
+            "ram": {
+                "entries": len(self.warm),
+                "bytes": self.warm.bytes,
+                "budget_bytes": self.warm.budget_bytes,
+                "hits": self.warm.hits,
+                "misses": self.warm.misses,
+            },
+            "disk": {
+                "snapshots": len(rows),
+                "chunks": len(self.store.all_chunks()),
+                "bytes": self.snapshots.disk_bytes(),
+                "logical_bytes": sum(r.n_bytes for r in rows),
+                "budget_bytes": self.snapshots.budget_bytes,
+            },
+            "counters": {
+                "restores_ram": counters.get("restores_ram", 0),
+                "restores_disk": counters.get("restores_disk", 0),
+                "misses": counters.get("restore_misses", 0),
+                "tokens_restored": counters.get("tokens_restored", 0),
+                "bytes_restored": counters.get("bytes_restored", 0),
+                "bytes_written": counters.get("bytes_written", 0),
+            },
+        }
 
     # --- turns ----------------------------------------------------------------------------
 
@@ -271,8 +372,14 @@ class ChatService:
             self.store.delete_message(history[-1].id)
         return self._turn(session_id, on_token, cancel, no_restore, overrides)
 
-    def make_hot(self, session_id: str, *, no_restore: bool = False) -> RestoreResult:
-        """Bring a session's KV into the context from the best tier that has it."""
+    def make_hot(
+        self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
+    ) -> RestoreResult:
+        """Bring a session's KV into the context from the best tier that has it.
+
+        Hot (already in the context) → RAM → disk (its own snapshot, or with ``prompt``
+        the longest prefix another session's snapshot shares) → none.
+        """
         engine = self.load_engine()
         if no_restore:
             self._drop_hot()
@@ -281,14 +388,30 @@ class ChatService:
         if session_id == self.hot_session_id:
             return RestoreResult("hot", tokens=engine.n_tokens)
         self._drop_hot()
-        result = self.snapshots.restore(session_id, engine, self.fingerprint, engine.n_ctx)
+        started = time.perf_counter()
+        entry = self.warm.get(session_id, self.fingerprint.model_id)
+        if entry is not None and len(entry.tokens) <= engine.n_ctx:
+            if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
+                self.hot_session_id = session_id
+                self.store.bump_counters(
+                    restores_ram=1, tokens_restored=len(entry.tokens), bytes_restored=entry.n_bytes
+                )
+                elapsed = (time.perf_counter() - started) * 1000
+                return RestoreResult("ram", ms=elapsed, bytes=entry.n_bytes, tokens=len(entry.tokens))
+            self.warm.drop(session_id)
+        result = self.snapshots.restore(session_id, engine, self.fingerprint, prompt)
         self.hot_session_id = session_id
         return result
 
     def _drop_hot(self) -> None:
-        """Before the context is overwritten: keep unsaved KV of the hot session."""
-        if self._hot_dirty and self.hot_session_id:
-            self.save_hot()
+        """Before the context is overwritten: keep the hot session's KV (disk and RAM)."""
+        engine = self._engine
+        if self.hot_session_id and engine is not None and engine.n_tokens:
+            if self._hot_dirty:
+                self.save_hot()
+            self.warm.put(
+                self.hot_session_id, engine.tokens, engine.state_get(), self.fingerprint.model_id
+            )
         self.hot_session_id = None
 
     def save_hot(self) -> SnapshotWrite:
@@ -297,11 +420,17 @@ class ChatService:
             return SnapshotWrite()
         started = time.perf_counter()
         try:
-            row = self.snapshots.save(self.hot_session_id, self._engine, self.fingerprint)
+            saved = self.snapshots.save(self.hot_session_id, self._engine, self.fingerprint)
         except OSError as exc:
             return SnapshotWrite(error=f"could not save the KV snapshot: {exc}")
         self._hot_dirty = False
-        return SnapshotWrite(bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000)
+        return SnapshotWrite(
+            bytes=saved.row.n_bytes,
+            ms=(time.perf_counter() - started) * 1000,
+            written=saved.bytes_written,
+            chunks_written=saved.chunks_written,
+            chunks_shared=saved.chunks_shared,
+        )
 
     def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
         """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).
@@ -390,11 +519,12 @@ class ChatService:
         params = self._params(session, overrides)
         engine = self.load_engine()
         self.store.set_meta(LAST_SESSION_KEY, session_id)
-        restore = self.make_hot(session_id, no_restore=no_restore)
         history = self.store.messages(session_id)
         reserve = min(params.max_tokens, engine.n_ctx // 4)
         prompt, dropped = self._window(session, history, reserve)
+        restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
         self.hot_session_id = session_id
+        shift = self._shift_window(session, history, prompt, dropped)
         prefill = engine.prefill(prompt, cancel)
         self._hot_dirty = True
         pieces: list[str] = []
@@ -415,6 +545,9 @@ class ChatService:
             tokens_per_s=stats.tokens_per_s,
             finish_reason=stats.finish_reason,
             dropped_messages=dropped,
+            shifted_tokens=shift.tokens,
+            shifted_messages=shift.messages,
+            window_note=shift.note,
         )
         if reply.strip():
             message = self.store.add_message(
@@ -426,11 +559,60 @@ class ChatService:
             )
             report.message_id = message.id
         if engine.n_tokens >= len(prompt):
-            self._settle(session, prompt)
+            self._settle(session, prompt, dropped)
         report.snapshot = self.save_hot()
         return report
 
-    def _settle(self, session: Session, prompt: list[int]) -> int:
+    def _shift_window(
+        self, session: Session, history: list[Message], prompt: list[int], dropped: int
+    ) -> WindowShift:
+        """When old messages left the window: move them out of the KV instead of re-reading.
+
+        The context holds the rendering of some earlier window (messages ``start:``), the
+        new prompt renders messages ``dropped:``. In token space the new prompt is the held
+        rendering minus one block ``[p0, p1)`` (the messages ``start:dropped``, aligned on
+        the template's message boundaries): ``p0`` is the common prefix (the system prompt
+        and the first tokens stay) and ``p1 = p0 + (held - prompt)``, checked to line up on
+        both sides. Those positions are removed and the rest shifted down (llama.cpp's
+        context shift); the prefill then reuses the shifted KV and decodes only the new
+        turn. A model whose cache cannot shift re-reads the kept window, and says so.
+        """
+        engine = self.engine
+        held = engine.tokens
+        if not dropped or not held:
+            return WindowShift()
+        p0 = _common_prefix(held, prompt)
+        if p0 >= len(prompt) or p0 >= len(held):
+            return WindowShift()  # the context is already this window (or a prefix of it)
+        head = self._system_head(session)
+        chat = [m.as_chat() for m in history]
+        for start in range(dropped - 1, -1, -1):  # the most recent window first
+            if start and chat[start]["role"] == "assistant":
+                continue  # _window never starts a window with a reply
+            rendered = engine.chat_tokens(head + chat[start:])
+            p1 = p0 + len(rendered) - len(prompt)
+            if p1 <= p0 or p1 >= len(held):
+                continue
+            if rendered[:p0] != prompt[:p0] or rendered[p1:] != prompt[p0:]:
+                continue  # the dropped messages are not one block of tokens here
+            if held[:p1] != rendered[:p1] or held[p1] != rendered[p1]:
+                continue  # the context does not hold this rendering
+            if not engine.can_shift():
+                return WindowShift(
+                    note=f"this model's KV cache cannot be shifted: re-read the kept window "
+                    f"({len(prompt) - p0:,} tokens after the first {p0:,})"
+                )
+            n_discard = engine.shift(p0, p1)
+            if not n_discard:
+                return WindowShift(note="llama.cpp did not take back the shifted KV: "
+                                   f"re-read the kept window ({len(prompt):,} tokens)")
+            return WindowShift(tokens=n_discard, messages=dropped - start)
+        return WindowShift(
+            note="the context does not hold the messages that left the window: "
+            f"re-read the kept window ({len(prompt) - p0:,} tokens after the first {p0:,})"
+        )
+
+    def _settle(self, session: Session, prompt: list[int], dropped: int = 0) -> int:
         """Leave the context holding exactly the next turn's prompt up to the user's words.
 
         The reply is re-decoded in batches (see :meth:`Engine.settle`), followed by what
@@ -440,7 +622,8 @@ class ChatService:
         prompts for two different next messages. Returns the number of tokens decoded.
         """
         engine = self.engine
-        chat = self._system_head(session) + [m.as_chat() for m in self.store.messages(session.id)]
+        messages = self.store.messages(session.id)[dropped:]  # the window's messages
+        chat = self._system_head(session) + [m.as_chat() for m in messages]
         first = engine.chat_tokens(chat + [{"role": "user", "content": "A"}])
         second = engine.chat_tokens(chat + [{"role": "user", "content": "B"}])
         shared = 0
@@ -453,6 +636,24 @@ class ChatService:
         else:  # the template re-rendered the history differently: settle what is there
             target = engine.tokens
         return engine.settle(len(prompt), target)
+
+
+@dataclass
+class WindowShift:
+    """What a turn did when messages left the window: a KV shift, or a note why not."""
+
+    tokens: int = 0
+    messages: int = 0
+    note: str | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _title_from(text: str, limit: int = 48) -> str:

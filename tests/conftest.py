@@ -67,12 +67,29 @@ def cli() -> Callable[..., CliResult]:
     return run_cli
 
 
+# Environment that selects each snapshot format.
+SNAPSHOT_FORMATS = {"chunks": {}, "blob": {"KVCHAT_SNAPSHOT_CHUNKS": "false"}}
+
+
 @pytest.fixture(scope="session")
-def one_turn_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """A KVCHAT_HOME holding one session after one greedy turn, and that turn's report."""
-    home = tmp_path_factory.mktemp("one-turn") / "home"
-    first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
-    return home, first
+def turn_homes(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, Any]]]:
+    """Per snapshot format: a KVCHAT_HOME holding one session after one greedy turn."""
+    made: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def get(fmt: str) -> tuple[Path, dict[str, Any]]:
+        if fmt not in made:
+            home = tmp_path_factory.mktemp(f"one-turn-{fmt}") / "home"
+            env = SNAPSHOT_FORMATS[fmt]
+            made[fmt] = (home, run_cli(home, "ask", "--new", "Hi", "--json", *FAST, env=env).json)
+        return made[fmt]
+
+    return get
+
+
+@pytest.fixture
+def one_turn_home(turn_homes) -> tuple[Path, dict[str, Any]]:
+    """A KVCHAT_HOME holding one session after one greedy turn (chunked snapshots)."""
+    return turn_homes("chunks")
 
 
 @pytest.fixture

@@ -15,17 +15,24 @@ import pytest
 from app.chat import ChatService
 from app.config import Settings
 from app.kvcache.snapshots import STALL_ENV
-from tests.conftest import FAST, REPO
+from tests.conftest import FAST, REPO, SNAPSHOT_FORMATS
 
 
-def test_kill_during_snapshot_write_leaves_session_resumable(one_turn_home, copy_home, cli):
-    home = copy_home(one_turn_home[0], "killed")
-    session = one_turn_home[1]["session"]
+def snapshot_files(home: Path) -> set[str]:
+    return {str(p.relative_to(home)) for p in (home / "snapshots").rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fmt", ["chunks", "blob"])
+def test_kill_during_snapshot_write_leaves_session_resumable(turn_homes, copy_home, cli, fmt):
+    source, first = turn_homes(fmt)
+    home = copy_home(source, "killed")
+    session = first["session"]
     db = sqlite3.connect(home / "kvchat.db")
-    (old_file, old_tokens) = db.execute("SELECT path, n_tokens FROM kv_snapshots").fetchone()
+    (old_tokens,) = db.execute("SELECT n_tokens FROM kv_snapshots").fetchone()
     db.close()
+    old_files = snapshot_files(home)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
-    env.update({"KVCHAT_HOME": str(home), STALL_ENV: "60"})
+    env.update({"KVCHAT_HOME": str(home), STALL_ENV: "60", **SNAPSHOT_FORMATS[fmt]})
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "ask", "--session", session, "And then?", "--json", *FAST],
         cwd=REPO,
@@ -33,9 +40,8 @@ def test_kill_during_snapshot_write_leaves_session_resumable(one_turn_home, copy
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    snapshots = home / "snapshots"
     deadline = time.monotonic() + 120
-    while not any(p.name.endswith(".tmp") for p in snapshots.iterdir()):
+    while not any(name.endswith(".tmp") for name in snapshot_files(home)):
         assert proc.poll() is None, "kvchat exited before writing its snapshot"
         assert time.monotonic() < deadline, "no snapshot write started"
         time.sleep(0.05)
@@ -45,19 +51,25 @@ def test_kill_during_snapshot_write_leaves_session_resumable(one_turn_home, copy
 
     db = sqlite3.connect(home / "kvchat.db")
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    assert db.execute("SELECT path FROM kv_snapshots").fetchone()[0] == old_file
+    assert db.execute("SELECT n_tokens FROM kv_snapshots").fetchone()[0] == old_tokens
     roles = [r for (r,) in db.execute("SELECT role FROM messages ORDER BY id")]
     db.close()
     assert roles == ["user", "assistant", "user", "assistant"]  # the reply was committed first
 
-    resumed = cli(home, "ask", "--session", session, "Why?", "--json", *FAST).json
+    resumed = cli(
+        home, "ask", "--session", session, "Why?", "--json", *FAST, env=SNAPSHOT_FORMATS[fmt]
+    ).json
     assert resumed["restore"]["from"] == "disk"
     assert resumed["restore"]["tokens"] == old_tokens
     assert resumed["tokens"]["reused"] == old_tokens
-    names = [p.name for p in snapshots.iterdir()]
+    names = snapshot_files(home)
     assert not [n for n in names if n.endswith(".tmp")], names  # the torn write was cleaned up
-    assert old_file not in names  # replaced by the new snapshot
-    assert len(names) == 1
+    db = sqlite3.connect(home / "kvchat.db")
+    referenced = {f"snapshots/{p}" for (p,) in db.execute("SELECT path FROM kv_snapshots WHERE format='blob'")}
+    referenced |= {f"snapshots/chunks/{p}" for (p,) in db.execute("SELECT path FROM kv_chunks")}
+    assert names == referenced  # every file is indexed, every index row has its file
+    if fmt == "blob":
+        assert not old_files & names  # the old blob was replaced
 
 
 def test_user_message_is_durable_when_generation_crashes(kvhome: Path):
@@ -111,10 +123,10 @@ def test_regenerate_reuses_the_whole_prompt(kvhome: Path):
     service.close()
 
 
-def test_orphans_are_removed_and_referenced_files_kept(one_turn_home, copy_home, monkeypatch):
-    home = copy_home(one_turn_home[0], "orphans")
+def test_orphans_are_removed_and_referenced_files_kept(turn_homes, copy_home, monkeypatch):
+    home = copy_home(turn_homes("blob")[0], "orphans")
     snapshots = home / "snapshots"
-    (kept,) = [p.name for p in snapshots.iterdir()]
+    (kept,) = [p.name for p in snapshots.iterdir() if p.is_file()]
     stale = snapshots / "deadbeef-1.kvs"
     stale.write_bytes(b"x")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
@@ -125,7 +137,7 @@ def test_orphans_are_removed_and_referenced_files_kept(one_turn_home, copy_home,
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     service = ChatService(Settings())
     service.close()
-    assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, fresh.name])
+    assert sorted(p.name for p in snapshots.iterdir() if p.is_file()) == sorted([kept, fresh.name])
 
 
 def test_private_permissions(one_turn_home):
@@ -133,5 +145,10 @@ def test_private_permissions(one_turn_home):
     assert (home.stat().st_mode & 0o777) == 0o700
     assert ((home / "snapshots").stat().st_mode & 0o777) == 0o700
     assert ((home / "kvchat.db").stat().st_mode & 0o777) == 0o600
-    for path in (home / "snapshots").iterdir():
+    files = [p for p in (home / "snapshots").rglob("*") if p.is_file()]
+    assert files
+    for path in files:
         assert (path.stat().st_mode & 0o777) == 0o600
+    for path in (home / "snapshots").rglob("*"):
+        if path.is_dir():
+            assert (path.stat().st_mode & 0o777) == 0o700

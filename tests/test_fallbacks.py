@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -16,8 +17,15 @@ NEXT = "And then?"
 
 
 def snapshot_file(home: Path) -> Path:
-    (name,) = sqlite3.connect(home / "kvchat.db").execute("SELECT path FROM kv_snapshots").fetchone()
-    return home / "snapshots" / name
+    """The file holding the newest tokens' KV: the blob, or the chain's last chunk."""
+    db = sqlite3.connect(home / "kvchat.db")
+    fmt, path, keys = db.execute("SELECT format, path, chunk_keys FROM kv_snapshots").fetchone()
+    if fmt == "blob":
+        return home / "snapshots" / path
+    (chunk,) = db.execute(
+        "SELECT path FROM kv_chunks WHERE key = ?", (json.loads(keys)[-1],)
+    ).fetchone()
+    return home / "snapshots" / "chunks" / chunk
 
 
 def truncate(home: Path) -> None:
@@ -70,13 +78,15 @@ def assert_fallback_matches_baseline(cli, home, baseline_home, session, reason, 
     ],
     ids=["truncated", "flipped-byte", "missing", "foreign"],
 )
+@pytest.mark.parametrize("fmt", ["chunks", "blob"])
 def test_damaged_snapshot_falls_back_with_its_reason(
-    one_turn_home, copy_home, cli, damage, reason
+    turn_homes, copy_home, cli, damage, reason, fmt
 ):
-    home = copy_home(one_turn_home[0], "damaged")
-    baseline_home = copy_home(one_turn_home[0], "baseline")
+    source, first = turn_homes(fmt)
+    home = copy_home(source, "damaged")
+    baseline_home = copy_home(source, "baseline")
     damage(home)
-    assert_fallback_matches_baseline(cli, home, baseline_home, one_turn_home[1]["session"], reason)
+    assert_fallback_matches_baseline(cli, home, baseline_home, first["session"], reason)
 
 
 def test_snapshot_from_a_different_model_file_falls_back(tmp_path, copy_home, cli):
@@ -130,12 +140,14 @@ def test_different_kv_type_falls_back(one_turn_home, copy_home, cli):
     assert again["restore"]["from"] == "disk"
 
 
-def test_snapshot_row_and_file_disagreeing_falls_back(one_turn_home, copy_home, cli):
-    home = copy_home(one_turn_home[0], "edited-row")
-    baseline_home = copy_home(one_turn_home[0], "baseline")
+@pytest.mark.parametrize("fmt", ["chunks", "blob"])
+def test_snapshot_row_and_file_disagreeing_falls_back(turn_homes, copy_home, cli, fmt):
+    source, first = turn_homes(fmt)
+    home = copy_home(source, "edited-row")
+    baseline_home = copy_home(source, "baseline")
     db = sqlite3.connect(home / "kvchat.db")
     with db:
         db.execute("UPDATE kv_snapshots SET checksum = 'ffff' || substr(checksum, 5)")
     assert_fallback_matches_baseline(
-        cli, home, baseline_home, one_turn_home[1]["session"], "does not match its index row"
+        cli, home, baseline_home, first["session"], "does not match its index row"
     )

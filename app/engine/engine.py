@@ -157,6 +157,28 @@ class Engine:
             "n_layer": int(llama_cpp.llama_model_n_layer(model)),
         }
 
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """(layers, K width, V width) per token and layer, or None when layers differ."""
+        arch = self.metadata.get("general.architecture", "")
+        meta = self.metadata
+
+        def number(key: str) -> int | None:
+            value = meta.get(f"{arch}.{key}")
+            try:
+                return int(value) if value is not None else None
+            except ValueError:  # an array (per-layer values): not a uniform shape
+                return None
+
+        n_layer = int(llama_cpp.llama_model_n_layer(self.llm._model.model))
+        n_head = number("attention.head_count")
+        n_head_kv = number("attention.head_count_kv") or n_head
+        n_embd = number("embedding_length")
+        if not (n_head and n_head_kv and n_embd):
+            return None
+        k_dim = number("attention.key_length") or n_embd // n_head
+        v_dim = number("attention.value_length") or n_embd // n_head
+        return n_layer, n_head_kv * k_dim, n_head_kv * v_dim
+
     # --- tokens ---------------------------------------------------------------------------
 
     def _piece(self, token: int) -> str:
@@ -241,6 +263,55 @@ class Engine:
         """Drop the KV of every token from position ``n_keep`` on."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, n_keep, -1)
         self.llm.n_tokens = n_keep
+
+    def can_shift(self) -> bool:
+        """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
+        can = getattr(llama_cpp, "llama_memory_can_shift", None)
+        return True if can is None else bool(can(llama_cpp.llama_get_memory(self.ctx)))
+
+    def shift(self, start: int, end: int) -> int:
+        """Drop tokens ``[start, end)`` from the context and move the later ones down.
+
+        llama.cpp's own context shift: remove the cells, then add ``-(end - start)`` to the
+        positions after them (their K is re-rotated for RoPE). The token list is updated to
+        match. Then the cells are compacted so that cell i holds token i again (see
+        :meth:`_compact`). Returns the number of tokens dropped, or 0 when the compaction
+        failed and the context was emptied.
+        """
+        tokens = self.tokens
+        if not 0 <= start < end < len(tokens):
+            raise ValueError(f"cannot shift out [{start}, {end}) of {len(tokens)} tokens")
+        if not self.can_shift():
+            raise KvchatError("this model's KV cache cannot be shifted")
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        n_discard = end - start
+        if not llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, start, end):
+            raise KvchatError(f"llama.cpp could not remove KV positions [{start}, {end})")
+        llama_cpp.llama_memory_seq_add(mem, SEQ_ID, end, -1, -n_discard)
+        kept = tokens[:start] + tokens[end:]
+        self.llm.input_ids[: len(kept)] = kept
+        self.llm.n_tokens = len(kept)
+        return n_discard if self._compact() else 0
+
+    def _compact(self) -> bool:
+        """Apply a pending shift and put the cells back in position order.
+
+        llama.cpp re-rotates shifted K only at the next decode, and its state bytes carry
+        no pending shift, so a throwaway batch is decoded (and removed) first. Then the
+        new tokens would fill the hole the shift left, and the cells would no longer be in
+        position order (a state parser cutting by token ranges wants them in order): a
+        seq-state round trip writes the cells out in order and reads them back packed.
+        """
+        n = self.n_tokens
+        self.llm.eval([self.llm.input_ids[n - 1]] * MIN_BATCH)
+        self.truncate(n)
+        tokens = self.tokens
+        size = self.state_size()
+        buf = self.state_buffer(size)
+        if llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, SEQ_ID) != size:
+            self.clear()
+            return False
+        return self.state_set(buf, size, tokens)
 
     def generate(
         self,

@@ -1,14 +1,21 @@
-"""Whole-state snapshot files (the cold tier) and their index rows.
+"""The cold tier: snapshot files on disk, indexed in SQLite.
 
-File layout (little-endian)::
+Two formats. **Chunks** (the default): the seq state is cut into token ranges of
+``chunk_tokens`` cells (see :mod:`app.kvcache.layout`); a chunk's key hashes the
+fingerprint and every token id up to the chunk's end, so any prefix that sessions,
+forks and regenerations share is stored once, and a turn writes only the chunks that
+are new (the full ones it completed, plus the trailing partial one). **Blob**: the whole
+state in one file, used when the layout parser does not recognise the bytes.
 
-    b"KVCSNAP1"  u32 header_len  header (JSON)  i32 × n_tokens  state bytes
-
-The header repeats the index row (fingerprint, token count, state size, checksum) so a
-file can be checked against its row; the xxh3-128 checksum covers tokens and state.
-Files are written to ``<name>.<pid>.tmp``, fsynced, renamed, and only then is the row
+Files are written to ``<name>.<pid>.tmp``, fsynced, renamed, and only then are the rows
 committed, so a crash leaves the old snapshot or the new one, never a row pointing at a
-broken file. Data dir 0700, files 0600.
+broken file. A file no row points to is an orphan and is removed. Data dir 0700, files
+0600. File layouts (little-endian)::
+
+    blob:   b"KVCSNAP1" u32 header_len header(JSON) i32 × n_tokens state
+    chunk:  b"KVCCHNK1" u32 header_len header(JSON) chunk bytes
+
+Each header repeats its index row; xxh3-128 checksums cover the data.
 """
 
 from __future__ import annotations
@@ -20,26 +27,33 @@ import os
 import struct
 import time
 from array import array
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
 
 from app.engine import Engine
+from app.kvcache import layout as kvlayout
 from app.kvcache.fingerprint import Fingerprint
-from app.store import SnapshotRow, Store
+from app.store import ChunkRow, SnapshotRow, Store
 
 MAGIC = b"KVCSNAP1"
+CHUNK_MAGIC = b"KVCCHNK1"
 SUFFIX = ".kvs"
-# Unreferenced snapshot files younger than this may belong to another kvchat process that
-# renamed its file and is about to commit the row; older ones are orphans.
+CHUNK_SUFFIX = ".kvc"
+CHUNK_TOKENS = 256
+# A shared prefix shorter than this is not worth borrowing from another session.
+MIN_DONOR_TOKENS = 32
+# Unreferenced files younger than this may belong to another kvchat process that renamed
+# its file and is about to commit the row; older ones are orphans.
 ORPHAN_GRACE_S = 60.0
 # Test hook: seconds to stall halfway through writing a snapshot file, so a test can kill
 # the process mid-write deterministically.
 STALL_ENV = "KVCHAT_FAULT_STALL_SNAPSHOT_WRITE"
-
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 Source = Literal["hot", "ram", "disk", "none"]
@@ -54,6 +68,8 @@ class RestoreResult:
     bytes: int = 0
     tokens: int = 0
     reason: str | None = None
+    # Set when the KV came from another session sharing this one's prefix (a fork, an edit).
+    donor: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -62,13 +78,23 @@ class RestoreResult:
             "bytes": self.bytes,
             "tokens": self.tokens,
             "reason": self.reason,
+            "donor": self.donor,
         }
 
 
-def checksum(tokens: bytes, state: memoryview | bytes) -> str:
+@dataclass
+class SaveResult:
+    row: SnapshotRow
+    bytes_written: int
+    chunks_written: int = 0
+    chunks_shared: int = 0
+    evicted: list[str] = field(default_factory=list)
+
+
+def checksum(*parts: Any) -> str:
     h = xxhash.xxh3_128()
-    h.update(tokens)
-    h.update(state)
+    for part in parts:
+        h.update(part)
     return h.hexdigest()
 
 
@@ -90,22 +116,121 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class SnapshotStore:
-    """The cold tier: one whole-state file per session, indexed in SQLite."""
+def _write_atomically(final: Path, parts: list[Any]) -> int:
+    """Write ``parts`` to ``final`` via a fsynced temp file and a rename; returns bytes."""
+    tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    written = 0
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as fh:
+            stall = os.environ.get(STALL_ENV)
+            for index, part in enumerate(parts):
+                view = memoryview(part).cast("B")
+                if stall and index == len(parts) - 1:
+                    half = len(view) // 2
+                    fh.write(view[:half])
+                    os.fsync(fh.fileno())
+                    time.sleep(float(stall))
+                    view = view[half:]
+                    written += half
+                fh.write(view)
+                written += len(view)
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written
 
-    def __init__(self, directory: Path, store: Store) -> None:
+
+@contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap | str]:
+    """The file mapped read-only (MAP_POPULATE: no copy into Python), or why not."""
+    try:
+        fh = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        yield f"snapshot file is missing: {path}"
+        return
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 12:
+            yield f"{path.name} is not a kvchat snapshot file (bad magic)"
+            return
+        mapped = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+    try:
+        yield mapped
+    finally:
+        mapped.close()
+
+
+def _header(mapped: mmap.mmap, magic: bytes, name: str) -> tuple[dict[str, Any], int] | str:
+    if mapped[:8] != magic:
+        return f"{name} is not a kvchat snapshot file (bad magic)"
+    (header_len,) = struct.unpack("<I", mapped[8:12])
+    if 12 + header_len > len(mapped):
+        return f"snapshot file is truncated ({len(mapped)} bytes)"
+    try:
+        return json.loads(mapped[12 : 12 + header_len]), 12 + header_len
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "snapshot header is corrupt"
+
+
+class SnapshotStore:
+    """Saves and restores sessions' KV on disk, within a byte budget."""
+
+    def __init__(
+        self,
+        directory: Path,
+        store: Store,
+        *,
+        chunk_tokens: int = CHUNK_TOKENS,
+        budget_bytes: int | None = None,
+        chunked: bool = True,
+    ) -> None:
         self.directory = directory
+        self.chunk_dir = directory / "chunks"
         self.store = store
-        directory.mkdir(parents=True, exist_ok=True)
-        os.chmod(directory, 0o700)
+        self.chunk_tokens = chunk_tokens
+        self.budget_bytes = budget_bytes
+        self.chunked = chunked
+        for path in (directory, self.chunk_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
 
     # --- save -----------------------------------------------------------------------------
 
-    def save(self, session_id: str, engine: Engine, fingerprint: Fingerprint) -> SnapshotRow:
-        """Write the context's seq state and token ids, then point the session's row at it."""
+    def save(self, session_id: str, engine: Engine, fingerprint: Fingerprint) -> SaveResult:
+        """Snapshot the context as ``session_id``'s KV, replacing its previous snapshot."""
         tokens = engine.tokens
-        token_bytes = array("i", tokens).tobytes()
         state = engine.state_get()
+        previous = self.store.get_snapshot(session_id)
+        layout = self._parse(engine, state) if self.chunked else None
+        if layout is not None:
+            result = self._save_chunks(session_id, tokens, state, layout, fingerprint)
+        else:
+            result = self._save_blob(session_id, tokens, state, fingerprint)
+        if previous is not None and previous.format == "blob" and previous.path != result.row.path:
+            (self.directory / previous.path).unlink(missing_ok=True)
+        self.drop_unreferenced_chunks()
+        result.evicted = self.enforce_budget(keep=session_id)
+        self.store.bump_counters(bytes_written=result.bytes_written)
+        return result
+
+    @staticmethod
+    def _parse(engine: Engine, state: memoryview) -> kvlayout.StateLayout | None:
+        shape = engine.kv_shape()
+        if shape is None:
+            return None
+        try:
+            return kvlayout.parse(state, *shape)
+        except kvlayout.LayoutError:
+            return None
+
+    def _save_blob(
+        self, session_id: str, tokens: list[int], state: memoryview, fingerprint: Fingerprint
+    ) -> SaveResult:
+        token_bytes = array("i", tokens).tobytes()
         digest = checksum(token_bytes, state)
         header = json.dumps(
             {
@@ -118,26 +243,10 @@ class SnapshotStore:
             sort_keys=True,
         ).encode()
         name = f"{session_id}-{time.time_ns():x}{SUFFIX}"
-        final = self.directory / name
-        tmp = self.directory / f"{name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb", buffering=0) as fh:
-                fh.write(MAGIC + struct.pack("<I", len(header)) + header + token_bytes)
-                half = len(state) // 2
-                fh.write(state[:half])
-                stall = os.environ.get(STALL_ENV)
-                if stall:
-                    os.fsync(fh.fileno())
-                    time.sleep(float(stall))
-                fh.write(state[half:])
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        previous = self.store.get_snapshot(session_id)
+        written = _write_atomically(
+            self.directory / name,
+            [MAGIC + struct.pack("<I", len(header)) + header, token_bytes, state],
+        )
         row = SnapshotRow(
             session_id=session_id,
             path=name,
@@ -148,16 +257,77 @@ class SnapshotStore:
             checksum=digest,
         )
         self.store.put_snapshot(row)
-        if previous is not None and previous.path != name:
-            (self.directory / previous.path).unlink(missing_ok=True)
-        return row
+        return SaveResult(row, written)
+
+    def chunk_keys(self, fingerprint: Fingerprint, tokens: list[int]) -> list[tuple[int, int, str]]:
+        """(start, end, key) of every chunk of ``tokens``: the key hashes the whole prefix."""
+        h = xxhash.xxh3_128(json.dumps(fingerprint.to_dict(), sort_keys=True).encode())
+        token_bytes = array("i", tokens).tobytes()
+        keys = []
+        for start in range(0, len(tokens), self.chunk_tokens):
+            end = min(start + self.chunk_tokens, len(tokens))
+            h.update(token_bytes[start * 4 : end * 4])
+            keys.append((start, end, h.copy().hexdigest()))
+        return keys
+
+    def _save_chunks(
+        self,
+        session_id: str,
+        tokens: list[int],
+        state: memoryview,
+        layout: kvlayout.StateLayout,
+        fingerprint: Fingerprint,
+    ) -> SaveResult:
+        data = np.frombuffer(state, dtype=np.uint8)
+        plan = self.chunk_keys(fingerprint, tokens)
+        known = self.store.get_chunks([key for _, _, key in plan])
+        new_rows: list[ChunkRow] = []
+        written = shared = 0
+        for start, end, key in plan:
+            existing = known.get(key)
+            if existing is not None and (self.chunk_dir / existing.path).is_file():
+                shared += 1
+                continue
+            chunk = kvlayout.extract(data, layout, start, end)
+            digest = checksum(chunk)
+            header = json.dumps(
+                {"key": key, "start": start, "n_tokens": end - start, "n_bytes": len(chunk),
+                 "checksum": digest},
+                sort_keys=True,
+            ).encode()
+            name = f"{key[:2]}/{key}{CHUNK_SUFFIX}"
+            (self.chunk_dir / key[:2]).mkdir(mode=0o700, exist_ok=True)
+            written += _write_atomically(
+                self.chunk_dir / name,
+                [CHUNK_MAGIC + struct.pack("<I", len(header)) + header, chunk],
+            )
+            new_rows.append(ChunkRow(key, name, start, end - start, len(chunk), digest))
+        keys = [key for _, _, key in plan]
+        row = SnapshotRow(
+            session_id=session_id,
+            path="",
+            n_tokens=len(tokens),
+            token_ids=tokens,
+            fingerprint=fingerprint.to_dict(),
+            n_bytes=len(state),
+            checksum=checksum(json.dumps(keys).encode()),
+            format="chunks",
+            chunk_keys=keys,
+            layout=layout.describe(),
+        )
+        self.store.put_snapshot(row, new_rows)
+        return SaveResult(row, written, chunks_written=len(new_rows), chunks_shared=shared)
 
     # --- restore --------------------------------------------------------------------------
 
     def restore(
-        self, session_id: str, engine: Engine, fingerprint: Fingerprint, n_ctx: int
+        self,
+        session_id: str,
+        engine: Engine,
+        fingerprint: Fingerprint,
+        prompt: list[int] | None = None,
     ) -> RestoreResult:
-        """Validate the session's snapshot and load it into ``engine``.
+        """Load the session's own snapshot; without one, the longest prefix another has.
 
         Never raises for a bad snapshot: the result carries the reason instead, and the
         context is left empty for a full prefill.
@@ -165,99 +335,180 @@ class SnapshotStore:
         started = time.perf_counter()
         row = self.store.get_snapshot(session_id)
         if row is None:
-            return RestoreResult("none", reason="no snapshot saved for this session yet")
+            donor = self._best_donor(session_id, fingerprint, prompt, engine.n_ctx)
+            if donor is None:
+                self.store.bump_counters(restore_misses=1)
+                return RestoreResult("none", reason="no snapshot saved for this session yet")
+            row, keep = donor
+        else:
+            keep = row.n_tokens
         reason = fingerprint.mismatch(row.fingerprint)
-        if reason is None and row.n_tokens > n_ctx:
-            reason = f"snapshot holds {row.n_tokens} tokens but n_ctx is {n_ctx}"
+        if reason is None and keep > engine.n_ctx:
+            reason = f"snapshot holds {keep} tokens but n_ctx is {engine.n_ctx}"
         if reason is None:
-            reason = self._load(row, engine)
+            reason = self._load(row, engine, keep)
         if reason is not None:
             engine.clear()
+            self.store.bump_counters(restore_misses=1)
             return RestoreResult("none", reason=reason)
         elapsed = (time.perf_counter() - started) * 1000
-        self.store.touch_snapshot(session_id)
-        return RestoreResult("disk", ms=elapsed, bytes=row.n_bytes, tokens=row.n_tokens)
+        n_bytes = engine.state_size() if keep != row.n_tokens else row.n_bytes
+        self.store.touch_snapshot(row.session_id)
+        self.store.bump_counters(restores_disk=1, tokens_restored=keep, bytes_restored=n_bytes)
+        donor_id = row.session_id if row.session_id != session_id else None
+        return RestoreResult("disk", ms=elapsed, bytes=n_bytes, tokens=keep, donor=donor_id)
 
-    def _load(self, row: SnapshotRow, engine: Engine) -> str | None:
-        """Map, verify and load one snapshot file; the reason it failed, or None.
+    def _best_donor(
+        self, session_id: str, fingerprint: Fingerprint, prompt: list[int] | None, n_ctx: int
+    ) -> tuple[SnapshotRow, int] | None:
+        """The chunked snapshot sharing the longest token prefix with ``prompt``."""
+        if not prompt:
+            return None
+        best: tuple[SnapshotRow, int] | None = None
+        wanted = fingerprint.to_dict()
+        for row in self.store.snapshots():
+            if row.session_id == session_id or row.format != "chunks" or row.fingerprint != wanted:
+                continue
+            shared = 0
+            for a, b in zip(row.token_ids, prompt):
+                if a != b:
+                    break
+                shared += 1
+            shared = min(shared, n_ctx)
+            if shared >= MIN_DONOR_TOKENS and (best is None or shared > best[1]):
+                best = (row, shared)
+        return best
 
-        The file is mapped read-only with MAP_POPULATE: no copy into a Python buffer,
-        the checksum and llama.cpp both read the page cache directly.
-        """
+    def _load(self, row: SnapshotRow, engine: Engine, keep: int) -> str | None:
+        if row.format == "chunks":
+            return self._load_chunks(row, engine, keep)
+        return self._load_blob(row, engine)
+
+    def _load_blob(self, row: SnapshotRow, engine: Engine) -> str | None:
+        """Map, verify and load one blob file; the reason it failed, or None."""
         path = self.directory / row.path
-        try:
-            fh = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            return f"snapshot file is missing: {path}"
-        with fh:
-            actual = os.fstat(fh.fileno()).st_size
-            prefix = fh.read(12)
-            if len(prefix) < 12 or prefix[:8] != MAGIC:
-                return f"{path.name} is not a kvchat snapshot file (bad magic)"
-            (header_len,) = struct.unpack("<I", prefix[8:])
-            tokens_at = 12 + header_len
+        with _mapped(path) as mapped:
+            if isinstance(mapped, str):
+                return mapped
+            parsed = _header(mapped, MAGIC, path.name)
+            if isinstance(parsed, str):
+                return parsed
+            header, tokens_at = parsed
             state_at = tokens_at + 4 * row.n_tokens
             expected = state_at + row.n_bytes
-            if actual != expected:
-                return f"snapshot file is truncated or padded ({actual} of {expected} bytes)"
-            mapped = mmap.mmap(
-                fh.fileno(), actual, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ
-            )
-        try:
-            return self._load_mapped(row, engine, mapped, tokens_at, state_at)
-        finally:
-            mapped.close()
+            if len(mapped) != expected:
+                return f"snapshot file is truncated or padded ({len(mapped)} of {expected} bytes)"
+            if (
+                header.get("n_tokens") != row.n_tokens
+                or header.get("n_bytes") != row.n_bytes
+                or header.get("checksum") != row.checksum
+                or header.get("fingerprint") != row.fingerprint
+            ):
+                return "snapshot header does not match its index row"
+            token_bytes = mapped[tokens_at:state_at]
+            if token_bytes != array("i", row.token_ids).tobytes():
+                return "snapshot token ids do not match its index row"
+            state = np.frombuffer(mapped, dtype=np.uint8, count=row.n_bytes, offset=state_at)
+            try:
+                if checksum(token_bytes, state) != row.checksum:
+                    return "snapshot checksum mismatch: the file is corrupt"
+                pointer = ctypes.cast(state.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+                if not engine.state_set(pointer, row.n_bytes, row.token_ids):
+                    return "llama.cpp rejected the snapshot state"
+            finally:
+                del state
+        return None
 
-    @staticmethod
-    def _load_mapped(
-        row: SnapshotRow, engine: Engine, mapped: mmap.mmap, tokens_at: int, state_at: int
-    ) -> str | None:
-        try:
-            header = json.loads(mapped[12:tokens_at])
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return "snapshot header is corrupt"
-        if (
-            header.get("n_tokens") != row.n_tokens
-            or header.get("n_bytes") != row.n_bytes
-            or header.get("checksum") != row.checksum
-            or header.get("fingerprint") != row.fingerprint
-        ):
-            return "snapshot header does not match its index row"
-        token_bytes = mapped[tokens_at:state_at]
-        if token_bytes != array("i", row.token_ids).tobytes():
-            return "snapshot token ids do not match its index row"
-        state = np.frombuffer(mapped, dtype=np.uint8, count=row.n_bytes, offset=state_at)
-        try:
-            if checksum(token_bytes, state) != row.checksum:
-                return "snapshot checksum mismatch: the file is corrupt"
-            pointer = ctypes.cast(state.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-            if not engine.state_set(pointer, row.n_bytes, row.token_ids):
-                return "llama.cpp rejected the snapshot state"
-        finally:
-            del state
+    def _load_chunks(self, row: SnapshotRow, engine: Engine, keep: int) -> str | None:
+        """Verify the chain's chunks covering the first ``keep`` tokens, reassemble, load."""
+        if row.layout is None:
+            return "chunked snapshot has no layout"
+        if row.checksum != checksum(json.dumps(row.chunk_keys).encode()):
+            return "snapshot chunk list does not match its index row"
+        needed = row.chunk_keys[: -(-keep // self.chunk_tokens)]
+        index = self.store.get_chunks(needed)
+        missing = [key for key in needed if key not in index]
+        if missing:
+            return f"snapshot chunk {missing[0][:12]} is missing from the index"
+        with _ChunkSet() as chunks:
+            for position, key in enumerate(needed):
+                entry = index[key]
+                reason = chunks.add(self.chunk_dir / entry.path, entry, position * self.chunk_tokens)
+                if reason is not None:
+                    return reason
+            out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
+            view = np.frombuffer(out, dtype=np.uint8)
+            try:
+                size = kvlayout.assemble_into(view, row.layout, chunks.arrays, keep)
+            except kvlayout.LayoutError as exc:
+                return f"snapshot chunks do not fit together: {exc}"
+            finally:
+                del view
+        if not engine.state_set(out, size, row.token_ids[:keep]):
+            return "llama.cpp rejected the reassembled snapshot state"
         return None
 
     # --- housekeeping ---------------------------------------------------------------------
 
     def delete(self, session_id: str) -> None:
+        """Forget a session's snapshot (its text is untouched)."""
         row = self.store.get_snapshot(session_id)
         self.store.delete_snapshot(session_id)
-        if row is not None:
+        if row is not None and row.format == "blob":
             (self.directory / row.path).unlink(missing_ok=True)
+        self.drop_unreferenced_chunks()
+
+    def drop_unreferenced_chunks(self) -> int:
+        """Delete chunks no snapshot uses any more; returns bytes freed."""
+        unused = self.store.unreferenced_chunks()
+        if not unused:
+            return 0
+        self.store.delete_chunks([c.key for c in unused])
+        for chunk in unused:
+            (self.chunk_dir / chunk.path).unlink(missing_ok=True)
+        return sum(c.n_bytes for c in unused)
+
+    def disk_bytes(self) -> int:
+        """Bytes of snapshot data on disk (each shared chunk counted once)."""
+        blobs = sum(r.n_bytes for r in self.store.snapshots() if r.format == "blob")
+        return blobs + sum(c.n_bytes for c in self.store.all_chunks())
+
+    def enforce_budget(self, keep: str | None = None) -> list[str]:
+        """Evict least recently used snapshots until the disk budget holds; never text."""
+        if self.budget_bytes is None:
+            return []
+        evicted: list[str] = []
+        for row in self.store.snapshots():
+            if self.disk_bytes() <= self.budget_bytes:
+                break
+            if row.session_id == keep:
+                continue
+            self.delete(row.session_id)
+            evicted.append(row.session_id)
+        return evicted
+
+    def clear(self, session_id: str | None = None) -> int:
+        """Delete one session's snapshot, or all of them; returns how many."""
+        rows = self.store.snapshots()
+        targets = [r for r in rows if session_id is None or r.session_id == session_id]
+        for row in targets:
+            self.delete(row.session_id)
+        return len(targets)
 
     def cleanup_orphans(self) -> list[str]:
-        """Remove temp files of dead writers and snapshot files no row points to."""
+        """Remove temp files of dead writers and files no row points to."""
         referenced = self.store.snapshot_paths()
         removed: list[str] = []
         now = time.time()
-        for entry in self.directory.iterdir():
+        for entry in _walk(self.directory):
             name = entry.name
+            relative = entry.relative_to(self.chunk_dir if entry.parent != self.directory else self.directory)
             if name.endswith(".tmp"):
                 pid_text = name.rsplit(".", 2)[-2]
-                if pid_text.isdigit() and _pid_alive(int(pid_text)) and int(pid_text) != os.getpid():
+                if pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text)):
                     continue
-            elif name.endswith(SUFFIX):
-                if name in referenced or now - entry.stat().st_mtime < ORPHAN_GRACE_S:
+            elif name.endswith((SUFFIX, CHUNK_SUFFIX)):
+                if str(relative) in referenced or now - entry.stat().st_mtime < ORPHAN_GRACE_S:
                     continue
             else:
                 continue
@@ -265,5 +516,59 @@ class SnapshotStore:
             removed.append(name)
         return removed
 
-    def total_bytes(self) -> int:
-        return sum(e.stat().st_size for e in self.directory.iterdir() if e.name.endswith(SUFFIX))
+
+def _walk(directory: Path) -> Iterator[Path]:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            yield from _walk(entry)
+        else:
+            yield entry
+
+
+class _ChunkSet:
+    """Mapped, verified chunk files; unmapped on exit."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self._maps: list[mmap.mmap] = []
+
+    def __enter__(self) -> _ChunkSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.arrays.clear()
+        for mapped in self._maps:
+            try:
+                mapped.close()
+            except BufferError:  # a view still alive (an exception's frame): GC unmaps it
+                pass
+
+    def add(self, path: Path, entry: ChunkRow, start: int) -> str | None:
+        try:
+            fh = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            return f"snapshot file is missing: chunk {path.name}"
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < 12:
+                return f"snapshot chunk {path.name} is truncated"
+            mapped = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+        self._maps.append(mapped)
+        parsed = _header(mapped, CHUNK_MAGIC, path.name)
+        if isinstance(parsed, str):
+            return parsed
+        header, data_at = parsed
+        if len(mapped) != data_at + entry.n_bytes:
+            return f"snapshot chunk {path.name} is truncated or padded"
+        if (
+            header.get("key") != entry.key
+            or header.get("n_bytes") != entry.n_bytes
+            or header.get("checksum") != entry.checksum
+            or entry.start != start
+        ):
+            return f"snapshot chunk {path.name} does not match its index row"
+        data = np.frombuffer(mapped, dtype=np.uint8, count=entry.n_bytes, offset=data_at)
+        if checksum(data) != entry.checksum:
+            return f"snapshot chunk checksum mismatch: {path.name} is corrupt"
+        self.arrays.append(data)
+        return None

@@ -79,10 +79,38 @@ def m003_kv_snapshots(db: sqlite_utils.Database) -> None:
     )
 
 
+def m004_kv_chunks(db: sqlite_utils.Database) -> None:
+    """Chunked snapshots: content-addressed token-range chunks shared between sessions."""
+    db["kv_chunks"].create(
+        {
+            "key": str,
+            "path": str,
+            "start": int,
+            "n_tokens": int,
+            "n_bytes": int,
+            "checksum": str,
+            "created": str,
+            "last_used": str,
+        },
+        pk="key",
+        not_null={"path", "start", "n_tokens", "n_bytes", "checksum"},
+        if_not_exists=True,
+    )
+    snapshots = db["kv_snapshots"]
+    columns = set(snapshots.columns_dict)
+    if "format" not in columns:
+        snapshots.add_column("format", str, not_null_default="blob")
+    if "chunk_keys" not in columns:
+        snapshots.add_column("chunk_keys", str)
+    if "layout" not in columns:
+        snapshots.add_column("layout", str)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
     m003_kv_snapshots,
+    m004_kv_chunks,
 ]
 
 

@@ -84,7 +84,9 @@ class SnapshotRow:
     checksum: str
     created: str = ""
     last_used: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    format: str = "blob"  # "blob": one file at ``path``; "chunks": ``chunk_keys`` in order
+    chunk_keys: list[str] = field(default_factory=list)
+    layout: dict[str, Any] | None = None
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -105,6 +107,9 @@ class SnapshotRow:
             "checksum": self.checksum,
             "created": self.created,
             "last_used": self.last_used,
+            "format": self.format,
+            "chunk_keys": json.dumps(self.chunk_keys) if self.format == "chunks" else None,
+            "layout": json.dumps(self.layout) if self.layout is not None else None,
         }
 
     @classmethod
@@ -119,4 +124,21 @@ class SnapshotRow:
             checksum=row["checksum"],
             created=row["created"],
             last_used=row["last_used"],
+            format=row.get("format") or "blob",
+            chunk_keys=json.loads(row["chunk_keys"]) if row.get("chunk_keys") else [],
+            layout=json.loads(row["layout"]) if row.get("layout") else None,
         )
+
+
+@dataclass
+class ChunkRow:
+    """One stored token-range chunk: cells [start, start + n_tokens) of some prefix."""
+
+    key: str
+    path: str
+    start: int
+    n_tokens: int
+    n_bytes: int
+    checksum: str
+    created: str = ""
+    last_used: str = ""
