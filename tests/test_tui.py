@@ -236,6 +236,10 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         assert app.clipboard.startswith("The **Eiffel tower**")
         await pilot.press("ctrl+b")
         await wait_until(lambda: app.clipboard == "print('Paris')")
+        # Any other key typed on a message goes to the input.
+        await pilot.press("o", "k")
+        assert main.prompt.text == "ok" and app.focused is main.prompt
+        main.prompt.clear()
 
         # A query with one hit: Enter in the search box jumps straight to it.
         await pilot.press("ctrl+f")

@@ -20,7 +20,9 @@ class Key:
 
 KEYS: tuple[Key, ...] = (
     Key("", "Enter", None, "Send the message", palette=False),
-    Key("", "Ctrl+J / Shift+Enter", None, "Insert a new line in the message", palette=False),
+    Key("", "Ctrl+J", None,
+        "Insert a new line in the message (also Shift+Enter, where the terminal reports it)",
+        palette=False),
     Key("escape", "Esc", "cancel", "Stop the reply being generated (the partial reply is kept)",
         footer="Stop"),
     Key("ctrl+n", "Ctrl+N", "new_session", "New session", footer="New"),

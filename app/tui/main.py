@@ -547,6 +547,11 @@ class MainScreen(Screen[None]):
         elif event.view.text:
             self._copy(event.view.text, "message")
 
+    @on(MessageView.TypedAhead)
+    def _typed_ahead(self, event: MessageView.TypedAhead) -> None:
+        self.prompt.focus()
+        self.prompt.insert(event.character)
+
     # --- other ----------------------------------------------------------------------------
 
     def action_focus_sessions(self) -> None:

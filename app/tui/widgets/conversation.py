@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -22,7 +23,7 @@ ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 WELCOME = """\
 # Welcome to kvchat
 
-Type a message below and press **Enter** to send it (**Ctrl+J** or **Shift+Enter** for a new line).
+Type a message below and press **Enter** to send it (**Ctrl+J** for a new line).
 
 kvchat keeps each conversation's memory (its KV cache) on disk, so going back to a
 session — even after a restart — does not make the model read it all again.
@@ -44,6 +45,12 @@ class MessageView(Vertical, can_focus=True):
     class CopyRequested(TextualMessage):
         view: MessageView
         code: bool
+
+    @dataclass
+    class TypedAhead(TextualMessage):
+        """A printable key that is not one of this widget's keys: it belongs in the input."""
+
+        character: str
 
     def __init__(
         self,
@@ -107,6 +114,12 @@ class MessageView(Vertical, can_focus=True):
             await self.body.update(text)
         self.set_class(partial, "-partial")
         self.query_one(".message-role", Label).update(self._header())
+
+    def on_key(self, event: events.Key) -> None:
+        if event.is_printable and event.character and event.key not in ("c", "b"):
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.TypedAhead(event.character))
 
     def action_copy(self) -> None:
         self.post_message(self.CopyRequested(self, code=False))

@@ -1,0 +1,43 @@
+"""The key table is the single source of the bindings, the help screen, the palette and KEYS.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.tui.app import KvchatApp
+from app.tui.format import ago, code_blocks, gauge, hard_breaks
+from app.tui.keys import KEYS, bindings, keys_markdown
+from app.tui.main import MainScreen
+
+KEYS_MD = Path(__file__).resolve().parents[1] / "app" / "tui" / "KEYS.md"
+
+
+def test_keys_md_is_generated_from_the_key_table() -> None:
+    assert keys_markdown() in KEYS_MD.read_text(encoding="utf-8")
+
+
+def test_every_bound_action_exists() -> None:
+    for binding in bindings():
+        action = binding.action
+        if action.startswith("app."):
+            assert hasattr(KvchatApp, f"action_{action[4:]}"), action
+        else:
+            assert hasattr(MainScreen, f"action_{action}"), action
+    keys = {b.key for b in bindings()}
+    assert {"escape", "ctrl+n", "f2", "f8", "ctrl+f", "ctrl+s", "ctrl+g", "ctrl+r", "f1", "ctrl+q"} <= keys
+
+
+def test_every_key_has_a_description_and_palette_actions_have_keys() -> None:
+    for key in KEYS:
+        assert key.label and key.description
+        if key.palette:
+            assert key.action and key.keys
+
+
+def test_format_helpers() -> None:
+    assert gauge(0, 100) == "▱" * 10
+    assert gauge(1, 1000) == "▰" + "▱" * 9  # anything used shows
+    assert gauge(100, 100) == "▰" * 10
+    assert ago("2020-01-01T00:00:00+00:00") == "2020-01-01"
+    assert code_blocks("x\n```py\na = 1\n```\ny\n~~~\nb\n~~~\n") == ["a = 1", "b"]
+    assert hard_breaks("a\nb\n\n```\nc\nd\n```") == "a\\\nb\n\n```\nc\nd\n```"
