@@ -40,8 +40,22 @@ def make_settings(**overrides: object) -> Settings:
     return Settings(**values)  # type: ignore[arg-type]
 
 
+_apps: list[KvchatApp] = []
+
+
 def make_app(**overrides: object) -> KvchatApp:
-    return KvchatApp(make_settings(**overrides), cursor_blink=False)
+    app = KvchatApp(make_settings(**overrides), cursor_blink=False)
+    _apps.append(app)
+    return app
+
+
+@pytest.fixture(autouse=True)
+def no_background_failures() -> object:
+    """Background work reports failures as notices; in a test any failure is a bug."""
+    _apps.clear()
+    yield
+    for app in _apps:
+        assert app.worker_errors == [], app.worker_errors
 
 
 async def wait_until(predicate: Callable[[], object], timeout: float = 60.0) -> None:

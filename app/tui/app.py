@@ -47,6 +47,8 @@ class KvchatApp(App[None]):
         self.store_thread = SerialThread("store")
         self._closing = False
         self._closed = False
+        # Failures of background work, shown as notices (tests assert it stays empty).
+        self.worker_errors: list[BaseException] = []
 
     def get_default_screen(self) -> Screen[None]:
         return MainScreen()
@@ -79,6 +81,10 @@ class KvchatApp(App[None]):
 
     # --- quit -----------------------------------------------------------------------------
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
     async def action_quit(self) -> None:
         """Stop a reply, save the hot session on the engine thread, then exit."""
         if self._closing:
@@ -99,6 +105,7 @@ class KvchatApp(App[None]):
 
     def shutdown(self) -> None:
         """Close the service if quitting did not (an exit from elsewhere), then the threads."""
+        self._closing = True
         main = self.screen_stack[0] if self.screen_stack else None
         if isinstance(main, MainScreen) and main.turn is not None:
             main.turn.cancel.set()

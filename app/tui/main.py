@@ -19,6 +19,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer
+from textual.worker import Worker, WorkerState
 
 from app.errors import KvchatError
 from app.tui.format import code_blocks, restore_phrase, saved_phrase, shorten, slug
@@ -139,12 +140,12 @@ class MainScreen(Screen[None]):
 
     # --- start ----------------------------------------------------------------------------
 
-    @work(group="startup")
+    @work(group="startup", exit_on_error=False)
     async def startup(self) -> None:
         app = self.kv_app
         if app.service is None:
             try:
-                app.service = await self.on_engine(_open_service, app.settings)
+                await self.on_engine(_open_service, app)
             except KvchatError as exc:
                 app.show_fatal("kvchat cannot open its data", str(exc))
                 return
@@ -158,7 +159,7 @@ class MainScreen(Screen[None]):
         await self.refresh_sessions()
         self.status.set_turn(f"loading model {app.model_label}…", "busy")
         try:
-            name, n_ctx, used = await self.on_engine(self._engine_load)
+            name, n_ctx, note = await self.on_engine(self._engine_load)
         except KvchatError as exc:
             app.show_model_error(exc)
             return
@@ -166,14 +167,16 @@ class MainScreen(Screen[None]):
         self.status.set_model(name, n_ctx)
         self.status.set_context(0)
         self.prompt.placeholder = READY_PLACEHOLDER
-        self.status.set_turn("ready")
+        self.status.set_turn(f"ready · {note}" if note else "ready")
         app.ready_at = time.perf_counter()
         if self.session_id is not None:
             await self._make_hot(self.session_id)
 
-    def _engine_load(self) -> tuple[str, int, int]:
+    def _engine_load(self) -> tuple[str, int, str | None]:
         engine = self.service.load_engine()
-        return engine.config.model_path.stem, engine.n_ctx, engine.n_tokens
+        # The context settings planned for this machine, where the service has a planner.
+        note = getattr(self.service, "plan_note", None)
+        return engine.config.model_path.stem, engine.n_ctx, note
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -185,7 +188,7 @@ class MainScreen(Screen[None]):
         service = self.service
         return [SessionRow(s, service.kv_location(s.session.id)) for s in service.list_sessions()]
 
-    @work(group="sidebar", exclusive=True)
+    @work(group="sidebar", exclusive=True, exit_on_error=False)
     async def request_refresh(self) -> None:
         await self.refresh_sessions()
 
@@ -211,7 +214,7 @@ class MainScreen(Screen[None]):
         if isinstance(event.item, SessionItem):
             self.open_session(event.item.session_id, focus_prompt=True)
 
-    @work(group="open", exclusive=True)
+    @work(group="open", exclusive=True, exit_on_error=False)
     async def open_session(
         self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
     ) -> None:
@@ -277,7 +280,7 @@ class MainScreen(Screen[None]):
         self.turn = ActiveTurn("regenerate", self.session_id, None)
         self.run_turn(self.turn)
 
-    @work(group="turn")
+    @work(group="turn", exit_on_error=False)
     async def run_turn(self, turn: ActiveTurn) -> None:
         conversation = self.conversation
         try:
@@ -301,15 +304,18 @@ class MainScreen(Screen[None]):
             finally:
                 self._flusher.pause()
                 await self._flush()
-        except KvchatError as exc:
+        except Exception as exc:
+            # The service committed what it could; show the store's truth, then report.
             self.turn = None
-            self.status.set_turn(str(exc), "error")
-            self.notify(str(exc), severity="error", markup=False)
+            self.status.set_turn(str(exc) or type(exc).__name__, "error")
             if turn.view is not None and turn.view.stream is not None:
                 await turn.view.stream.stop()
             if turn.session_id is not None and turn.session_id == self.session_id:
                 await conversation.show(await self.on_store(self.service.messages, turn.session_id))
             self.request_refresh()
+            if not isinstance(exc, KvchatError):
+                raise  # a bug: the worker-error handler reports it
+            self.notify(str(exc), severity="error", markup=False)
             return
         self.turn = None
         self.last_turn = turn
@@ -396,7 +402,7 @@ class MainScreen(Screen[None]):
         row = self.sessions.row(session_id)
         return row.summary.session.title if row else session_id
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_new_session(self) -> None:
         if not self._idle("start a session"):
             return
@@ -404,7 +410,7 @@ class MainScreen(Screen[None]):
         await self.refresh_sessions()
         self.open_session(session_id, focus_prompt=True)
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_rename(self) -> None:
         session_id = self._need_session("rename")
         if session_id is None:
@@ -421,7 +427,7 @@ class MainScreen(Screen[None]):
             return
         await self.refresh_sessions()
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_delete(self) -> None:
         session_id = self._need_session("delete")
         if session_id is None or not self._idle("delete a session"):
@@ -447,7 +453,7 @@ class MainScreen(Screen[None]):
         if self.session_id is None and rows:
             self.open_session(rows[0].id)
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_search(self) -> None:
         async def searcher(query: str) -> list[SearchHit]:
             result: list[SearchHit] = await self.on_store(self.service.search, query)
@@ -457,7 +463,7 @@ class MainScreen(Screen[None]):
         if hit is not None:
             self.open_session(hit.message.session_id, highlight=hit.message.id)
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_export(self) -> None:
         session_id = self._need_session("export")
         if session_id is None:
@@ -476,7 +482,7 @@ class MainScreen(Screen[None]):
             return
         self.notify(f"Exported to {request.path}", markup=False)
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_settings(self) -> None:
         session_id = self.session_id
         if session_id is None:
@@ -520,7 +526,7 @@ class MainScreen(Screen[None]):
             return
         self._copy(view.text, "message")
 
-    @work(group="action")
+    @work(group="action", exit_on_error=False)
     async def action_copy_code(self, view: MessageView | None = None) -> None:
         focused = view or (self.focused if isinstance(self.focused, MessageView) else None)
         sources = [focused] if focused is not None else self.conversation.views
@@ -552,6 +558,26 @@ class MainScreen(Screen[None]):
         self.prompt.focus()
         self.prompt.insert(event.character)
 
+    @on(Worker.StateChanged)
+    def _worker_changed(self, event: Worker.StateChanged) -> None:
+        """One place for failures of background work: a notice, never a crash."""
+        if event.state != WorkerState.ERROR or self.kv_app.closing:
+            return
+        error = event.worker.error
+        assert error is not None
+        self.kv_app.worker_errors.append(error)
+        if isinstance(error, KvchatError):
+            self.notify(str(error), severity="error", markup=False)
+        else:
+            self.log.error(f"{event.worker.name} failed", error)
+            self.notify(
+                f"Unexpected error in {event.worker.name}: {error!r}",
+                title="kvchat bug",
+                severity="error",
+                markup=False,
+                timeout=15,
+            )
+
     # --- other ----------------------------------------------------------------------------
 
     def action_focus_sessions(self) -> None:
@@ -561,11 +587,14 @@ class MainScreen(Screen[None]):
         self.app.push_screen(HelpScreen())
 
 
-def _open_service(settings: Any) -> ChatService:
-    """Runs on the engine thread: importing app.chat loads llama.cpp's bindings."""
+def _open_service(app: KvchatApp) -> None:
+    """Runs on the engine thread: importing app.chat loads llama.cpp's bindings.
+
+    Set here, not by the awaiting worker, so a quit during start still closes it.
+    """
     from app.chat import ChatService
 
-    return ChatService(settings)
+    app.service = ChatService(app.settings)
 
 
 def _write_text(path: Path, text: str) -> None:

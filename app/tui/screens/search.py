@@ -71,12 +71,16 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
     def _changed(self, event: Input.Changed) -> None:
         self.run_search(event.value)
 
-    @work(exclusive=True, group="search")
+    @work(exclusive=True, group="search", exit_on_error=False)
     async def run_search(self, text: str) -> None:
         await self._search(text)
 
     async def _search(self, text: str) -> None:
-        hits = await self.searcher(text) if text.strip() else []
+        try:
+            hits = await self.searcher(text) if text.strip() else []
+        except Exception as exc:  # noqa: BLE001 - shown to the user; the dialog stays usable
+            self.query_one("#search-count", Label).update(f"search failed: {exc}")
+            return
         if text != self.query_one("#query", Input).value:
             return  # typed on meanwhile: a newer search follows
         self.hits = hits

@@ -61,7 +61,7 @@ class MessageView(Vertical, can_focus=True):
         partial: bool = False,
         streaming: bool = False,
     ) -> None:
-        super().__init__(classes=f"message -{role}")
+        super().__init__(classes=f"message -{role}" + (" -partial" if partial else ""))
         self.role = role
         self.text = text
         self.message_id = message_id
