@@ -35,7 +35,7 @@ def home(kvhome: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def make_settings(**overrides: object) -> Settings:
-    values: dict[str, object] = {"temperature": 0, "max_tokens": 24, "n_ctx": 2048, "n_threads": 2}
+    values: dict[str, object] = {"temperature": 0, "max_tokens": 24, "n_ctx": 2048, "n_threads": 1}
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
 
