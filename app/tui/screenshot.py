@@ -39,7 +39,7 @@ async def _make(out: Path) -> None:
     from app.config import Settings
     from app.tui.app import KvchatApp
 
-    settings = Settings(temperature=0, max_tokens=160, n_ctx=4096)
+    settings = Settings(temperature=0, max_tokens=160, n_ctx=4096, n_threads=1)
     first = KvchatApp(settings, cursor_blink=False)
     async with first.run_test(size=SIZE) as pilot:
         await _wait(lambda: first.main.ready)
