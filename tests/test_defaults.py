@@ -239,7 +239,7 @@ def test_config_command_shows_values_and_sources(monkeypatch: pytest.MonkeyPatch
 
 def test_service_applies_the_plan_when_it_loads_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(defaults, "gpu_offload_supported", lambda: True)
-    service = ChatService(load_settings(vram="6GiB", n_ctx=256))
+    service = ChatService(load_settings(vram="6GiB", n_ctx=256, n_threads=1))
     try:
         engine = service.load_engine()
         assert engine.n_ctx == 256
@@ -253,6 +253,6 @@ def test_service_applies_the_plan_when_it_loads_the_model(monkeypatch: pytest.Mo
 
 
 def test_ask_prints_the_plan_on_stderr(home: Path, cli) -> None:
-    result = cli(home, "ask", "Hi", "--model", "smollm2-135m", *FAST)
+    result = cli(home, "ask", "Hi", "--model", "smollm2-135m", *FAST, "--threads", "1")
     assert "plan: CPU (no GPU found" in result.stderr
     assert "n_ctx 1,024 · KV f16 · flash attention off" in result.stderr

@@ -10,9 +10,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from tests.conftest import FAST
-
-SMALL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "256"]
+SMALL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "256", "--threads", "1"]
 # Seq-state bytes: 16 (u64 magic, u32 streams, u32 cells) + 12 per cell (pos, n_seq, seq id)
 # + 8 (v_trans, n_layer) + 30 layers × (12 for K + 12 for V) headers + KV rows per cell:
 # 30 layers × 3 KV heads × 64 dims, K and V: f16 2 B/elem, q8_0 34 B/32, q4_0 18 B/32.
@@ -56,10 +54,10 @@ def test_q8_0_session_resumes_from_disk_with_q8_0(kvhome: Path, copy_home, cli):
     assert fallback["reply"]
 
 
-def test_f16_snapshot_resumed_as_q4_0_falls_back_then_q4_0_resumes(one_turn_home, copy_home, cli):
-    home = copy_home(one_turn_home[0], "q4")
-    session = one_turn_home[1]["session"]
-    q4 = ["--kv-type", "q4_0", "--json", *FAST]
+def test_f16_snapshot_resumed_as_q4_0_falls_back_then_q4_0_resumes(kvhome: Path, cli):
+    home = kvhome
+    session = cli(home, "ask", "--new", "Hi", "--json", *SMALL).json["session"]
+    q4 = ["--kv-type", "q4_0", "--json", *SMALL]
     n_f16, bytes_f16, _ = snapshot(home, session)
     assert bytes_f16 == HEADERS + n_f16 * (12 + ROW_BYTES["f16"])  # 23,052 bytes a token
 

@@ -24,7 +24,9 @@ from app.engine.engine import SEQ_ID
 
 N_CTX = 256
 MAX_TOKENS = 24
-OVERFLOW = ["--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--n-ctx", str(N_CTX)]
+# One thread: on a shared 2-core machine llama.cpp's spinning thread barriers stall.
+OVERFLOW = ["--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--n-ctx", str(N_CTX),
+            "--threads", "1"]
 TOPICS = ["the Moon", "the ocean", "volcanoes", "glaciers", "comets", "deserts", "rivers"]
 
 
@@ -34,7 +36,7 @@ def message(i: int) -> str:
 
 
 def service(home: Path) -> ChatService:
-    settings = load_settings(n_ctx=N_CTX, temperature=0.0, max_tokens=MAX_TOKENS)
+    settings = load_settings(n_ctx=N_CTX, temperature=0.0, max_tokens=MAX_TOKENS, n_threads=1)
     return ChatService(settings, home=home)
 
 
@@ -177,7 +179,7 @@ def test_a_model_that_cannot_shift_rereads_only_the_kept_window(full_home, copy_
 def test_engine_shift_moves_positions_down_and_keeps_the_token_list():
     path = bundled_model_path()
     assert path is not None
-    engine = Engine(EngineConfig(model_path=path, n_ctx=N_CTX, n_threads=2))
+    engine = Engine(EngineConfig(model_path=path, n_ctx=N_CTX, n_threads=1))
     try:
         messages = [{"role": "user", "content": message(n)} for n in range(3)]
         tokens = engine.chat_tokens(messages)
