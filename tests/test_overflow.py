@@ -149,6 +149,13 @@ def test_shift_in_process_keeps_tokens_positions_and_cells_in_order(full_home, c
         assert llama_cpp.llama_memory_seq_pos_min(mem, SEQ_ID) == 0
         assert llama_cpp.llama_memory_seq_pos_max(mem, SEQ_ID) == engine.n_tokens - 1
         assert positions(bytes(engine.state_get())) == list(range(engine.n_tokens))
+        # A regenerate right after the shift keeps the shifted window: nothing re-read.
+        again = svc.regenerate(session)
+        assert again.restore.source == "hot"
+        assert again.dropped_messages == report.dropped_messages
+        assert again.shifted_tokens == 0 and again.window_note is None
+        assert again.tokens.prompt == report.tokens.prompt
+        assert again.tokens.decoded == 2  # the last prompt tokens again, for their logits
     finally:
         svc.close()
 
