@@ -214,15 +214,18 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--cold", is_flag=True, help="Evict snapshot files from the page cache first.")
 @click.option("--sizes", default="512,1024,2048,4096", show_default=True, help="History lengths in tokens.")
 @click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
+@click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
 @model_options
 @click.pass_context
-def bench(ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int, **flags: Any) -> None:
-    """Time to first token resumed from a snapshot vs a full prefill, in one run."""
-    from app.bench import format_table, run_bench
+def bench(
+    ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int, no_tiers: bool, **flags: Any
+) -> None:
+    """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
+    from app.bench import format_report, run_bench
 
     try:
         targets = [int(x) for x in sizes.split(",") if x.strip()]
@@ -230,11 +233,13 @@ def bench(ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int
         raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
     settings = settings_from(ctx, **flags)
     progress = None if as_json else (lambda line: click.echo(line, err=True))
-    rows = run_bench(settings, targets, cold=cold, repeat=repeat, progress=progress)
+    report = run_bench(
+        settings, targets, cold=cold, repeat=repeat, tiers=not no_tiers, progress=progress
+    )
     if as_json:
-        click.echo(json.dumps([r.to_json() for r in rows], indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(format_table(rows))
+        click.echo(format_report(report))
 
 
 @main.command(name="config")

@@ -259,16 +259,48 @@ class SnapshotStore:
         self.store.put_snapshot(row)
         return SaveResult(row, written)
 
-    def chunk_keys(self, fingerprint: Fingerprint, tokens: list[int]) -> list[tuple[int, int, str]]:
-        """(start, end, key) of every chunk of ``tokens``: the key hashes the whole prefix."""
+    def chunk_plan(self, fingerprint: Fingerprint, tokens: list[int], base: list[int]) -> list[tuple[int, int, str]]:
+        """(start, end, key) of every chunk of ``tokens``; the key hashes the whole prefix.
+
+        ``base`` lists chunk ends already stored for a prefix of ``tokens`` (the previous
+        snapshot's, or the donor's): they are kept, so what a turn appends becomes new
+        chunks and nothing stored is rewritten. After them, chunks end on multiples of
+        ``chunk_tokens`` (so unrelated sessions cut shared prefixes alike), plus a tail.
+        """
+        ends = list(base)
+        position = ends[-1] if ends else 0
+        while position < len(tokens):
+            position = min((position // self.chunk_tokens + 1) * self.chunk_tokens, len(tokens))
+            ends.append(position)
         h = xxhash.xxh3_128(json.dumps(fingerprint.to_dict(), sort_keys=True).encode())
         token_bytes = array("i", tokens).tobytes()
-        keys = []
-        for start in range(0, len(tokens), self.chunk_tokens):
-            end = min(start + self.chunk_tokens, len(tokens))
+        plan = []
+        start = 0
+        for end in ends:
             h.update(token_bytes[start * 4 : end * 4])
-            keys.append((start, end, h.copy().hexdigest()))
-        return keys
+            plan.append((start, end, h.copy().hexdigest()))
+            start = end
+        return plan
+
+    def _base_ends(
+        self, session_id: str, tokens: list[int], fingerprint: Fingerprint, n_ctx: int
+    ) -> list[int]:
+        """Chunk ends of the stored chain sharing the longest prefix with ``tokens``."""
+        row = self.store.get_snapshot(session_id)
+        if row is None or row.format != "chunks" or row.fingerprint != fingerprint.to_dict():
+            donor = self._best_donor(session_id, fingerprint, tokens, n_ctx)
+            row = donor[0] if donor else None
+        if row is None or row.format != "chunks":
+            return []
+        shared = _common_prefix(row.token_ids, tokens)
+        index = self.store.get_chunks(row.chunk_keys)
+        ends = []
+        for key in row.chunk_keys:
+            entry = index.get(key)
+            if entry is None or entry.start + entry.n_tokens > shared:
+                break
+            ends.append(entry.start + entry.n_tokens)
+        return ends
 
     def _save_chunks(
         self,
@@ -279,7 +311,8 @@ class SnapshotStore:
         fingerprint: Fingerprint,
     ) -> SaveResult:
         data = np.frombuffer(state, dtype=np.uint8)
-        plan = self.chunk_keys(fingerprint, tokens)
+        base = self._base_ends(session_id, tokens, fingerprint, max(len(tokens), 1))
+        plan = self.chunk_plan(fingerprint, tokens, base)
         known = self.store.get_chunks([key for _, _, key in plan])
         new_rows: list[ChunkRow] = []
         written = shared = 0
@@ -369,12 +402,7 @@ class SnapshotStore:
         for row in self.store.snapshots():
             if row.session_id == session_id or row.format != "chunks" or row.fingerprint != wanted:
                 continue
-            shared = 0
-            for a, b in zip(row.token_ids, prompt):
-                if a != b:
-                    break
-                shared += 1
-            shared = min(shared, n_ctx)
+            shared = min(_common_prefix(row.token_ids, prompt), n_ctx)
             if shared >= MIN_DONOR_TOKENS and (best is None or shared > best[1]):
                 best = (row, shared)
         return best
@@ -425,17 +453,19 @@ class SnapshotStore:
             return "chunked snapshot has no layout"
         if row.checksum != checksum(json.dumps(row.chunk_keys).encode()):
             return "snapshot chunk list does not match its index row"
-        needed = row.chunk_keys[: -(-keep // self.chunk_tokens)]
-        index = self.store.get_chunks(needed)
-        missing = [key for key in needed if key not in index]
-        if missing:
-            return f"snapshot chunk {missing[0][:12]} is missing from the index"
+        index = self.store.get_chunks(row.chunk_keys)
         with _ChunkSet() as chunks:
-            for position, key in enumerate(needed):
-                entry = index[key]
-                reason = chunks.add(self.chunk_dir / entry.path, entry, position * self.chunk_tokens)
+            covered = 0
+            for key in row.chunk_keys:
+                if covered >= keep:
+                    break
+                entry = index.get(key)
+                if entry is None:
+                    return f"snapshot chunk {key[:12]} is missing from the index"
+                reason = chunks.add(self.chunk_dir / entry.path, entry, covered)
                 if reason is not None:
                     return reason
+                covered += entry.n_tokens
             out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
             view = np.frombuffer(out, dtype=np.uint8)
             try:
@@ -447,6 +477,13 @@ class SnapshotStore:
         if not engine.state_set(out, size, row.token_ids[:keep]):
             return "llama.cpp rejected the reassembled snapshot state"
         return None
+
+    def files(self, row: SnapshotRow) -> list[Path]:
+        """The files holding a snapshot's data."""
+        if row.format == "blob":
+            return [self.directory / row.path]
+        index = self.store.get_chunks(row.chunk_keys)
+        return [self.chunk_dir / index[key].path for key in row.chunk_keys if key in index]
 
     # --- housekeeping ---------------------------------------------------------------------
 
@@ -572,3 +609,12 @@ class _ChunkSet:
             return f"snapshot chunk checksum mismatch: {path.name} is corrupt"
         self.arrays.append(data)
         return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
