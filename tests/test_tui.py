@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
+from textual.widgets import DataTable, Input, Markdown, RadioButton, TextArea
 
 from app.chat import ChatService
 from app.config import Settings
@@ -92,6 +93,16 @@ async def quit_app(app: KvchatApp) -> None:
     await wait_until(lambda: app._closed)
 
 
+def service_of(app: KvchatApp) -> ChatService:
+    assert app.service is not None
+    return app.service
+
+
+def open_id(main: MainScreen) -> str:
+    assert main.session_id is not None
+    return main.session_id
+
+
 def texts(main: MainScreen) -> list[tuple[str, str]]:
     return [(v.role, v.text) for v in main.conversation.views]
 
@@ -152,16 +163,16 @@ async def test_escape_cancels_and_keeps_the_partial_reply(home: Path) -> None:
         assert view.partial and view.has_class("-partial")
         assert "partial" in str(view.query_one(".message-role").render())
         assert "cancelled" in main.status.turn_text
-        stored = app.service.messages(main.session_id)  # type: ignore[union-attr, arg-type]
+        stored = service_of(app).messages(open_id(main))
         assert stored[-1].role == "assistant" and stored[-1].partial
         assert stored[-1].content == view.text
         # Regenerate replaces the partial reply with a complete one (greedy, short).
-        app.service.configure(main.session_id, settings={"max_tokens": 12})  # type: ignore[union-attr, arg-type]
+        service_of(app).configure(open_id(main), settings={"max_tokens": 12})
         before = main.last_turn
         await pilot.press("ctrl+r")
         await wait_until(lambda: main.last_turn is not before and main.turn is None)
         await pilot.pause()
-        stored = app.service.messages(main.session_id)  # type: ignore[union-attr, arg-type]
+        stored = service_of(app).messages(open_id(main))
         assert [m.role for m in stored] == ["user", "assistant"]
         assert main.conversation.views[-1].text == stored[-1].content
         assert main.last_report is not None and main.last_report.tokens.generated <= 12
@@ -198,24 +209,23 @@ async def test_sessions_new_switch_rename_delete(home: Path) -> None:
         # Rename (F2).
         await pilot.press("f2")
         await wait_until(lambda: isinstance(app.screen, TextDialog))
-        field = app.screen.query_one("Input")
-        field.value = ""  # type: ignore[attr-defined]
+        app.screen.query_one(Input).value = ""
         await pilot.press(*"Colors")
         await pilot.press("enter")
-        await wait_until(lambda: any(r.summary.session.title == "Colors" for r in main.sessions.rows))
-        assert app.service.resolve(first).title == "Colors"  # type: ignore[union-attr]
+        await wait_until(lambda: "Colors" in [r.summary.session.title for r in main.sessions.rows])
+        assert first is not None and service_of(app).resolve(first).title == "Colors"
 
         # Delete (F8) asks first; "n" keeps it, "y" deletes it.
         await pilot.press("f8")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("n")
         await wait_until(lambda: app.screen is main)
-        assert len(app.service.list_sessions()) == 2  # type: ignore[union-attr]
+        assert len(service_of(app).list_sessions()) == 2
         await pilot.press("f8")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("y")
         await wait_until(lambda: len(main.sessions.rows) == 1 and main.session_id == second)
-        assert [s.session.id for s in app.service.list_sessions()] == [second]  # type: ignore[union-attr]
+        assert [s.session.id for s in service_of(app).list_sessions()] == [second]
         await wait_until(lambda: texts(main) and texts(main)[0] == ("user", "Name a fruit."))
 
 
@@ -224,7 +234,8 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
     service = ChatService(make_settings())
     target = service.new_session("Travel")
     service.store.add_message(target.id, "user", "Where is the Eiffel tower?")
-    service.store.add_message(target.id, "assistant", "The **Eiffel tower** is in Paris.\n\n```python\nprint('Paris')\n```")
+    reply = "The **Eiffel tower** is in Paris.\n\n```python\nprint('Paris')\n```"
+    service.store.add_message(target.id, "assistant", reply)
     other = service.new_session("Other")
     service.store.add_message(other.id, "user", "Tell me about pancakes")
     service.close()
@@ -236,8 +247,9 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         await pilot.press("ctrl+f")
         await wait_until(lambda: isinstance(app.screen, SearchScreen))
         search = app.screen
+        assert isinstance(search, SearchScreen)
         await pilot.press(*"eiffel")
-        await wait_until(lambda: len(search.hits) == 2)  # type: ignore[attr-defined]
+        await wait_until(lambda: len(search.hits) == 2)
         await pilot.press("down", "down", "enter")  # the second hit: the reply
         await wait_until(lambda: main.session_id == target.id and len(main.conversation.views) == 2)
         await pilot.pause()
@@ -261,7 +273,8 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         await pilot.press(*"pancakes", "enter")
         await wait_until(lambda: main.session_id == other.id and app.screen is main)
         await wait_until(lambda: isinstance(app.focused, MessageView))
-        assert app.focused.text == "Tell me about pancakes"  # type: ignore[union-attr]
+        assert isinstance(app.focused, MessageView)
+        assert app.focused.text == "Tell me about pancakes"
         main.open_session(target.id)
         await wait_until(lambda: main.session_id == target.id and len(main.conversation.views) == 2)
 
@@ -270,12 +283,12 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
             await pilot.press("ctrl+s")
             await wait_until(lambda: isinstance(app.screen, ExportDialog))
             dialog = app.screen
-            dialog.query("RadioButton")[fmt_index].value = True  # type: ignore[attr-defined]
+            list(dialog.query(RadioButton))[fmt_index].value = True
             await pilot.pause()
-            path_input = dialog.query_one("#path")
-            assert path_input.value.endswith(f"travel.{suffix}")  # type: ignore[attr-defined]
+            path_input = dialog.query_one("#path", Input)
+            assert path_input.value.endswith(f"travel.{suffix}")
             out = tmp_path / f"out.{suffix}"
-            path_input.value = str(out)  # type: ignore[attr-defined]
+            path_input.value = str(out)
             await pilot.click("#export")
             await wait_until(lambda: out.exists())
         doc = json.loads((tmp_path / "out.json").read_text())
@@ -291,21 +304,20 @@ async def test_session_settings_help_and_palette(home: Path) -> None:
         await pilot.press("ctrl+g")
         await wait_until(lambda: app.screen.__class__.__name__ == "SettingsDialog")
         dialog = app.screen
-        dialog.query_one("#system-prompt").text = "Answer like a pirate."  # type: ignore[attr-defined]
-        dialog.query_one("#set-temperature").value = "0.2"  # type: ignore[attr-defined]
-        dialog.query_one("#set-max_tokens").value = "16"  # type: ignore[attr-defined]
+        dialog.query_one("#system-prompt", TextArea).text = "Answer like a pirate."
+        dialog.query_one("#set-temperature", Input).value = "0.2"
+        dialog.query_one("#set-max_tokens", Input).value = "16"
         await pilot.press("ctrl+s")
         await wait_until(lambda: app.screen is main)
         assert main.session_id is not None
-        await wait_until(lambda: app.service.resolve(main.session_id).settings != {})  # type: ignore[union-attr, arg-type]
-        session = app.service.resolve(main.session_id)  # type: ignore[union-attr, arg-type]
+        await wait_until(lambda: service_of(app).resolve(open_id(main)).settings != {})
+        session = service_of(app).resolve(open_id(main))
         assert session.system_prompt == "Answer like a pirate."
         assert session.settings == {"temperature": 0.2, "max_tokens": 16}
 
         await pilot.press("f1")
         await wait_until(lambda: isinstance(app.screen, HelpScreen))
-        table = app.screen.query_one("#keys")
-        assert table.row_count >= 15  # type: ignore[attr-defined]
+        assert app.screen.query_one("#keys", DataTable).row_count >= 15
         await pilot.press("escape")
         await wait_until(lambda: app.screen is main)
 
@@ -327,7 +339,7 @@ async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -
         screen = app.screen
         assert "model file not found" in str(screen.query_one("#error-detail").render())
         assert str(missing) in str(screen.query_one("#error-path").render())
-        assert "--model" in screen.query_one("#error-fix").source  # type: ignore[attr-defined]
+        assert "--model" in screen.query_one("#error-fix", Markdown).source
         app.simulate_key("q")
         await wait_until(lambda: app._closed)
     assert app.return_code == 0

@@ -220,7 +220,7 @@ class MainScreen(Screen[None]):
     ) -> None:
         """Show a session's messages, then make it hot on the engine thread."""
         if self.turn is not None and session_id != self.session_id:
-            self.notify("A reply is being generated: press Esc to stop it first", severity="warning")
+            self.notify("A reply is being generated: Esc stops it", severity="warning")
             self.sessions.highlight(self.session_id)
             return
         changed = session_id != self.session_id
@@ -360,7 +360,9 @@ class MainScreen(Screen[None]):
             if report.finish_reason == "cancelled":
                 self.notify("Stopped before the first token: no reply to keep")
         else:
-            await view.finish(text=report.reply, message_id=report.message_id, partial=report.partial)
+            await view.finish(
+                text=report.reply, message_id=report.message_id, partial=report.partial
+            )
         self.status.set_turn(report.summary(), "warning" if report.partial else "")
         self.status.set_context(used)
         restore = report.restore
@@ -389,7 +391,7 @@ class MainScreen(Screen[None]):
 
     def _idle(self, what: str) -> bool:
         if self.turn is not None:
-            self.notify(f"Cannot {what} while a reply is generated (Esc stops it)", severity="warning")
+            self.notify(f"Cannot {what} during a reply (Esc stops it)", severity="warning")
             return False
         return True
 

@@ -30,7 +30,7 @@ class SerialThread:
         return asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Queue a call and block until it returns (only for shutdown, off the event loop's hot path)."""
+        """Queue a call and block until it returns (only for shutdown)."""
         return self._executor.submit(fn, *args, **kwargs).result()
 
     def shutdown(self) -> None:

@@ -30,7 +30,10 @@ class Dialog(ModalScreen[Any]):
 
 
 class ConfirmDialog(Dialog):
-    BINDINGS = [Binding("y", "confirm", "Yes", show=False), Binding("n", "cancel", "No", show=False)]
+    BINDINGS = [
+        Binding("y", "confirm", "Yes", show=False),
+        Binding("n", "cancel", "No", show=False),
+    ]
 
     def __init__(self, question: str, detail: str = "", yes: str = "Delete") -> None:
         super().__init__(classes="dialog-screen")
@@ -140,7 +143,9 @@ class SettingsDialog(Dialog):
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", show=False)]
 
-    def __init__(self, system_prompt: str, values: dict[str, Any], defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, system_prompt: str, values: dict[str, Any], defaults: dict[str, Any]
+    ) -> None:
         """``defaults``: the app-wide value of every setting a session may override."""
         super().__init__(classes="dialog-screen")
         self.system_prompt, self.values, self.defaults = system_prompt, values, defaults

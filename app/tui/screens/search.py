@@ -91,7 +91,8 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
         if not text.strip():
             count.update("Enter opens the selected hit · Esc closes")
         else:
-            count.update(f"{len(hits)} hit{'s' if len(hits) != 1 else ''} · Enter opens · Esc closes")
+            plural = "s" if len(hits) != 1 else ""
+            count.update(f"{len(hits)} hit{plural} · Enter opens · Esc closes")
 
     @on(Input.Submitted, "#query")
     async def _submitted(self, event: Input.Submitted) -> None:

@@ -49,7 +49,8 @@ class SessionItem(ListItem):
         self.row = row
         s = row.summary
         self.query_one(".session-title", Label).update(s.session.title)
-        self.query_one(".session-info", Label).update(f"{ago(s.session.updated)} · {s.tokens:,} tok")
+        info = f"{ago(s.session.updated)} · {s.tokens:,} tok"
+        self.query_one(".session-info", Label).update(info)
         badge = self.query_one(".kv-badge", Label)
         badge.update(KV_LABELS.get(row.kv, row.kv))
         for kv in KV_LABELS:
