@@ -74,6 +74,10 @@ class MainScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__(id="main-screen")
         self.session_id: str | None = None
+        # What the UI has finished doing for a session: shown its messages / made it hot.
+        # An interrupted switch leaves these behind, so the next one redoes the work.
+        self._shown_id: str | None = None
+        self._hot_id: str | None = None
         self.ready = False
         self.turn: ActiveTurn | None = None
         self.last_turn: ActiveTurn | None = None
@@ -154,6 +158,7 @@ class MainScreen(Screen[None]):
         if last is not None:
             self.session_id = last.id
             await self.conversation.show(await self.on_store(service.messages, last.id))
+            self._shown_id = last.id
         else:
             await self.conversation.show([])
         await self.refresh_sessions()
@@ -203,6 +208,7 @@ class MainScreen(Screen[None]):
         result, used = await self.on_engine(self._engine_make_hot, session_id)
         if session_id != self.session_id:
             return
+        self._hot_id = session_id
         self.last_switch_ms = (time.perf_counter() - started) * 1000
         self.last_restore = result
         self.status.set_memory(f"KV: {restore_phrase(result)}", result.source)
@@ -223,20 +229,21 @@ class MainScreen(Screen[None]):
             self.notify("A reply is being generated: Esc stops it", severity="warning")
             self.sessions.highlight(self.session_id)
             return
-        changed = session_id != self.session_id
-        if changed or highlight is not None:
+        if session_id != self.session_id:
+            self.status.set_turn("")
+        self.session_id = session_id
+        self.sessions.highlight(session_id)
+        if session_id != self._shown_id or highlight is not None:
+            self._shown_id = None
             messages: list[Message] = await self.on_store(self.service.messages, session_id)
-            self.session_id = session_id
             await self.conversation.show(messages)
-            self.sessions.highlight(session_id)
+            self._shown_id = session_id
         if highlight is not None:
             self._jump_to(highlight)
         elif focus_prompt:
             self.prompt.focus()
-        if changed:
-            self.status.set_turn("")
-            if self.ready:
-                await self._make_hot(session_id)
+        if self.ready and session_id != self._hot_id:
+            await self._make_hot(session_id)
 
     def _jump_to(self, message_id: int) -> None:
         view = self.conversation.find(message_id)
@@ -286,6 +293,7 @@ class MainScreen(Screen[None]):
         try:
             if turn.session_id is None:
                 turn.session_id = self.session_id = await self._new_session_id()
+                self._shown_id = turn.session_id
                 self.request_refresh()
             if turn.kind == "send":
                 assert turn.text is not None
@@ -307,6 +315,7 @@ class MainScreen(Screen[None]):
         except Exception as exc:
             # The service committed what it could; show the store's truth, then report.
             self.turn = None
+            self._hot_id = None
             self.status.set_turn(str(exc) or type(exc).__name__, "error")
             if turn.view is not None and turn.view.stream is not None:
                 await turn.view.stream.stop()
@@ -354,6 +363,7 @@ class MainScreen(Screen[None]):
         view = turn.view
         assert view is not None
         self.last_report = report
+        self._hot_id = turn.session_id
         if report.message_id is None:
             await view.finish(text="", message_id=None, partial=True)
             await view.remove()
@@ -447,7 +457,7 @@ class MainScreen(Screen[None]):
         self.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
         rows = await self.on_store(self._session_rows)
         if self.session_id == session_id:
-            self.session_id = None
+            self.session_id = self._shown_id = self._hot_id = None
             self.status.set_memory("")
             self.status.set_turn("")
             await self.conversation.show([])
