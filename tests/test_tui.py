@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from textual.widgets import DataTable, Input, Markdown, RadioButton, TextArea
 
 from app.chat import ChatService
 from app.config import Settings
+from app.engine import Engine
 from app.tui.app import KvchatApp
 from app.tui.main import MainScreen
 from app.tui.screens.dialogs import ConfirmDialog, ExportDialog, TextDialog
@@ -153,6 +155,10 @@ async def test_escape_cancels_and_keeps_the_partial_reply(home: Path) -> None:
         main.prompt.insert("Write a very long story about a dragon who learns to bake bread.")
         await pilot.press("enter")
         await wait_until(lambda: main.turn is not None and main.turn.pieces >= 3)
+        # The UI keeps taking keys while the engine thread generates.
+        await pilot.press("a", "b", "c")
+        assert main.prompt.text == "abc" and main.turn is not None
+        main.prompt.clear()
         await pilot.press("escape")
         await wait_until(lambda: main.turn is None and main.last_turn is not None)
         await pilot.pause()
@@ -279,7 +285,7 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         await wait_until(lambda: main.session_id == target.id and len(main.conversation.views) == 2)
 
         # Export as JSON and HTML to a chosen path.
-        for fmt_index, suffix in ((1, "json"), (2, "html")):
+        for fmt_index, suffix in ((0, "md"), (1, "json"), (2, "html")):
             await pilot.press("ctrl+s")
             await wait_until(lambda: isinstance(app.screen, ExportDialog))
             dialog = app.screen
@@ -291,6 +297,7 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
             path_input.value = str(out)
             await pilot.click("#export")
             await wait_until(lambda: out.exists())
+        assert (tmp_path / "out.md").read_text().startswith("# Travel")
         doc = json.loads((tmp_path / "out.json").read_text())
         assert doc["session"]["title"] == "Travel"
         assert doc["messages"][0]["content"] == "Where is the Eiffel tower?"
@@ -328,6 +335,33 @@ async def test_session_settings_help_and_palette(home: Path) -> None:
         await wait_until(lambda: isinstance(app.screen, ExportDialog))
         await pilot.press("escape")
         await wait_until(lambda: app.screen is main)
+
+
+async def test_first_paint_and_typing_before_the_model_is_ready(home: Path) -> None:
+    """The window is up and takes typing while the model loads; Enter waits for it."""
+    gate = threading.Event()
+
+    class SlowLoad(ChatService):
+        def load_engine(self) -> Engine:
+            gate.wait(60)
+            return super().load_engine()
+
+    app = KvchatApp(make_settings(), SlowLoad(make_settings()), cursor_blink=False)
+    _apps.append(app)
+    async with app.run_test(size=SIZE) as pilot:
+        main = app.main
+        await wait_until(lambda: main.status.turn_text.startswith("loading model"))
+        assert not main.ready and main.conversation.query("#welcome")
+        await pilot.press(*"hello")
+        await pilot.press("enter")
+        assert main.prompt.text == "hello" and main.turn is None  # kept, not sent
+        assert any("still loading" in n.message for n in app._notifications)
+        gate.set()
+        await wait_until(lambda: main.ready)
+        assert main.status.turn_text.startswith("ready")
+        await pilot.press("enter")
+        await wait_until(lambda: main.last_turn is not None and main.turn is None)
+        assert [v.role for v in main.conversation.views] == ["user", "assistant"]
 
 
 async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -> None:
