@@ -10,7 +10,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.content import Content
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, TextArea
 from textual.widgets.option_list import Option
@@ -152,7 +152,7 @@ class SettingsDialog(Dialog):
         self.keys = tuple(defaults)
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog -wide"):
+        with VerticalScroll(classes="dialog -wide", id="settings-dialog"):
             yield Label("Session settings", classes="dialog-title")
             yield Label("System prompt (empty: the app default)", classes="dialog-detail")
             yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
@@ -166,11 +166,15 @@ class SettingsDialog(Dialog):
                         placeholder=f"default: {'random' if default is None else default}",
                         id=f"set-{key}",
                         type="integer" if key in ("max_tokens", "seed") else "number",
+                        compact=True,
                     )
             yield Label("Ctrl+S saves · Esc cancels", classes="dialog-hint")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#system-prompt", TextArea).focus()
 
     def action_save(self) -> None:
         values: dict[str, Any] = {}
