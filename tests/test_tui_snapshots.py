@@ -1,5 +1,5 @@
 """Snapshot tests (pytest-textual-snapshot) of the main screen, the help screen and the
-first-run empty state, at 100×30.
+first-run empty state, at 100×30 (and the main screen at 80×24, the smallest supported).
 
 Pictures must not change from run to run, so these use a deterministic stand-in for
 the model (``StandInService``: the real ChatService and store, a fake engine with fixed
@@ -117,7 +117,8 @@ def test_first_run_empty_state(snap_compare: Any, service: StandInService) -> No
     assert snap_compare(app, terminal_size=SIZE, run_before=_settled)
 
 
-def test_main_screen(snap_compare: Any, service: StandInService) -> None:
+@pytest.mark.parametrize("size", [SIZE, (80, 24)], ids=["100x30", "80x24"])
+def test_main_screen(snap_compare: Any, service: StandInService, size: tuple[int, int]) -> None:
     older = service.new_session("Rust lifetimes")
     service.store.add_message(older.id, "user", "What is a lifetime?", token_count=7)
     service.new_session("Empty chat")
@@ -136,7 +137,7 @@ def test_main_screen(snap_compare: Any, service: StandInService) -> None:
         main.prompt.insert("Thanks! One more question:")
 
     app = KvchatApp(service.settings, service, cursor_blink=False)
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
 def test_help_screen(snap_compare: Any, service: StandInService) -> None:
