@@ -199,38 +199,44 @@ def header_bytes(layout_desc: dict[str, Any], n_cells: int) -> tuple[bytes, Stat
     return b"", layout
 
 
-def assemble_into(
-    out: np.ndarray, layout_desc: dict[str, Any], chunks: list[np.ndarray], n_cells: int
-) -> int:
-    """Write the seq state of the first ``n_cells`` cells of ``chunks`` into ``out``.
+class Assembler:
+    """Writes a whole seq state of ``n_cells`` cells into ``out``, one chunk at a time.
 
-    ``chunks`` are in token order and tile [0, ≥ n_cells); the last one used may be cut
-    short. Returns the state's size. Raises LayoutError when they don't tile or their
-    sizes are wrong.
+    Chunks come in token order and tile [0, ≥ n_cells); the last one used may be cut
+    short. Placing a chunk right after checking it reads it while it is still in cache.
     """
-    _, layout = header_bytes(layout_desc, n_cells)
-    if len(out) < layout.total:
-        raise LayoutError("output buffer too small")
-    per_cell = layout.per_cell_bytes()
-    meta_size = layout.cell_meta_size
-    struct.pack_into("<QII", out, 0, layout.magic, 1, n_cells)
-    struct.pack_into("<II", out, _PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
-    for layer in layout.k_layers:
-        struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
-    for layer in layout.v_layers:
-        if layout.v_trans:
-            struct.pack_into("<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims)
-        else:
+
+    def __init__(self, out: np.ndarray, layout_desc: dict[str, Any], n_cells: int) -> None:
+        _, self.layout = header_bytes(layout_desc, n_cells)
+        if len(out) < self.layout.total:
+            raise LayoutError("output buffer too small")
+        self.out = out
+        self.n_cells = n_cells
+        self.covered = 0
+        self._per_cell = self.layout.per_cell_bytes()
+        layout = self.layout
+        struct.pack_into("<QII", out, 0, layout.magic, 1, n_cells)
+        struct.pack_into("<II", out, _PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
+        for layer in layout.k_layers:
             struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
-    covered = 0
-    for chunk in chunks:
-        if covered >= n_cells:
-            break
+        for layer in layout.v_layers:
+            if layout.v_trans:
+                struct.pack_into("<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims)
+            else:
+                struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
+
+    @property
+    def done(self) -> bool:
+        return self.covered >= self.n_cells
+
+    def place(self, chunk: np.ndarray) -> None:
+        layout, out = self.layout, self.out
         start, n = struct.unpack_from("<II", chunk, 0)
-        if start != covered or len(chunk) != 8 + n * per_cell:
+        if start != self.covered or len(chunk) != 8 + n * self._per_cell:
             raise LayoutError("chunks do not tile the token range")
-        cut = min(n, n_cells - start)
+        cut = min(n, self.n_cells - start)
         end = start + cut
+        meta_size = layout.cell_meta_size
         pos = 8
         dst = _PREAMBLE + start * meta_size
         out[dst : dst + cut * meta_size] = chunk[pos : pos + cut * meta_size]
@@ -242,8 +248,8 @@ def assemble_into(
         for layer in layout.v_layers:
             size = layer.row_size
             if layout.v_trans:
-                grid = out[layer.offset : layer.offset + size * layer.n_dims * n_cells].reshape(
-                    layer.n_dims, n_cells * size
+                grid = out[layer.offset : layer.offset + size * layer.n_dims * self.n_cells].reshape(
+                    layer.n_dims, self.n_cells * size
                 )
                 src = chunk[pos : pos + n * size * layer.n_dims].reshape(layer.n_dims, n * size)
                 grid[:, start * size : end * size] = src[:, : cut * size]
@@ -253,7 +259,22 @@ def assemble_into(
                     pos : pos + cut * size
                 ]
                 pos += n * size
-        covered = end
-    if covered != n_cells:
-        raise LayoutError(f"chunks cover {covered} of {n_cells} tokens")
-    return layout.total
+        self.covered = end
+
+    def finish(self) -> int:
+        """The state's size; raises LayoutError unless the chunks covered every cell."""
+        if self.covered != self.n_cells:
+            raise LayoutError(f"chunks cover {self.covered} of {self.n_cells} tokens")
+        return self.layout.total
+
+
+def assemble_into(
+    out: np.ndarray, layout_desc: dict[str, Any], chunks: list[np.ndarray], n_cells: int
+) -> int:
+    """Write the seq state of the first ``n_cells`` cells of ``chunks`` into ``out``."""
+    assembler = Assembler(out, layout_desc, n_cells)
+    for chunk in chunks:
+        if assembler.done:
+            break
+        assembler.place(chunk)
+    return assembler.finish()

@@ -454,26 +454,27 @@ class SnapshotStore:
         if row.checksum != checksum(json.dumps(row.chunk_keys).encode()):
             return "snapshot chunk list does not match its index row"
         index = self.store.get_chunks(row.chunk_keys)
-        with _ChunkSet() as chunks:
-            covered = 0
-            for key in row.chunk_keys:
-                if covered >= keep:
-                    break
-                entry = index.get(key)
-                if entry is None:
-                    return f"snapshot chunk {key[:12]} is missing from the index"
-                reason = chunks.add(self.chunk_dir / entry.path, entry, covered)
-                if reason is not None:
-                    return reason
-                covered += entry.n_tokens
-            out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
-            view = np.frombuffer(out, dtype=np.uint8)
-            try:
-                size = kvlayout.assemble_into(view, row.layout, chunks.arrays, keep)
-            except kvlayout.LayoutError as exc:
-                return f"snapshot chunks do not fit together: {exc}"
-            finally:
-                del view
+        out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
+        view = np.frombuffer(out, dtype=np.uint8)
+        try:
+            assembler = kvlayout.Assembler(view, row.layout, keep)
+            with _ChunkSet() as chunks:
+                for key in row.chunk_keys:
+                    if assembler.done:
+                        break
+                    entry = index.get(key)
+                    if entry is None:
+                        return f"snapshot chunk {key[:12]} is missing from the index"
+                    data = chunks.open(self.chunk_dir / entry.path, entry, assembler.covered)
+                    if isinstance(data, str):
+                        return data
+                    assembler.place(data)
+                    del data
+            size = assembler.finish()
+        except kvlayout.LayoutError as exc:
+            return f"snapshot chunks do not fit together: {exc}"
+        finally:
+            del view
         if not engine.state_set(out, size, row.token_ids[:keep]):
             return "llama.cpp rejected the reassembled snapshot state"
         return None
@@ -563,24 +564,23 @@ def _walk(directory: Path) -> Iterator[Path]:
 
 
 class _ChunkSet:
-    """Mapped, verified chunk files; unmapped on exit."""
+    """Maps and verifies chunk files one at a time; unmaps them all on exit."""
 
     def __init__(self) -> None:
-        self.arrays: list[np.ndarray] = []
         self._maps: list[mmap.mmap] = []
 
     def __enter__(self) -> _ChunkSet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.arrays.clear()
         for mapped in self._maps:
             try:
                 mapped.close()
             except BufferError:  # a view still alive (an exception's frame): GC unmaps it
                 pass
 
-    def add(self, path: Path, entry: ChunkRow, start: int) -> str | None:
+    def open(self, path: Path, entry: ChunkRow, start: int) -> np.ndarray | str:
+        """The chunk's verified bytes (checksum read leaves them in cache), or why not."""
         try:
             fh = open(path, "rb", buffering=0)
         except FileNotFoundError:
@@ -607,8 +607,7 @@ class _ChunkSet:
         data = np.frombuffer(mapped, dtype=np.uint8, count=entry.n_bytes, offset=data_at)
         if checksum(data) != entry.checksum:
             return f"snapshot chunk checksum mismatch: {path.name} is corrupt"
-        self.arrays.append(data)
-        return None
+        return data
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
