@@ -303,6 +303,33 @@ class ChatService:
         self.store.set_meta(LAST_SESSION_KEY, child.id)
         return self.store.get_session(child.id)
 
+    def edit(self, session_id: str, message_id: int, text: str) -> Session:
+        """Edit a past user message as a new branch: the original conversation is kept.
+
+        The branch holds the messages before ``message_id`` and the edited message; the
+        caller then runs :meth:`regenerate` on it, which reuses the shared prefix's KV.
+        """
+        text = text.strip()
+        if not text:
+            raise KvchatError("the message is empty")
+        history = self.store.messages(session_id)
+        target = next((m for m in history if m.id == message_id), None)
+        if target is None or target.role != "user":
+            raise KvchatError(f"session {session_id} has no user message {message_id}")
+        index = history.index(target)
+        if index:
+            branch = self.fork(session_id, at_message=history[index - 1].id)
+        else:
+            parent = self.store.get_session(session_id)
+            branch = self.store.create_session(
+                f"{parent.title} (fork)", parent.system_prompt, parent.settings
+            )
+            self.store.set_meta(LAST_SESSION_KEY, branch.id)
+        self.store.add_message(
+            branch.id, "user", text, token_count=self.engine.count_tokens(text)
+        )
+        return self.store.get_session(branch.id)
+
     def cache_stats(self) -> dict[str, Any]:
         """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
         rows = self.store.snapshots()

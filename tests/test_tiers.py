@@ -209,3 +209,22 @@ def test_cache_figures_add_up(kvhome: Path, cli):
     assert "cleared 1 snapshots" in cleared
     assert cli(kvhome, "cache", "--json").json["disk"]["snapshots"] == 1
     assert len(cli(kvhome, "export", fork["session"], "--format", "json").json["messages"]) == 4
+
+
+def test_editing_a_past_message_branches_and_reuses_the_shared_prefix(kvhome: Path):
+    service = ChatService(Settings(**SMALL_CHUNKS))
+    session = service.new_session()
+    service.send(session.id, "Tell me about cats. " * 8)
+    service.send(session.id, "And dogs?")
+    second_question = service.messages(session.id)[2]
+    branch = service.edit(session.id, second_question.id, "And birds?")
+    assert [m.content for m in service.messages(branch.id)][-1] == "And birds?"
+    assert [m.content for m in service.messages(session.id)][2] == "And dogs?"  # kept
+    service.hot_session_id = None
+    service.engine.clear()
+    service.warm.clear()
+    report = service.regenerate(branch.id)
+    assert report.restore.source == "disk" and report.restore.donor == session.id
+    assert report.tokens.reused == report.restore.tokens > 64
+    assert report.tokens.decoded == report.tokens.prompt - report.tokens.reused
+    service.close()
