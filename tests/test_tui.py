@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Input, Markdown, RadioButton, TextArea
+from textual.widgets import DataTable, Input, Label, Markdown, RadioButton, TextArea
 
 from app.chat import ChatService
 from app.config import Settings
@@ -387,3 +387,23 @@ async def test_not_a_gguf_file_shows_an_error_screen(home: Path, tmp_path: Path)
         await wait_until(lambda: isinstance(app.screen, ErrorScreen))
         await wait_until(lambda: app.screen.query("#error-detail"))
         assert "not a GGUF model file" in str(app.screen.query_one("#error-detail").render())
+
+
+async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(home: Path) -> None:
+    service = ChatService(make_settings())
+    session = service.new_session("Long")
+    for i in range(70):
+        service.store.add_message(session.id, "user" if i % 2 == 0 else "assistant", f"line {i}")
+    service.close()
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        views = main.conversation.views
+        assert len(views) == 60 and views[-1].text == "line 69"
+        assert "10 earlier messages" in str(main.conversation.query_one("#earlier", Label).render())
+        await pilot.press("ctrl+f")
+        await wait_until(lambda: isinstance(app.screen, SearchScreen))
+        await pilot.press(*'"line 3"', "enter")  # one hit: message 3, not among the last 60
+        await wait_until(lambda: isinstance(app.focused, MessageView))
+        assert isinstance(app.focused, MessageView) and app.focused.text == "line 3"
+        assert len(main.conversation.views) == 67

@@ -236,7 +236,7 @@ class MainScreen(Screen[None]):
         if session_id != self._shown_id or highlight is not None:
             self._shown_id = None
             messages: list[Message] = await self.on_store(self.service.messages, session_id)
-            await self.conversation.show(messages)
+            await self.conversation.show(messages, include=highlight)
             self._shown_id = session_id
         if highlight is not None:
             self._jump_to(highlight)

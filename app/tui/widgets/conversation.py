@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from app.store import Message
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+# Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
+SHOWN = 60
 
 WELCOME = """\
 # Welcome to kvchat
@@ -131,10 +133,18 @@ class MessageView(Vertical, can_focus=True):
 class Conversation(VerticalScroll):
     """The messages of the open session; stays scrolled to the end while a reply streams."""
 
-    async def show(self, messages: list[Message]) -> None:
+    async def show(self, messages: list[Message], include: int | None = None) -> None:
+        """Show the last ``SHOWN`` messages (from message ``include`` on, if it is older)."""
         await self.remove_children()
+        start = max(0, len(messages) - SHOWN)
+        if include is not None:
+            start = min(start, next((i for i, m in enumerate(messages) if m.id == include), start))
+        if start:
+            plural = "s" if start != 1 else ""
+            note = f"{start} earlier message{plural} not shown (Ctrl+S exports them all)"
+            await self.mount(Label(note, id="earlier", markup=False))
         if messages:
-            await self.mount_all(MessageView.from_message(m) for m in messages)
+            await self.mount_all(MessageView.from_message(m) for m in messages[start:])
         else:
             await self.mount(Markdown(WELCOME, id="welcome"))
         self.anchor()
