@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Settings, data_dir
-from app.engine import Engine, EngineConfig, GenerationParams
+from app.engine import Engine, EngineConfig, GenerationParams, common_prefix
 from app.engine.engine import CancelCheck, GenerationStats
 from app.errors import KvchatError
 from app.export import ExportFormat, export_session
@@ -608,7 +608,7 @@ class ChatService:
         held = engine.tokens
         if not dropped or not held:
             return WindowShift()
-        p0 = _common_prefix(held, prompt)
+        p0 = common_prefix(held, prompt)
         if p0 >= len(prompt) or p0 >= len(held):
             return WindowShift()  # the context is already this window (or a prefix of it)
         head = self._system_head(session)
@@ -653,11 +653,7 @@ class ChatService:
         chat = self._system_head(session) + [m.as_chat() for m in messages]
         first = engine.chat_tokens(chat + [{"role": "user", "content": "A"}])
         second = engine.chat_tokens(chat + [{"role": "user", "content": "B"}])
-        shared = 0
-        for a, b in zip(first, second):
-            if a != b:
-                break
-            shared += 1
+        shared = common_prefix(first, second)
         if first[: len(prompt)] == prompt and len(prompt) < shared < engine.n_ctx - 1:
             target = first[:shared]
         else:  # the template re-rendered the history differently: settle what is there
@@ -672,15 +668,6 @@ class WindowShift:
     tokens: int = 0
     messages: int = 0
     note: str | None = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _title_from(text: str, limit: int = 48) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any, TypeVar
 import click
 
 from app.config import Settings, load_settings
-from app.errors import KvchatError
+from app.errors import KvchatError, KvchatGroup
 from app.export import FORMATS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,17 +44,6 @@ def settings_from(ctx: click.Context, **flags: Any) -> Settings:
         if kv_type != "f16":
             merged.setdefault("flash_attn", True)
     return load_settings(**merged)
-
-
-class KvchatGroup(click.Group):
-    """Turns :class:`KvchatError` into one line on stderr and exit status 2."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except KvchatError as exc:
-            click.echo(f"kvchat: {exc}", err=True)
-            sys.exit(2)
 
 
 @click.group(cls=KvchatGroup, invoke_without_command=True)

@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from app.config import bundled_model_path, data_dir, ensure_private_dir
-from app.errors import KvchatError
+from app.errors import KvchatError, KvchatGroup
 from app.planner.gguf_info import (
     CatalogEntry,
     ModelInfo,
@@ -85,18 +85,7 @@ def resolve_model(spec: str, catalog: Sequence[CatalogEntry] | None = None
                       f"(known: {names})")
 
 
-class ModelsGroup(click.Group):
-    """Turns :class:`KvchatError` into one line on stderr and exit status 2."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except KvchatError as exc:
-            click.echo(f"kvchat: {exc}", err=True)
-            sys.exit(2)
-
-
-@click.group(name="models", cls=ModelsGroup)
+@click.group(name="models", cls=KvchatGroup)
 def models_group() -> None:
     """Recommended models, memory planning and downloads."""
 

@@ -235,12 +235,7 @@ class Engine:
         """
         if len(prompt) >= self.n_ctx:
             raise KvchatError(f"the prompt ({len(prompt)} tokens) does not fit n_ctx={self.n_ctx}")
-        current = self.llm.input_ids[: self.llm.n_tokens]
-        reused = 0
-        for have, want in zip(current, prompt):
-            if int(have) != want:
-                break
-            reused += 1
+        reused = common_prefix(self.tokens, prompt)
         reused = max(0, min(reused, len(prompt) - MIN_BATCH))
         self.truncate(reused)
         for batch in _batches(list(prompt[reused:]), PREFILL_SLICE):
@@ -451,3 +446,13 @@ def _batches(tokens: list[int], size: int) -> Iterator[list[int]]:
             end -= 1
         yield tokens[start:end]
         start = end
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
-from app.engine import Engine
+from app.engine import Engine, common_prefix
 from app.kvcache import layout as kvlayout
 from app.kvcache.fingerprint import Fingerprint
 from app.store import ChunkRow, SnapshotRow, Store
@@ -292,7 +292,7 @@ class SnapshotStore:
             row = donor[0] if donor else None
         if row is None or row.format != "chunks":
             return []
-        shared = _common_prefix(row.token_ids, tokens)
+        shared = common_prefix(row.token_ids, tokens)
         index = self.store.get_chunks(row.chunk_keys)
         ends = []
         for key in row.chunk_keys:
@@ -402,7 +402,7 @@ class SnapshotStore:
         for row in self.store.snapshots():
             if row.session_id == session_id or row.format != "chunks" or row.fingerprint != wanted:
                 continue
-            shared = min(_common_prefix(row.token_ids, prompt), n_ctx)
+            shared = min(common_prefix(row.token_ids, prompt), n_ctx)
             if shared >= MIN_DONOR_TOKENS and (best is None or shared > best[1]):
                 best = (row, shared)
         return best
@@ -608,12 +608,3 @@ class _ChunkSet:
         if checksum(data) != entry.checksum:
             return f"snapshot chunk checksum mismatch: {path.name} is corrupt"
         return data
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
