@@ -119,6 +119,8 @@ async def test_send_stream_quit_and_resume_from_disk(home: Path) -> None:
         assert reply.role == "assistant" and reply.text.strip()
         assert main.last_turn is not None and main.last_turn.pieces > 0  # it streamed
         assert reply.message_id is not None and not reply.partial
+        stored = service_of(app).messages(open_id(main))
+        assert reply.body.source == reply.text == stored[-1].content  # streamed == committed
         assert main.status.turn_text.startswith("full prefill:")
         assert "decoded" in main.status.turn_text
         await send(pilot, main, "And 3+3?")

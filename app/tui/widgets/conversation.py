@@ -111,8 +111,8 @@ class MessageView(Vertical, can_focus=True):
         self.streaming = False
         self.message_id = message_id
         self.partial = partial
-        if text != self.text:
-            self.text = text
+        self.text = text
+        if self.body.source != text:  # e.g. a chunk raced the end of the stream
             await self.body.update(text)
         self.set_class(partial, "-partial")
         self.query_one(".message-role", Label).update(self._header())
