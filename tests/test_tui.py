@@ -264,6 +264,9 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         focused = app.focused
         assert isinstance(focused, MessageView) and focused.role == "assistant"
         assert focused.has_class("-hit")
+        area = main.conversation.region
+        assert main.conversation.scroll_y >= 0  # not the anchor's negative offset
+        assert area.y <= focused.region.y < area.bottom  # the hit is on screen
 
         # Copy that message (c) and its code block (Ctrl+B: the focused message's only one).
         await pilot.press("c")

@@ -249,8 +249,11 @@ class MainScreen(Screen[None]):
         view = self.conversation.find(message_id)
         if view is None:
             return
+        # Anchoring keeps a short conversation at the bottom with a negative scroll offset;
+        # drop both before scrolling to the hit.
         self.conversation.anchor(False)
-        self.conversation.scroll_to_widget(view, animate=False, top=True)
+        self.conversation.scroll_to(y=0, animate=False, immediate=True)
+        self.conversation.scroll_to_widget(view, animate=False, top=True, immediate=True)
         view.focus(scroll_visible=False)
         view.add_class("-hit")
         self.set_timer(4, lambda: view.remove_class("-hit"))
