@@ -252,7 +252,7 @@ class MainScreen(Screen[None]):
         # Anchoring keeps a short conversation at the bottom with a negative scroll offset;
         # drop both before scrolling to the hit.
         self.conversation.anchor(False)
-        self.conversation.scroll_to(y=0, animate=False, immediate=True)
+        self.conversation.scroll_to(y=0, animate=False, force=True, immediate=True)
         self.conversation.scroll_to_widget(view, animate=False, top=True, immediate=True)
         view.focus(scroll_visible=False)
         view.add_class("-hit")
