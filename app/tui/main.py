@@ -59,6 +59,8 @@ class ActiveTurn:
 
 
 class MainScreen(SessionActions, Screen[None]):
+    """Sessions sidebar, conversation, input and status bar; every key of the key table."""
+
     BINDINGS = bindings()
 
     def __init__(self) -> None:
