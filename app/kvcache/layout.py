@@ -202,8 +202,8 @@ def header_bytes(layout_desc: dict[str, Any], n_cells: int) -> tuple[bytes, Stat
 class Assembler:
     """Writes a whole seq state of ``n_cells`` cells into ``out``, one chunk at a time.
 
-    Chunks come in token order and tile [0, ≥ n_cells); the last one used may be cut
-    short. Placing a chunk right after checking it reads it while it is still in cache.
+    Chunks tile [0, ≥ n_cells); the last one used may be cut short. Placing a chunk
+    right after checking it reads it while it is still in cache.
     """
 
     def __init__(self, out: np.ndarray, layout_desc: dict[str, Any], n_cells: int) -> None:
@@ -212,7 +212,6 @@ class Assembler:
             raise LayoutError("output buffer too small")
         self.out = out
         self.n_cells = n_cells
-        self.covered = 0
         self._per_cell = self.layout.per_cell_bytes()
         layout = self.layout
         struct.pack_into("<QII", out, 0, layout.magic, 1, n_cells)
@@ -225,16 +224,16 @@ class Assembler:
             else:
                 struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
 
-    @property
-    def done(self) -> bool:
-        return self.covered >= self.n_cells
+    def place(self, chunk: np.ndarray, expected_start: int) -> int:
+        """Copy one chunk's cells (those below ``n_cells``) into place; returns how many.
 
-    def place(self, chunk: np.ndarray) -> None:
+        Chunks cover disjoint cells, so several may be placed at once from threads.
+        """
         layout, out = self.layout, self.out
         start, n = struct.unpack_from("<II", chunk, 0)
-        if start != self.covered or len(chunk) != 8 + n * self._per_cell:
+        if start != expected_start or len(chunk) != 8 + n * self._per_cell:
             raise LayoutError("chunks do not tile the token range")
-        cut = min(n, self.n_cells - start)
+        cut = max(0, min(n, self.n_cells - start))
         end = start + cut
         meta_size = layout.cell_meta_size
         pos = 8
@@ -259,12 +258,12 @@ class Assembler:
                     pos : pos + cut * size
                 ]
                 pos += n * size
-        self.covered = end
+        return cut
 
-    def finish(self) -> int:
-        """The state's size; raises LayoutError unless the chunks covered every cell."""
-        if self.covered != self.n_cells:
-            raise LayoutError(f"chunks cover {self.covered} of {self.n_cells} tokens")
+    def finish(self, placed: int) -> int:
+        """The state's size; raises LayoutError unless ``placed`` cells cover every cell."""
+        if placed != self.n_cells:
+            raise LayoutError(f"chunks cover {placed} of {self.n_cells} tokens")
         return self.layout.total
 
 
@@ -273,8 +272,9 @@ def assemble_into(
 ) -> int:
     """Write the seq state of the first ``n_cells`` cells of ``chunks`` into ``out``."""
     assembler = Assembler(out, layout_desc, n_cells)
+    placed = 0
     for chunk in chunks:
-        if assembler.done:
+        if placed >= n_cells:
             break
-        assembler.place(chunk)
-    return assembler.finish()
+        placed += assembler.place(chunk, placed)
+    return assembler.finish(placed)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 import xxhash
+from concurrent.futures import ThreadPoolExecutor
 
 from app.engine import Engine, common_prefix
 from app.kvcache import layout as kvlayout
@@ -194,6 +195,7 @@ class SnapshotStore:
         self.chunk_tokens = chunk_tokens
         self.budget_bytes = budget_bytes
         self.chunked = chunked
+        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvchat-chunks")
         for path in (directory, self.chunk_dir):
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, 0o700)
@@ -370,6 +372,7 @@ class SnapshotStore:
         if row is None:
             donor = self._best_donor(session_id, fingerprint, prompt, engine.n_ctx)
             if donor is None:
+                engine.clear()
                 self.store.bump_counters(restore_misses=1)
                 return RestoreResult("none", reason="no snapshot saved for this session yet")
             row, keep = donor
@@ -454,23 +457,38 @@ class SnapshotStore:
         if row.checksum != checksum(json.dumps(row.chunk_keys).encode()):
             return "snapshot chunk list does not match its index row"
         index = self.store.get_chunks(row.chunk_keys)
+        needed: list[tuple[ChunkRow, int]] = []
+        covered = 0
+        for key in row.chunk_keys:
+            if covered >= keep:
+                break
+            entry = index.get(key)
+            if entry is None:
+                return f"snapshot chunk {key[:12]} is missing from the index"
+            needed.append((entry, covered))
+            covered += entry.n_tokens
         out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
         view = np.frombuffer(out, dtype=np.uint8)
         try:
             assembler = kvlayout.Assembler(view, row.layout, keep)
             with _ChunkSet() as chunks:
-                for key in row.chunk_keys:
-                    if assembler.done:
-                        break
-                    entry = index.get(key)
-                    if entry is None:
-                        return f"snapshot chunk {key[:12]} is missing from the index"
-                    data = chunks.open(self.chunk_dir / entry.path, entry, assembler.covered)
-                    if isinstance(data, str):
-                        return data
-                    assembler.place(data)
-                    del data
-            size = assembler.finish()
+
+                def verify_and_place(item: tuple[ChunkRow, int]) -> str | int:
+                    entry, start = item
+                    data = chunks.open(self.chunk_dir / entry.path, entry, start)
+                    return data if isinstance(data, str) else assembler.place(data, start)
+
+                # Two workers: numpy's copies release the GIL, so chunks land in parallel.
+                results = list(self._workers.map(verify_and_place, needed))
+            bad = [(entry, r) for (entry, _), r in zip(needed, results) if isinstance(r, str)]
+            if bad:
+                # Forget the broken chunks, so the next save writes them again instead of
+                # sharing them; any other chain using them falls back the same way.
+                self.store.delete_chunks([entry.key for entry, _ in bad])
+                for entry, _ in bad:
+                    (self.chunk_dir / entry.path).unlink(missing_ok=True)
+                return bad[0][1]
+            size = assembler.finish(sum(r for r in results if isinstance(r, int)))
         except kvlayout.LayoutError as exc:
             return f"snapshot chunks do not fit together: {exc}"
         finally:
