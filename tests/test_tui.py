@@ -21,11 +21,12 @@ from app.config import Settings
 from app.engine import Engine
 from app.tui.app import KvchatApp
 from app.tui.main import MainScreen
-from app.tui.screens.dialogs import ConfirmDialog, ExportDialog, TextDialog
+from app.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, TextDialog
 from app.tui.screens.error import ErrorScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.search import SearchScreen
 from app.tui.widgets.conversation import MessageView
+from app.tui.widgets.prompt import PromptInput
 
 SIZE = (100, 30)
 
@@ -412,3 +413,96 @@ async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(ho
         await wait_until(lambda: isinstance(app.focused, MessageView))
         assert isinstance(app.focused, MessageView) and app.focused.text == "line 3"
         assert len(main.conversation.views) == 67
+
+
+async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
+    """f on the first reply: a new session with the first two messages, opened with the
+    prefix it shares with the original restored from the original's snapshot."""
+    app = make_app(max_tokens=12)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Name a color.")
+        await send(pilot, main, "Name a fruit.")
+        original = open_id(main)
+        before = service_of(app).messages(original)
+        assert len(before) == 4
+        first_reply = main.conversation.views[1]
+        assert first_reply.role == "assistant"
+        first_reply.focus()
+        await pilot.pause()
+        await pilot.press("f")
+        await wait_until(lambda: main.session_id not in (None, original))
+        branch = open_id(main)
+        await wait_until(lambda: main.last_restore is not None and main._hot_id == branch)
+        assert len(main.sessions.rows) == 2 and branch in {r.id for r in main.sessions.rows}
+        stored = service_of(app).messages(branch)
+        assert [(m.role, m.content) for m in stored] == [
+            (m.role, m.content) for m in before[:2]
+        ]
+        assert texts(main) == [(m.role, m.content) for m in before[:2]]
+        # Not a full prefill: the shared prefix came from the original's snapshot.
+        restore = main.last_restore
+        assert restore is not None and restore.source in ("ram", "disk"), restore
+        assert restore.donor == original and restore.tokens >= 32
+        assert main.status.memory_text.startswith("KV: restored")
+        assert "shared prefix" in main.status.memory_text
+        assert main.status.used == restore.tokens
+        assert service_of(app).messages(original) == before  # the original is kept
+        # The next turn in the branch decodes only what follows the restored prefix.
+        await send(pilot, main, "Name a tree.")
+        report = main.last_report
+        assert report is not None and report.session_id == branch
+        assert report.tokens.reused >= restore.tokens - 1
+        assert report.tokens.decoded < report.tokens.prompt - restore.tokens + 2
+
+
+async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
+    """e on the first user message: a branch holding the edited message and a new streamed
+    reply; the original conversation is unchanged. Replies cannot be edited."""
+    app = make_app(max_tokens=12)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Name a color.")
+        await send(pilot, main, "Name another one.")
+        original = open_id(main)
+        before = service_of(app).messages(original)
+
+        main.conversation.views[1].focus()  # a reply: not editable
+        await pilot.press("e")
+        await wait_until(lambda: any("Only your own messages" in n.message
+                                     for n in app._notifications))
+        assert app.screen is main
+
+        main.conversation.views[0].focus()
+        await pilot.pause()
+        await pilot.press("e")
+        await wait_until(lambda: isinstance(app.screen, EditDialog))
+        area = app.screen.query_one("#edit-text", PromptInput)
+        assert area.text == "Name a color."
+        area.clear()
+        await pilot.press(*"Name a fruit.")
+        last = main.last_turn
+        await pilot.press("enter")
+        await wait_until(lambda: main.last_turn is not last and main.turn is None, 90)
+        await pilot.pause()
+        branch = open_id(main)
+        assert branch != original
+        stored = service_of(app).messages(branch)
+        assert [m.role for m in stored] == ["user", "assistant"]
+        assert stored[0].content == "Name a fruit."
+        assert stored[1].content.strip() and not stored[1].partial
+        assert main.last_turn is not None and main.last_turn.pieces > 0  # it streamed
+        assert main.last_report is not None and main.last_report.session_id == branch
+        assert texts(main) == [(m.role, m.content) for m in stored]
+        assert main.status.turn_text and "error" not in main.status.turn_text
+        await wait_until(lambda: len(main.sessions.rows) == 2)
+        assert service_of(app).messages(original) == before  # the original is kept
+
+        # F4 with nothing selected edits your last message; Esc leaves everything as is.
+        main.prompt.focus()
+        await pilot.press("f4")
+        await wait_until(lambda: isinstance(app.screen, EditDialog))
+        assert app.screen.query_one("#edit-text", PromptInput).text == "Name a fruit."
+        await pilot.press("escape")
+        await wait_until(lambda: app.screen is main)
+        assert len(service_of(app).list_sessions()) == 2

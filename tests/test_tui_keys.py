@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.tui.app import KvchatApp
+from app.tui.commands import KvchatCommands
 from app.tui.format import ago, code_blocks, gauge, hard_breaks
 from app.tui.keys import KEYS, bindings, keys_markdown
 from app.tui.main import MainScreen
@@ -24,7 +25,8 @@ def test_every_bound_action_exists() -> None:
         else:
             assert hasattr(MainScreen, f"action_{action}"), action
     keys = {b.key for b in bindings()}
-    expected = {"escape", "ctrl+n", "f2", "f8", "ctrl+f", "ctrl+s", "ctrl+g", "ctrl+r", "f1"}
+    expected = {"escape", "ctrl+n", "f2", "f8", "ctrl+f", "ctrl+s", "ctrl+g", "ctrl+r", "f1",
+                "ctrl+t", "f4"}
     assert expected | {"ctrl+q"} <= keys
 
 
@@ -33,6 +35,16 @@ def test_every_key_has_a_description_and_palette_actions_have_keys() -> None:
         assert key.label and key.description
         if key.palette:
             assert key.action and key.keys
+
+
+def test_branch_and_edit_are_in_the_palette_and_on_messages() -> None:
+    from app.tui.widgets.conversation import MessageView
+
+    entries = {action for _, action, _ in KvchatCommands._entries(None)}  # type: ignore[arg-type]
+    assert {"branch", "edit_message", "regenerate"} <= entries
+    message_keys = {b.key: b.action for b in MessageView.BINDINGS}  # type: ignore[union-attr]
+    assert message_keys["f"] == "branch" and message_keys["e"] == "edit"
+    assert {"c", "b", "f", "e"} <= MessageView.OWN_KEYS
 
 
 def test_format_helpers() -> None:

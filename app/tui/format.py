@@ -50,7 +50,8 @@ def restore_phrase(result: RestoreResult) -> str:
     """How the open session got its KV, e.g. "restored 3,812 tokens from disk in 41 ms"."""
     if result.source in ("ram", "disk"):
         tier = KV_LABELS[result.source]
-        return f"restored {result.tokens:,} tokens from {tier} in {result.ms:,.0f} ms"
+        shared = " · shared prefix" if result.donor else ""
+        return f"restored {result.tokens:,} tokens from {tier} in {result.ms:,.0f} ms{shared}"
     if result.source == "hot":
         return f"already hot ({result.tokens:,} tokens in the context)"
     return f"no saved KV: {result.reason}" if result.reason else "no saved KV yet"

@@ -22,6 +22,7 @@ from textual.worker import Worker, WorkerState
 
 from app.errors import KvchatError
 from app.tui.actions import SessionActions
+from app.tui.branches import BranchActions
 from app.tui.format import restore_phrase, saved_phrase
 from app.tui.keys import bindings
 from app.tui.screens.help import HelpScreen
@@ -58,7 +59,7 @@ class ActiveTurn:
     started: float = field(default_factory=time.perf_counter)
 
 
-class MainScreen(SessionActions, Screen[None]):
+class MainScreen(SessionActions, BranchActions, Screen[None]):
     """Sessions sidebar, conversation, input and status bar; every key of the key table."""
 
     BINDINGS = bindings()
@@ -190,8 +191,29 @@ class MainScreen(SessionActions, Screen[None]):
         await self.refresh_sessions()
 
     def _engine_make_hot(self, session_id: str) -> tuple[RestoreResult, int]:
-        result = self.service.make_hot(session_id)
-        return result, self.service.engine.n_tokens
+        service = self.service
+        prompt = self._engine_shared_prompt(session_id)
+        if prompt:
+            result = service.make_hot(session_id, prompt=prompt)
+        else:
+            result = service.make_hot(session_id)
+        return result, service.engine.n_tokens
+
+    def _engine_shared_prompt(self, session_id: str) -> list[int] | None:
+        """For a session with messages but no KV of its own (a new branch): its history's
+        tokens, so make_hot can restore the prefix it shares with another session's
+        snapshot instead of leaving the context empty."""
+        service = self.service
+        if service.kv_location(session_id) != "none":
+            return None
+        history = service.messages(session_id)
+        if not history:
+            return None
+        session = service.resolve(session_id)
+        system = session.system_prompt or service.settings.system_prompt
+        head = [{"role": "system", "content": system}] if system else []
+        tokens: list[int] = service.engine.chat_tokens(head + [m.as_chat() for m in history])
+        return tokens
 
     async def _make_hot(self, session_id: str) -> None:
         """Bring the open session's KV into the context and show where it came from."""
@@ -398,6 +420,14 @@ class MainScreen(SessionActions, Screen[None]):
             self.action_copy_code(event.view)
         elif event.view.text:
             self._copy(event.view.text, "message")
+
+    @on(MessageView.BranchRequested)
+    def _branch_requested(self, event: MessageView.BranchRequested) -> None:
+        self.action_branch(event.view)
+
+    @on(MessageView.EditRequested)
+    def _edit_requested(self, event: MessageView.EditRequested) -> None:
+        self.action_edit_message(event.view)
 
     @on(MessageView.TypedAhead)
     def _typed_ahead(self, event: MessageView.TypedAhead) -> None:

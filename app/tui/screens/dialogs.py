@@ -1,4 +1,5 @@
-"""Small modal dialogs: confirm, rename, export, session settings, code-block picker."""
+"""Small modal dialogs: confirm, rename, edit a message, export, session settings, code-block
+picker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from textual.widgets import Button, Input, Label, OptionList, RadioButton, Radio
 from textual.widgets.option_list import Option
 
 from app.tui.format import shorten
+from app.tui.widgets.prompt import PromptInput
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
 
@@ -76,6 +78,46 @@ class TextDialog(Dialog):
     def _submit(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         self.dismiss(text or None)
+
+
+class EditDialog(Dialog):
+    """Edit a past message of yours; like the message input, Enter confirms, Ctrl+J breaks."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(classes="dialog-screen")
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Label("Edit your message", classes="dialog-title")
+            yield Label(
+                "The edit starts a new branch and the reply is generated again; "
+                "the original conversation is kept.",
+                classes="dialog-detail",
+            )
+            yield PromptInput(
+                self.text,
+                id="edit-text",
+                soft_wrap=True,
+                show_line_numbers=False,
+                tab_behavior="focus",
+            )
+            yield Label("Enter regenerates · Ctrl+J new line · Esc cancels", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        area = self.query_one("#edit-text", PromptInput)
+        area.cursor_blink = bool(getattr(self.app, "cursor_blink", True))
+        area.focus()
+        area.move_cursor(area.document.end)
+
+    @on(PromptInput.Submitted)
+    def _submit(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        text = event.text.strip()
+        if not text:
+            self.notify("The message is empty", severity="warning")
+            return
+        self.dismiss(text)
 
 
 @dataclass(frozen=True)

@@ -36,17 +36,33 @@ The status bar shows where that memory came from on every turn.
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message. Focus it (click or Tab) to copy it with ``c`` or a code block with ``b``."""
+    """One message. Focus it (click or Tab) to copy it with ``c`` or a code block with ``b``,
+    branch a new session from it with ``f``, or edit it (your messages) with ``e``."""
 
     BINDINGS = [
         Binding("c", "copy", "Copy message", show=False),
         Binding("b", "copy_code", "Copy code block", show=False),
+        Binding("f", "branch", "Branch from here", show=False),
+        Binding("e", "edit", "Edit message", show=False),
     ]
+    OWN_KEYS = frozenset({"c", "b", "f", "e"})
 
     @dataclass
     class CopyRequested(TextualMessage):
         view: MessageView
         code: bool
+
+    @dataclass
+    class BranchRequested(TextualMessage):
+        """``f``: a new session with the messages up to this one."""
+
+        view: MessageView
+
+    @dataclass
+    class EditRequested(TextualMessage):
+        """``e``: edit this message as a new branch."""
+
+        view: MessageView
 
     @dataclass
     class TypedAhead(TextualMessage):
@@ -118,7 +134,7 @@ class MessageView(Vertical, can_focus=True):
         self.query_one(".message-role", Label).update(self._header())
 
     def on_key(self, event: events.Key) -> None:
-        if event.is_printable and event.character and event.key not in ("c", "b"):
+        if event.is_printable and event.character and event.key not in self.OWN_KEYS:
             event.stop()
             event.prevent_default()
             self.post_message(self.TypedAhead(event.character))
@@ -128,6 +144,12 @@ class MessageView(Vertical, can_focus=True):
 
     def action_copy_code(self) -> None:
         self.post_message(self.CopyRequested(self, code=True))
+
+    def action_branch(self) -> None:
+        self.post_message(self.BranchRequested(self))
+
+    def action_edit(self) -> None:
+        self.post_message(self.EditRequested(self))
 
 
 class Conversation(VerticalScroll):
