@@ -415,6 +415,9 @@ class ChatService:
         if session_id == self.hot_session_id:
             return RestoreResult("hot", tokens=engine.n_tokens)
         self._drop_hot()
+        if prompt is None and self.store.get_snapshot(session_id) is None:
+            # No KV of its own (a new branch): look for the prefix it shares with others.
+            prompt = self._history_tokens(session_id)
         started = time.perf_counter()
         entry = self.warm.get(session_id, self.fingerprint.model_id)
         if entry is not None and len(entry.tokens) <= engine.n_ctx:
@@ -504,6 +507,15 @@ class ChatService:
             max_tokens=int(values["max_tokens"]),
             seed=int(values["seed"]),
         )
+
+    def _history_tokens(self, session_id: str) -> list[int] | None:
+        """The session's whole history as prompt tokens (None when it has no messages)."""
+        history = self.store.messages(session_id)
+        if not history:
+            return None
+        session = self.store.get_session(session_id)
+        chat = self._system_head(session) + [m.as_chat() for m in history]
+        return self.engine.chat_tokens(chat)
 
     def _system_head(self, session: Session) -> list[dict[str, str]]:
         system = session.system_prompt or self.settings.system_prompt

@@ -191,29 +191,10 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
         await self.refresh_sessions()
 
     def _engine_make_hot(self, session_id: str) -> tuple[RestoreResult, int]:
-        service = self.service
-        prompt = self._engine_shared_prompt(session_id)
-        if prompt:
-            result = service.make_hot(session_id, prompt=prompt)
-        else:
-            result = service.make_hot(session_id)
-        return result, service.engine.n_tokens
-
-    def _engine_shared_prompt(self, session_id: str) -> list[int] | None:
-        """For a session with messages but no KV of its own (a new branch): its history's
-        tokens, so make_hot can restore the prefix it shares with another session's
-        snapshot instead of leaving the context empty."""
-        service = self.service
-        if service.kv_location(session_id) != "none":
-            return None
-        history = service.messages(session_id)
-        if not history:
-            return None
-        session = service.resolve(session_id)
-        system = session.system_prompt or service.settings.system_prompt
-        head = [{"role": "system", "content": system}] if system else []
-        tokens: list[int] = service.engine.chat_tokens(head + [m.as_chat() for m in history])
-        return tokens
+        """On the engine thread: make the session hot (a new branch borrows its shared
+        prefix from another session's snapshot) and report the context's size."""
+        result = self.service.make_hot(session_id)
+        return result, self.service.engine.n_tokens
 
     async def _make_hot(self, session_id: str) -> None:
         """Bring the open session's KV into the context and show where it came from."""
