@@ -13,6 +13,7 @@ import click
 from app.config import Settings, load_settings
 from app.errors import KvchatError, KvchatGroup
 from app.export import FORMATS
+from app.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -138,15 +139,6 @@ def ask(
             click.echo(f"kvchat: {report.snapshot.error}", err=True)
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
 @main.command(name="list")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -169,7 +161,7 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
     click.echo(header)
     for s in summaries:
         title = s.session.title if len(s.session.title) <= 32 else s.session.title[:31] + "…"
-        snap = _human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
+        snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
         updated = s.session.updated[:16].replace("T", " ")
         click.echo(
             f"{s.session.id:<9} {title:<32} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
@@ -281,13 +273,13 @@ def cache(ctx: click.Context, as_json: bool) -> None:
     ram, disk, counters = stats["ram"], stats["disk"], stats["counters"]
     shared = disk["logical_bytes"] - disk["bytes"]
     click.echo(
-        f"RAM   {ram['entries']} sessions, {_human_bytes(ram['bytes'])} of "
-        f"{_human_bytes(ram['budget_bytes'])} (lives in the running app)"
+        f"RAM   {ram['entries']} sessions, {human_bytes(ram['bytes'])} of "
+        f"{human_bytes(ram['budget_bytes'])} (lives in the running app)"
     )
     click.echo(
         f"disk  {disk['snapshots']} snapshots in {disk['chunks']} chunks, "
-        f"{_human_bytes(disk['bytes'])} of {_human_bytes(disk['budget_bytes'] or 0)}"
-        + (f" ({_human_bytes(shared)} saved by shared prefixes)" if shared > 0 else "")
+        f"{human_bytes(disk['bytes'])} of {human_bytes(disk['budget_bytes'] or 0)}"
+        + (f" ({human_bytes(shared)} saved by shared prefixes)" if shared > 0 else "")
     )
     click.echo(
         f"hits  RAM {counters['restores_ram']}, disk {counters['restores_disk']}, "
@@ -295,8 +287,8 @@ def cache(ctx: click.Context, as_json: bool) -> None:
     )
     click.echo(
         f"prefill avoided: {counters['tokens_restored']:,} tokens "
-        f"({_human_bytes(counters['bytes_restored'])} of KV restored); "
-        f"{_human_bytes(counters['bytes_written'])} written"
+        f"({human_bytes(counters['bytes_restored'])} of KV restored); "
+        f"{human_bytes(counters['bytes_written'])} written"
     )
 
 
@@ -314,7 +306,7 @@ def cache_gc(ctx: click.Context) -> None:
     finally:
         service.close()
     click.echo(
-        f"removed {len(orphans)} orphaned files, {_human_bytes(freed)} of unused chunks; "
+        f"removed {len(orphans)} orphaned files, {human_bytes(freed)} of unused chunks; "
         f"evicted {len(evicted)} snapshots over budget"
     )
 

@@ -6,6 +6,8 @@ import re
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from app.units import human_bytes
+
 if TYPE_CHECKING:
     from app.chat import TurnReport
     from app.kvcache import RestoreResult
@@ -57,13 +59,6 @@ def restore_phrase(result: RestoreResult) -> str:
     return f"no saved KV: {result.reason}" if result.reason else "no saved KV yet"
 
 
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1000
-    return f"{n} B"
 
 
 def saved_phrase(report: TurnReport) -> str:
