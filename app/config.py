@@ -159,14 +159,6 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _TomlSource(settings_cls))
 
-    @property
-    def db_path(self) -> Path:
-        return data_dir() / "kvchat.db"
-
-    @property
-    def snapshot_dir(self) -> Path:
-        return data_dir() / "snapshots"
-
     def model_path(self) -> Path:
         """The GGUF file to load, checked to exist and to look like GGUF.
 

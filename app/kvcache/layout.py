@@ -175,8 +175,8 @@ def extract(data: np.ndarray, layout: StateLayout, start: int, end: int) -> np.n
     return np.concatenate(parts)
 
 
-def header_bytes(layout_desc: dict[str, Any], n_cells: int) -> tuple[bytes, StateLayout]:
-    """Build the non-data parts of a whole state of ``n_cells`` cells, and its layout."""
+def layout_for(layout_desc: dict[str, Any], n_cells: int) -> StateLayout:
+    """The layout of a whole state of ``n_cells`` cells with these per-model constants."""
     layout = StateLayout(
         n_cells=n_cells,
         meta_offset=_PREAMBLE,
@@ -196,7 +196,7 @@ def header_bytes(layout_desc: dict[str, Any], n_cells: int) -> tuple[bytes, Stat
         layout.v_layers.append(LayerData(type_id, row_size, offset, n_dims))
         offset += row_size * (n_dims if layout.v_trans else 1) * n_cells
     layout.total = offset
-    return b"", layout
+    return layout
 
 
 class Assembler:
@@ -207,7 +207,7 @@ class Assembler:
     """
 
     def __init__(self, out: np.ndarray, layout_desc: dict[str, Any], n_cells: int) -> None:
-        _, self.layout = header_bytes(layout_desc, n_cells)
+        self.layout = layout_for(layout_desc, n_cells)
         if len(out) < self.layout.total:
             raise LayoutError("output buffer too small")
         self.out = out

@@ -145,24 +145,28 @@ def _write_atomically(final: Path, parts: list[Any]) -> int:
     return written
 
 
-@contextmanager
-def _mapped(path: Path) -> Iterator[mmap.mmap | str]:
+def _map_file(path: Path, label: str) -> mmap.mmap | str:
     """The file mapped read-only (MAP_POPULATE: no copy into Python), or why not."""
     try:
         fh = open(path, "rb", buffering=0)
     except FileNotFoundError:
-        yield f"snapshot file is missing: {path}"
-        return
+        return f"snapshot file is missing: {label}"
     with fh:
         size = os.fstat(fh.fileno()).st_size
         if size < 12:
-            yield f"{path.name} is not a kvchat snapshot file (bad magic)"
-            return
-        mapped = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+            return f"{path.name} is not a kvchat snapshot file (too short)"
+        return mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+
+
+@contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap | str]:
+    """:func:`_map_file` as a context that unmaps on exit."""
+    mapped = _map_file(path, str(path))
     try:
         yield mapped
     finally:
-        mapped.close()
+        if not isinstance(mapped, str):
+            mapped.close()
 
 
 def _header(mapped: mmap.mmap, magic: bytes, name: str) -> tuple[dict[str, Any], int] | str:
@@ -467,7 +471,7 @@ class SnapshotStore:
                 return f"snapshot chunk {key[:12]} is missing from the index"
             needed.append((entry, covered))
             covered += entry.n_tokens
-        out = engine.state_buffer(kvlayout.header_bytes(row.layout, keep)[1].total)
+        out = engine.state_buffer(kvlayout.layout_for(row.layout, keep).total)
         view = np.frombuffer(out, dtype=np.uint8)
         try:
             assembler = kvlayout.Assembler(view, row.layout, keep)
@@ -599,15 +603,9 @@ class _ChunkSet:
 
     def open(self, path: Path, entry: ChunkRow, start: int) -> np.ndarray | str:
         """The chunk's verified bytes (checksum read leaves them in cache), or why not."""
-        try:
-            fh = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            return f"snapshot file is missing: chunk {path.name}"
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < 12:
-                return f"snapshot chunk {path.name} is truncated"
-            mapped = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+        mapped = _map_file(path, f"chunk {path.name}")
+        if isinstance(mapped, str):
+            return mapped
         self._maps.append(mapped)
         parsed = _header(mapped, CHUNK_MAGIC, path.name)
         if isinstance(parsed, str):
