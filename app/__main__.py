@@ -1,3 +1,3 @@
-from app.cli import main
+from kvchat.cli import main
 
 main()

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.chat import ChatService
-from app.config import Settings
-from app.kvcache import SnapshotStore
+from kvchat.chat import ChatService
+from kvchat.config import Settings
+from kvchat.kvcache import SnapshotStore
 
 NEXT_MESSAGE = "Thanks! Now please summarise the three most important points above as one short bulleted list."
 _WORDS = (

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.config import Settings, data_dir
-from app.engine import Engine, EngineConfig, GenerationParams, common_prefix
-from app.engine.engine import CancelCheck, GenerationStats
-from app.errors import KvchatError
-from app.export import ExportFormat, export_session
-from app.kvcache import Fingerprint, RestoreResult, SnapshotStore
-from app.kvcache.warm import WarmTier
-from app.planner.defaults import DefaultsChoice, plan_defaults
-from app.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.config import Settings, data_dir
+from kvchat.engine import Engine, EngineConfig, GenerationParams, common_prefix
+from kvchat.engine.engine import CancelCheck, GenerationStats
+from kvchat.errors import KvchatError
+from kvchat.export import ExportFormat, export_session
+from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
+from kvchat.kvcache.warm import WarmTier
+from kvchat.planner.defaults import DefaultsChoice, plan_defaults
+from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
 
 TokenCallback = Callable[[str], None]
 DEFAULT_TITLE = "New chat"

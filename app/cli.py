@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 import click
 
-from app.config import Settings, load_settings
-from app.errors import KvchatError, KvchatGroup
-from app.export import FORMATS
-from app.units import human_bytes
+from kvchat.config import Settings, load_settings
+from kvchat.errors import KvchatError, KvchatGroup
+from kvchat.export import FORMATS
+from kvchat.units import human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,7 +57,7 @@ def main(ctx: click.Context, **flags: Any) -> None:
     if ctx.invoked_subcommand is None:
         settings = settings_from(ctx)
         try:
-            from app.tui.app import run_app
+            from kvchat.tui.app import run_app
         except ImportError:
             raise KvchatError(
                 "the terminal app is not available in this build; use `kvchat ask MESSAGE`"
@@ -66,7 +66,7 @@ def main(ctx: click.Context, **flags: Any) -> None:
 
 
 def _service(settings: Settings) -> Any:
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     return ChatService(settings)
 
@@ -144,7 +144,7 @@ def ask(
 @click.pass_context
 def list_sessions(ctx: click.Context, as_json: bool) -> None:
     """Sessions, most recently updated first."""
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -175,7 +175,7 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
     """Export a session as Markdown, JSON or HTML."""
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -205,7 +205,7 @@ def bench(
     ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int, no_tiers: bool, **flags: Any
 ) -> None:
     """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
-    from app.bench import format_report, run_bench
+    from kvchat.bench import format_report, run_bench
 
     try:
         targets = [int(x) for x in sizes.split(",") if x.strip()]
@@ -228,8 +228,8 @@ def bench(
 @click.pass_context
 def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     """The effective settings and where each came from (flag, env, config file, plan, default)."""
-    from app.config import config_file
-    from app.planner.defaults import plan_defaults
+    from kvchat.config import config_file
+    from kvchat.planner.defaults import plan_defaults
 
     settings = settings_from(ctx, **flags)
     path = settings.model_path()
@@ -260,7 +260,7 @@ def cache(ctx: click.Context, as_json: bool) -> None:
     """The KV tiers: RAM (in the running app) and disk, with their counters."""
     if ctx.invoked_subcommand is not None:
         return
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -296,7 +296,7 @@ def cache(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def cache_gc(ctx: click.Context) -> None:
     """Remove orphaned files and evict snapshots beyond the disk budget (never text)."""
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -316,7 +316,7 @@ def cache_gc(ctx: click.Context) -> None:
 @click.pass_context
 def cache_clear(ctx: click.Context, session_ref: str | None) -> None:
     """Delete the KV snapshots of SESSION, or of every session. Text is kept."""
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -334,7 +334,7 @@ def cache_clear(ctx: click.Context, session_ref: str | None) -> None:
 @click.pass_context
 def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: bool) -> None:
     """Branch a session; the shared history's KV is reused, not copied."""
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     service = ChatService(settings_from(ctx))
     try:
@@ -351,7 +351,7 @@ def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: 
 
 
 def _register_subcommands() -> None:
-    from app.cli_models import models_group
+    from kvchat.cli_models import models_group
 
     main.add_command(models_group, name="models")
 

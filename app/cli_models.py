@@ -19,9 +19,9 @@ from typing import Any
 
 import click
 
-from app.config import bundled_model_path, data_dir, ensure_private_dir
-from app.errors import KvchatError, KvchatGroup
-from app.planner.gguf_info import (
+from kvchat.config import bundled_model_path, data_dir, ensure_private_dir
+from kvchat.errors import KvchatError, KvchatGroup
+from kvchat.planner.gguf_info import (
     CatalogEntry,
     ModelInfo,
     find_entry,
@@ -29,7 +29,7 @@ from app.planner.gguf_info import (
     load_catalog,
     read_gguf,
 )
-from app.planner.plan import (
+from kvchat.planner.plan import (
     CLI_KV_TYPES,
     DEFAULT_RESERVE,
     DEFAULT_UBATCH,

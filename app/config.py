@@ -16,7 +16,7 @@ import platformdirs
 from pydantic import Field, PrivateAttr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from app.errors import KvchatError
+from kvchat.errors import KvchatError
 
 KvType = Literal["f16", "q8_0", "q4_0"]
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -210,7 +210,7 @@ def resolve_model_file(spec: str | None) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         return path
-    from app.planner.gguf_info import find_entry, load_catalog
+    from kvchat.planner.gguf_info import find_entry, load_catalog
 
     try:
         catalog = load_catalog()

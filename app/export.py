@@ -6,8 +6,8 @@ import html
 import json
 from typing import Literal
 
-from app import __version__
-from app.store import Message, Session
+from kvchat import __version__
+from kvchat.store import Message, Session
 
 ExportFormat = Literal["md", "json", "html"]
 FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")

@@ -44,12 +44,12 @@ class CliResult:
 def run_cli(
     home: Path, *args: str, env: dict[str, str] | None = None, check: bool = True
 ) -> CliResult:
-    """Run `python -m app ARGS` in a new process with KVCHAT_HOME=home."""
+    """Run `python -m kvchat ARGS` in a new process with KVCHAT_HOME=home."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
     full_env["KVCHAT_HOME"] = str(home)
     full_env.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "app", *args],
+        [sys.executable, "-m", "kvchat", *args],
         cwd=REPO,
         env=full_env,
         capture_output=True,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.chat import ChatService
-from app.config import Settings
-from app.kvcache.snapshots import STALL_ENV
+from kvchat.chat import ChatService
+from kvchat.config import Settings
+from kvchat.kvcache.snapshots import STALL_ENV
 from tests.conftest import FAST, REPO, SNAPSHOT_FORMATS
 
 
@@ -34,7 +34,7 @@ def test_kill_during_snapshot_write_leaves_session_resumable(turn_homes, copy_ho
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
     env.update({"KVCHAT_HOME": str(home), STALL_ENV: "60", **SNAPSHOT_FORMATS[fmt]})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "ask", "--session", session, "And then?", "--json", *FAST],
+        [sys.executable, "-m", "kvchat", "ask", "--session", session, "And then?", "--json", *FAST],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.chat import ChatService
-from app.config import Settings
+from kvchat.chat import ChatService
+from kvchat.config import Settings
 
 EVIL = "<script>alert('x')</script> & <b>bold</b>"
 

@@ -17,10 +17,10 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from app.chat import ChatService
-from app.config import bundled_model_path, load_settings
-from app.engine import Engine, EngineConfig
-from app.engine.engine import SEQ_ID
+from kvchat.chat import ChatService
+from kvchat.config import bundled_model_path, load_settings
+from kvchat.engine import Engine, EngineConfig
+from kvchat.engine.engine import SEQ_ID
 
 N_CTX = 256
 MAX_TOKENS = 24

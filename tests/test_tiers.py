@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.chat import ChatService
-from app.config import Settings, bundled_model_path
-from app.engine import Engine, EngineConfig
-from app.kvcache import layout as kvlayout
+from kvchat.chat import ChatService
+from kvchat.config import Settings, bundled_model_path
+from kvchat.engine import Engine, EngineConfig
+from kvchat.kvcache import layout as kvlayout
 
 SMALL_CHUNKS = dict(temperature=0, max_tokens=16, n_ctx=1024, chunk_tokens=32)
 

@@ -16,17 +16,17 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Label, Markdown, RadioButton, TextArea
 
-from app.chat import ChatService
-from app.config import Settings
-from app.engine import Engine
-from app.tui.app import KvchatApp
-from app.tui.main import MainScreen
-from app.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, TextDialog
-from app.tui.screens.error import ErrorScreen
-from app.tui.screens.help import HelpScreen
-from app.tui.screens.search import SearchScreen
-from app.tui.widgets.conversation import MessageView
-from app.tui.widgets.prompt import PromptInput
+from kvchat.chat import ChatService
+from kvchat.config import Settings
+from kvchat.engine import Engine
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.main import MainScreen
+from kvchat.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, TextDialog
+from kvchat.tui.screens.error import ErrorScreen
+from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.screens.search import SearchScreen
+from kvchat.tui.widgets.conversation import MessageView
+from kvchat.tui.widgets.prompt import PromptInput
 
 SIZE = (100, 30)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.tui.app import KvchatApp
-from app.tui.commands import KvchatCommands
-from app.tui.format import ago, code_blocks, gauge, hard_breaks
-from app.tui.keys import KEYS, bindings, keys_markdown
-from app.tui.main import MainScreen
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.commands import KvchatCommands
+from kvchat.tui.format import ago, code_blocks, gauge, hard_breaks
+from kvchat.tui.keys import KEYS, bindings, keys_markdown
+from kvchat.tui.main import MainScreen
 
 KEYS_MD = Path(__file__).resolve().parents[1] / "app" / "tui" / "KEYS.md"
 
@@ -38,7 +38,7 @@ def test_every_key_has_a_description_and_palette_actions_have_keys() -> None:
 
 
 def test_branch_and_edit_are_in_the_palette_and_on_messages() -> None:
-    from app.tui.widgets.conversation import MessageView
+    from kvchat.tui.widgets.conversation import MessageView
 
     entries = {action for _, action, _ in KvchatCommands._entries(None)}  # type: ignore[arg-type]
     assert {"branch", "edit_message", "regenerate"} <= entries

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from app.chat import ChatService, TokenCounts, TurnReport
-from app.config import Settings
-from app.kvcache import RestoreResult
-from app.tui.app import KvchatApp
-from app.tui.screens.help import HelpScreen
+from kvchat.chat import ChatService, TokenCounts, TurnReport
+from kvchat.config import Settings
+from kvchat.kvcache import RestoreResult
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens.help import HelpScreen
 
 SIZE = (100, 30)
 

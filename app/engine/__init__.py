@@ -1,5 +1,5 @@
 """The llama.cpp engine: load, template → tokens, prefix reuse, generation, seq-state get/set."""
 
-from app.engine.engine import Engine, EngineConfig, GenerationParams, PrefillResult, common_prefix
+from kvchat.engine.engine import Engine, EngineConfig, GenerationParams, PrefillResult, common_prefix
 
 __all__ = ["common_prefix", "Engine", "EngineConfig", "GenerationParams", "PrefillResult"]

@@ -21,7 +21,7 @@ import llama_cpp
 from llama_cpp import _internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from app.errors import KvchatError
+from kvchat.errors import KvchatError
 
 SEQ_ID = 0
 # Prefill is decoded in slices this long so a cancel request is honoured between them.

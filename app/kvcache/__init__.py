@@ -1,6 +1,6 @@
 """KV snapshots: fingerprints, the snapshot file format, and the tiers that hold them."""
 
-from app.kvcache.fingerprint import Fingerprint, model_identity
-from app.kvcache.snapshots import RestoreResult, SnapshotStore
+from kvchat.kvcache.fingerprint import Fingerprint, model_identity
+from kvchat.kvcache.snapshots import RestoreResult, SnapshotStore
 
 __all__ = ["Fingerprint", "RestoreResult", "SnapshotStore", "model_identity"]

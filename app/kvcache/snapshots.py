@@ -1,7 +1,7 @@
 """The cold tier: snapshot files on disk, indexed in SQLite.
 
 Two formats. **Chunks** (the default): the seq state is cut into token ranges of
-``chunk_tokens`` cells (see :mod:`app.kvcache.layout`); a chunk's key hashes the
+``chunk_tokens`` cells (see :mod:`kvchat.kvcache.layout`); a chunk's key hashes the
 fingerprint and every token id up to the chunk's end, so any prefix that sessions,
 forks and regenerations share is stored once, and a turn writes only the chunks that
 are new (the full ones it completed, plus the trailing partial one). **Blob**: the whole
@@ -37,10 +37,10 @@ import numpy as np
 import xxhash
 from concurrent.futures import ThreadPoolExecutor
 
-from app.engine import Engine, common_prefix
-from app.kvcache import layout as kvlayout
-from app.kvcache.fingerprint import Fingerprint
-from app.store import ChunkRow, SnapshotRow, Store
+from kvchat.engine import Engine, common_prefix
+from kvchat.kvcache import layout as kvlayout
+from kvchat.kvcache.fingerprint import Fingerprint
+from kvchat.store import ChunkRow, SnapshotRow, Store
 
 MAGIC = b"KVCSNAP1"
 CHUNK_MAGIC = b"KVCCHNK1"

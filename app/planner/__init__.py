@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from app.planner.gguf_info import (
+from kvchat.planner.gguf_info import (
     CatalogEntry,
     ModelInfo,
     find_entry,
@@ -14,7 +14,7 @@ from app.planner.gguf_info import (
     load_catalog,
     read_gguf,
 )
-from app.planner.plan import (
+from kvchat.planner.plan import (
     KvPerToken,
     Plan,
     PlanConfig,

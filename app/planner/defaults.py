@@ -8,7 +8,7 @@ kvchat picks ``n_ctx``, ``type_k``/``type_v``, ``flash_attn`` and ``n_gpu_layers
    f16 KV, flash attention off (much slower on a small CPU). A GPU budget is used only
    when this llama-cpp-python build can offload (a CPU-only build gets the CPU defaults and
    a warning naming the CUDA install line).
-2. **The plan** (``app.planner.plan``, from the GGUF metadata; the model is not loaded):
+2. **The plan** (``kvchat.planner.plan``, from the GGUF metadata; the model is not loaded):
    flash attention on; the target context is the model's trained context, capped at
    :data:`AUTO_CTX_CAP`; the KV type is the first of f16, q8_0 that lets the whole model
    and that context fit on the GPU, else q8_0 when it still reaches :data:`GOOD_CTX`
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.errors import KvchatError
-from app.planner.plan import (
+from kvchat.errors import KvchatError
+from kvchat.planner.plan import (
     CTX_STEP,
     PlanConfig,
     fmt_bytes,
@@ -40,8 +40,8 @@ from app.planner.plan import (
 )
 
 if TYPE_CHECKING:
-    from app.config import Settings
-    from app.planner.gguf_info import ModelInfo
+    from kvchat.config import Settings
+    from kvchat.planner.gguf_info import ModelInfo
 
 PLANNED_FIELDS = ("n_ctx", "type_k", "type_v", "flash_attn", "n_gpu_layers")
 # Longest context picked on its own: a bigger one costs VRAM the user may want elsewhere and
@@ -226,7 +226,7 @@ def plan_defaults(
     if info is None:
         if model_path is None:
             model_path = settings.model_path()
-        from app.planner.gguf_info import read_gguf
+        from kvchat.planner.gguf_info import read_gguf
 
         info = read_gguf(model_path)
     return _gpu_plan(settings, info, gpu, explicit, current, planned_sources, cpu)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+from importlib import resources
 import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.errors import KvchatError
+from kvchat.errors import KvchatError
 
 # Architectures whose sliding-window layout llama.cpp hard-codes when the GGUF carries no
 # ``{arch}.attention.sliding_window_pattern``: period n means that in every group of n
@@ -339,22 +340,24 @@ class CatalogEntry:
 
 
 def default_catalog_path() -> Path:
-    """``KVCHAT_CATALOG``, else ``models/catalog.toml`` next to the ``app`` package."""
+    """``KVCHAT_CATALOG``, else the catalog installed with kvchat (``kvchat.models``)."""
     env = os.environ.get("KVCHAT_CATALOG")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[2] / "models" / "catalog.toml"
+    return Path(str(resources.files("kvchat.models").joinpath("catalog.toml")))
 
 
 def load_catalog(path: str | os.PathLike[str] | None = None) -> list[CatalogEntry]:
-    """Parse and check the catalog; a missing file is an empty catalog."""
+    """Parse and check the catalog; a missing or unreadable file is an error naming its path."""
     path = Path(path) if path is not None else default_catalog_path()
-    if not path.is_file():
-        return []
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except FileNotFoundError as exc:
+        raise KvchatError(f"model catalog {path} is missing") from exc
+    except OSError as exc:
+        raise KvchatError(f"model catalog {path} cannot be read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
         raise KvchatError(f"model catalog {path} is not valid TOML: {exc}") from exc
     entries: list[CatalogEntry] = []
     known = set(CatalogEntry.__dataclass_fields__)

@@ -39,8 +39,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.errors import KvchatError
-from app.planner.gguf_info import ModelInfo
+from kvchat.errors import KvchatError
+from kvchat.planner.gguf_info import ModelInfo
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEFAULT_VRAM = 6 * GiB

@@ -15,9 +15,9 @@ from typing import Any
 
 import sqlite_utils
 
-from app.errors import KvchatError
-from app.store.migrations import migrate
-from app.store.models import ChunkRow, Message, SearchHit, Session, SessionSummary, SnapshotRow
+from kvchat.errors import KvchatError
+from kvchat.store.migrations import migrate
+from kvchat.store.models import ChunkRow, Message, SearchHit, Session, SessionSummary, SnapshotRow
 
 
 def now() -> str:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from textual import work
 
-from app.errors import KvchatError
-from app.tui.format import code_blocks, shorten, slug
-from app.tui.screens.dialogs import (
+from kvchat.errors import KvchatError
+from kvchat.tui.format import code_blocks, shorten, slug
+from kvchat.tui.screens.dialogs import (
     CodePickerDialog,
     ConfirmDialog,
     ExportDialog,
@@ -23,8 +23,8 @@ from app.tui.screens.dialogs import (
     SettingsDialog,
     TextDialog,
 )
-from app.tui.screens.search import SearchScreen
-from app.tui.widgets.conversation import MessageView
+from kvchat.tui.screens.search import SearchScreen
+from kvchat.tui.widgets.conversation import MessageView
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -32,13 +32,13 @@ if TYPE_CHECKING:
     from textual.screen import Screen
     from textual.worker import Worker
 
-    from app.chat import ChatService
-    from app.store import SearchHit
-    from app.tui.app import KvchatApp
-    from app.tui.main import ActiveTurn
-    from app.tui.widgets.conversation import Conversation
-    from app.tui.widgets.sidebar import SessionList, SessionRow
-    from app.tui.widgets.status import StatusBar
+    from kvchat.chat import ChatService
+    from kvchat.store import SearchHit
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.main import ActiveTurn
+    from kvchat.tui.widgets.conversation import Conversation
+    from kvchat.tui.widgets.sidebar import SessionList, SessionRow
+    from kvchat.tui.widgets.status import StatusBar
 
     _Base = Screen[None]
 else:
@@ -168,7 +168,7 @@ class SessionActions(_Base):
             session_id = self.session_id = await self._new_session_id()
             await self.refresh_sessions()
         session = await self.on_store(self.service.resolve, session_id)
-        from app.chat import SESSION_SETTINGS
+        from kvchat.chat import SESSION_SETTINGS
 
         defaults = {key: getattr(self.kv_app.settings, key) for key in SESSION_SETTINGS}
         result: SessionSettings | None = await self.app.push_screen_wait(

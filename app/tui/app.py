@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from importlib import resources
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -10,23 +11,23 @@ from typing import TYPE_CHECKING
 from textual.app import App
 from textual.screen import Screen
 
-from app.config import Settings, bundled_model_path
-from app.errors import KvchatError
-from app.tui.commands import KvchatCommands
-from app.tui.main import MainScreen
-from app.tui.screens.error import ErrorScreen
-from app.tui.threads import SerialThread
+from kvchat.config import Settings, bundled_model_path
+from kvchat.errors import KvchatError
+from kvchat.tui.commands import KvchatCommands
+from kvchat.tui.main import MainScreen
+from kvchat.tui.screens.error import ErrorScreen
+from kvchat.tui.threads import SerialThread
 
 if TYPE_CHECKING:
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = resources.files("kvchat.assets")
 
 
 class KvchatApp(App[None]):
     """The kvchat terminal app. Pass ``service`` to use a prepared (or stand-in) ChatService."""
 
-    CSS_PATH = ASSETS / "kvchat.tcss"
+    CSS_PATH = str(ASSETS.joinpath("kvchat.tcss"))
     TITLE = "kvchat"
     COMMANDS = App.COMMANDS | {KvchatCommands}
 
@@ -47,6 +48,7 @@ class KvchatApp(App[None]):
         self.store_thread = SerialThread("store")
         self._closing = False
         self._closed = False
+        self._shut_down = False
         # Failures of background work, shown as notices (tests assert it stays empty).
         self.worker_errors: list[BaseException] = []
 
@@ -104,7 +106,13 @@ class KvchatApp(App[None]):
             self.service.close()
 
     def shutdown(self) -> None:
-        """Close the service if quitting did not (an exit from elsewhere), then the threads."""
+        """Close the service if quitting did not (an exit from elsewhere), then the threads.
+
+        Idempotent: both ``on_unmount`` and ``run_app`` call it.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._closing = True
         main = self.screen_stack[0] if self.screen_stack else None
         if isinstance(main, MainScreen) and main.turn is not None:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from textual import work
 
-from app.errors import KvchatError
-from app.tui.format import shorten
-from app.tui.screens.dialogs import EditDialog
-from app.tui.widgets.conversation import MessageView
+from kvchat.errors import KvchatError
+from kvchat.tui.format import shorten
+from kvchat.tui.screens.dialogs import EditDialog
+from kvchat.tui.widgets.conversation import MessageView
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     from textual.screen import Screen
     from textual.worker import Worker
 
-    from app.chat import ChatService
-    from app.tui.main import ActiveTurn
-    from app.tui.widgets.conversation import Conversation
-    from app.tui.widgets.prompt import PromptInput
-    from app.tui.widgets.status import StatusBar
+    from kvchat.chat import ChatService
+    from kvchat.tui.main import ActiveTurn
+    from kvchat.tui.widgets.conversation import Conversation
+    from kvchat.tui.widgets.prompt import PromptInput
+    from kvchat.tui.widgets.status import StatusBar
 
     _Base = Screen[None]
 else:
@@ -128,7 +128,7 @@ class BranchActions(_Base):
 
         Without a selected message it edits your last one. The original is kept.
         """
-        from app.tui.main import ActiveTurn
+        from kvchat.tui.main import ActiveTurn
 
         session_id = self.session_id
         if view is None:

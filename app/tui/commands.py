@@ -6,7 +6,7 @@ from functools import partial
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from app.tui.keys import KEYS
+from kvchat.tui.keys import KEYS
 
 
 class KvchatCommands(Provider):

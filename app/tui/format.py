@@ -6,11 +6,11 @@ import re
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from app.units import human_bytes
+from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
-    from app.chat import TurnReport
-    from app.kvcache import RestoreResult
+    from kvchat.chat import TurnReport
+    from kvchat.kvcache import RestoreResult
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)

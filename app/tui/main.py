@@ -20,24 +20,24 @@ from textual.timer import Timer
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
-from app.errors import KvchatError
-from app.tui.actions import SessionActions
-from app.tui.branches import BranchActions
-from app.tui.format import restore_phrase, saved_phrase
-from app.tui.keys import bindings
-from app.tui.screens.help import HelpScreen
-from app.tui.widgets.conversation import Conversation, MessageView
-from app.tui.widgets.prompt import PromptInput
-from app.tui.widgets.sidebar import SessionItem, SessionList, SessionRow
-from app.tui.widgets.status import StatusBar
+from kvchat.errors import KvchatError
+from kvchat.tui.actions import SessionActions
+from kvchat.tui.branches import BranchActions
+from kvchat.tui.format import restore_phrase, saved_phrase
+from kvchat.tui.keys import bindings
+from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.prompt import PromptInput
+from kvchat.tui.widgets.sidebar import SessionItem, SessionList, SessionRow
+from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
     # Imported lazily at run time: app.chat pulls in llama.cpp, which is not needed to
     # paint the first screen (it is imported on the engine thread while the model loads).
-    from app.chat import ChatService, TurnReport
-    from app.kvcache import RestoreResult
-    from app.store import Message
-    from app.tui.app import KvchatApp
+    from kvchat.chat import ChatService, TurnReport
+    from kvchat.kvcache import RestoreResult
+    from kvchat.store import Message
+    from kvchat.tui.app import KvchatApp
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
 FLUSH_HZ = 25
@@ -449,6 +449,6 @@ def _open_service(app: KvchatApp) -> None:
 
     Set here, not by the awaiting worker, so a quit during start still closes it.
     """
-    from app.chat import ChatService
+    from kvchat.chat import ChatService
 
     app.service = ChatService(app.settings)

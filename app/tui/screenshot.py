@@ -1,6 +1,6 @@
 """Make the README screenshot with the app itself and the real model.
 
-    python -m app.tui.screenshot [assets/screenshot.svg]
+    python -m kvchat.tui.screenshot [assets/screenshot.svg]
 
 Runs in a throw-away KVCHAT_HOME: two sessions, quit, relaunch (the last session comes
 back from its snapshot on disk), one more turn, then ``App.save_screenshot``.
@@ -36,8 +36,8 @@ async def _send(app: object, pilot: object, text: str) -> None:
 
 
 async def _make(out: Path) -> None:
-    from app.config import Settings
-    from app.tui.app import KvchatApp
+    from kvchat.config import Settings
+    from kvchat.tui.app import KvchatApp
 
     settings = Settings(temperature=0, max_tokens=160, n_ctx=4096, n_threads=1)
     first = KvchatApp(settings, cursor_blink=False)

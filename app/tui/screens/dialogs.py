@@ -16,8 +16,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, TextArea
 from textual.widgets.option_list import Option
 
-from app.tui.format import shorten
-from app.tui.widgets.prompt import PromptInput
+from kvchat.tui.format import shorten
+from kvchat.tui.widgets.prompt import PromptInput
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
 

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Label, Markdown
 
-from app.config import config_file
+from kvchat.config import config_file
 
 
 def fix_text(model: str | None) -> str:

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
 
-from app.tui.keys import KEYS
+from kvchat.tui.keys import KEYS
 
 
 class HelpScreen(ModalScreen[None]):

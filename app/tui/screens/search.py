@@ -15,10 +15,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from app.tui.format import shorten
+from kvchat.tui.format import shorten
 
 if TYPE_CHECKING:
-    from app.store import SearchHit
+    from kvchat.store import SearchHit
 
 _MARK = re.compile(r"\[([^\[\]]*)\]")
 

@@ -13,10 +13,10 @@ from textual.message import Message as TextualMessage
 from textual.widgets import Label, Markdown
 from textual.widgets._markdown import MarkdownStream
 
-from app.tui.format import hard_breaks
+from kvchat.tui.format import hard_breaks
 
 if TYPE_CHECKING:
-    from app.store import Message
+    from kvchat.store import Message
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.

@@ -10,10 +10,10 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Label, ListItem, ListView
 
-from app.tui.format import KV_LABELS, ago
+from kvchat.tui.format import KV_LABELS, ago
 
 if TYPE_CHECKING:
-    from app.store import SessionSummary
+    from kvchat.store import SessionSummary
 
 
 @dataclass(frozen=True)

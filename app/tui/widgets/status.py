@@ -7,7 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from textual.widgets import Label
 
-from app.tui.format import gauge, shorten
+from kvchat.tui.format import gauge, shorten
 
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
