@@ -48,9 +48,26 @@ def models_dir() -> Path:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) and make it readable by the owner only."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create ``path`` (and missing parents) readable by the owner only.
+
+    Only directories kvchat creates get mode 0700: an existing one (a shared ``KVCHAT_HOME``,
+    a user's folder) keeps its mode, since kvchat never chmods what it did not create.
+    """
+    missing: list[Path] = []
+    current = path
+    while not current.exists() and not current.is_symlink():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made by another process just now: theirs to set
+        os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
+    if not path.is_dir():
+        raise KvchatError(f"{path} is not a directory")
     return path
 
 
@@ -119,6 +136,9 @@ class Settings(BaseSettings):
     model: str | None = Field(
         default=None,
         description="GGUF path or catalog name (kvchat models list); default: the bundled SmolLM2-135M",
+    )
+    engine: str = Field(
+        default="llama.cpp", description="what runs the model: llama.cpp (in this process)"
     )
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)

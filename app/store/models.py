@@ -87,6 +87,8 @@ class SnapshotRow:
     format: str = "blob"  # "blob": one file at ``path``; "chunks": ``chunk_keys`` in order
     chunk_keys: list[str] = field(default_factory=list)
     layout: dict[str, Any] | None = None
+    # Why this row cannot be trusted (set by from_row on a damaged row), else None.
+    damage: str | None = None
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -114,20 +116,69 @@ class SnapshotRow:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> SnapshotRow:
+        """Never raises: a damaged row comes back with ``damage`` saying what is wrong, so
+        it fails only its own session's restore (and ``cache gc`` removes it)."""
+        problems: list[str] = []
+
+        def column(name: str, kind: type, default: Any) -> Any:
+            value = row.get(name)
+            if isinstance(value, kind) and not isinstance(value, bool):
+                return value
+            if value is not None or name not in ("created", "last_used", "chunk_keys", "layout"):
+                problems.append(f"column {name} is not {kind.__name__}")
+            return default
+
+        blob = column("token_ids", bytes, b"")
+        if len(blob) % 4:
+            problems.append(f"token_ids holds {len(blob)} bytes, not whole tokens")
+            blob = b""
+        tokens = unpack_tokens(blob)
+        n_tokens = column("n_tokens", int, 0)
+        if n_tokens != len(tokens):
+            problems.append(f"n_tokens {n_tokens} does not match its {len(tokens)} token ids")
+        n_bytes = column("n_bytes", int, 0)
+        if n_bytes < 0:
+            problems.append(f"n_bytes {n_bytes} is negative")
+        fingerprint = _json_column(row, "fingerprint", dict, problems) or {}
+        chunk_keys = _json_column(row, "chunk_keys", list, problems) or []
+        if not all(isinstance(k, str) for k in chunk_keys):
+            problems.append("chunk_keys is not a list of keys")
+            chunk_keys = []
+        layout = _json_column(row, "layout", dict, problems)
         return cls(
-            session_id=row["session_id"],
-            path=row["path"],
-            n_tokens=row["n_tokens"],
-            token_ids=unpack_tokens(row["token_ids"]),
-            fingerprint=json.loads(row["fingerprint"]),
-            n_bytes=row["n_bytes"],
-            checksum=row["checksum"],
-            created=row["created"],
-            last_used=row["last_used"],
-            format=row.get("format") or "blob",
-            chunk_keys=json.loads(row["chunk_keys"]) if row.get("chunk_keys") else [],
-            layout=json.loads(row["layout"]) if row.get("layout") else None,
+            session_id=str(row.get("session_id")),
+            path=column("path", str, ""),
+            n_tokens=n_tokens,
+            token_ids=tokens,
+            fingerprint=fingerprint,
+            n_bytes=n_bytes,
+            checksum=column("checksum", str, ""),
+            created=column("created", str, ""),
+            last_used=column("last_used", str, ""),
+            format=row.get("format") if row.get("format") in ("blob", "chunks") else "?",
+            chunk_keys=chunk_keys,
+            layout=layout,
+            damage="; ".join(problems) if problems else (
+                None if row.get("format") in ("blob", "chunks")
+                else f"unknown snapshot format {row.get('format')!r}"
+            ),
         )
+
+
+def _json_column(row: dict[str, Any], name: str, kind: type, problems: list[str]) -> Any:
+    """A JSON column that must hold a ``kind`` (None when empty or damaged)."""
+    text = row.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        problems.append(f"column {name} is not valid JSON")
+        return None
+    if not isinstance(value, kind):
+        problems.append(f"column {name} is not a JSON {'object' if kind is dict else 'list'}")
+        return None
+    return value
 
 
 @dataclass

@@ -15,7 +15,9 @@ from typing import Any
 
 import sqlite_utils
 
+from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
+from kvchat.store.locks import file_lock
 from kvchat.store.migrations import migrate
 from kvchat.store.models import ChunkRow, Message, SearchHit, Session, SessionSummary, SnapshotRow
 
@@ -26,41 +28,108 @@ def now() -> str:
 
 def _create_private_file(path: Path) -> None:
     """Create ``path`` as 0600 before SQLite opens it; its -wal/-shm inherit the mode."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    if path.exists():
+        return
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     os.close(fd)
     os.chmod(path, 0o600)
 
 
-class Store:
-    """Sessions, messages and the KV snapshot index in one SQLite file (WAL)."""
+def _new_session_id(conn: sqlite3.Connection) -> str:
+    while True:
+        session_id = secrets.token_hex(4)
+        if not conn.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone():
+            return session_id
 
-    def __init__(self, path: Path) -> None:
+
+class DamagedDatabase(KvchatError):
+    """The database file fails SQLite's checks: kvchat refuses to write to it."""
+
+
+class StoreFull(KvchatError):
+    """The disk is full: SQLite could not commit."""
+
+
+def damaged_message(path: Path, detail: str) -> str:
+    return (
+        f"the database {path} is damaged ({detail}); nothing was written to it. "
+        "Run `kvchat doctor` to move it aside and salvage the text into a fresh database"
+    )
+
+
+def _translate(path: Path, exc: sqlite3.DatabaseError) -> KvchatError:
+    """One clear line for what SQLite raises on a full disk, a busy or a damaged file."""
+    text = str(exc)
+    if "full" in text:
+        return StoreFull(f"the disk is full: could not write to {path} ({text})")
+    if "locked" in text or "busy" in text:
+        return KvchatError(f"the database {path} is busy (another kvchat is writing): {text}")
+    if isinstance(exc, sqlite3.OperationalError) and "disk I/O" not in text:
+        return KvchatError(f"database error in {path}: {text}")
+    return DamagedDatabase(damaged_message(path, text))
+
+
+class Store:
+    """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
+
+    Opening checks the file (``PRAGMA quick_check``) and runs the migrations while holding
+    an exclusive lock on ``<db>.lock``, so two processes opening a new home never race.
+    A damaged file raises :class:`DamagedDatabase` and is never written to.
+    """
+
+    def __init__(self, path: Path, *, check: bool = True) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
-        _create_private_file(path)
-        conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
         self._lock = threading.RLock()
-        self.db = sqlite_utils.Database(conn)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        with self._lock:
-            self.applied_migrations = migrate(self.db)
+        ensure_private_dir(path.parent)
+        try:
+            with file_lock(self.lock_path(path)):
+                _create_private_file(path)
+                conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+                self.db = sqlite_utils.Database(conn)
+                try:
+                    if check:
+                        self._quick_check()
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    self.db.execute("PRAGMA synchronous=FULL")
+                    self.db.execute("PRAGMA foreign_keys=ON")
+                    with self._lock:
+                        self.applied_migrations = migrate(self.db)
+                except BaseException:
+                    conn.close()
+                    raise
+        except sqlite3.DatabaseError as exc:
+            raise _translate(path, exc) from None
+        except OSError as exc:
+            raise KvchatError(f"cannot open the database {path}: {exc.strerror or exc}") from None
+
+    @staticmethod
+    def lock_path(path: Path) -> Path:
+        return path.with_name(path.name + ".lock")
+
+    def _quick_check(self) -> None:
+        result = [row[0] for row in self.db.execute("PRAGMA quick_check").fetchall()]
+        if result != ["ok"]:
+            raise DamagedDatabase(damaged_message(self.path, "; ".join(map(str, result[:3]))))
 
     def close(self) -> None:
         self.db.conn.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self.db.conn as conn:
-            yield conn
+        try:
+            with self._lock, self.db.conn as conn:
+                yield conn
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
 
     def _rows(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[dict[str, Any]]:
-        with self._lock:
-            cursor = self.db.execute(sql, params)
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row)) for row in cursor.fetchall()]
+        try:
+            with self._lock:
+                cursor = self.db.execute(sql, params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row)) for row in cursor.fetchall()]
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -72,10 +141,7 @@ class Store:
     ) -> Session:
         stamp = now()
         with self._tx() as conn:
-            while True:
-                session_id = secrets.token_hex(4)
-                if not conn.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone():
-                    break
+            session_id = _new_session_id(conn)
             conn.execute(
                 "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
@@ -161,6 +227,42 @@ class Store:
             conn.execute(
                 f"UPDATE sessions SET {assignments} WHERE id=?", (*changes.values(), session_id)
             )
+        return self.get_session(session_id)
+
+    def copy_session(
+        self,
+        source_id: str,
+        title: str,
+        *,
+        upto_message: int | None = None,
+        then: tuple[str, str, int] | None = None,
+    ) -> Session:
+        """A new session with ``source_id``'s settings and messages (up to and including
+        ``upto_message``; all by default), plus ``then`` = (role, content, token_count)
+        appended: all in one transaction, so a kill leaves the whole copy or nothing."""
+        source = self.get_session(source_id)
+        stamp = now()
+        with self._tx() as conn:
+            session_id = _new_session_id(conn)
+            conn.execute(
+                "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, title, source.system_prompt, json.dumps(source.settings), stamp, stamp),
+            )
+            last = upto_message if upto_message is not None else 2**62
+            conn.execute(
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
+                " SELECT ?, role, content, created, token_count, partial FROM messages"
+                " WHERE session_id=? AND id<=? ORDER BY id",
+                (session_id, source_id, last),
+            )
+            if then is not None:
+                role, content, token_count = then
+                conn.execute(
+                    "INSERT INTO messages (session_id, role, content, created, token_count)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (session_id, role, content, stamp, token_count),
+                )
         return self.get_session(session_id)
 
     def delete_session(self, session_id: str) -> None:
