@@ -190,3 +190,23 @@ def test_a_session_lock_held_elsewhere_says_which_process(tmp_path: Path):
 def test_lock_names_come_from_session_ids_only(tmp_path: Path):
     with pytest.raises(Exception):
         SessionLocks(tmp_path).path("../../etc/passwd")
+
+
+def test_doctor_salvages_the_text_and_keeps_the_damaged_file(tmp_path: Path):
+    from kvchat.store import doctor
+
+    path = tmp_path / "kvchat.db"
+    session_id = _filled(path, n=400)
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(os.urandom(8192))
+    damaged = path.read_bytes()
+    assert not doctor.check(path).ok
+    report = doctor.salvage(path)
+    assert report.moved_to.read_bytes() == damaged  # moved aside, untouched
+    assert report.sessions == 1 and 0 < report.messages < 400  # the broken pages are lost
+    store = Store(path)
+    texts = [m.content for m in store.messages(session_id)]
+    assert len(texts) == report.messages and texts[0].startswith("message 0 ")
+    assert doctor.check(path).ok

@@ -265,6 +265,54 @@ class Store:
                 )
         return self.get_session(session_id)
 
+    def restore_session(self, row: dict[str, Any]) -> bool:
+        """Insert a salvaged session row as it was (``kvchat doctor``); False if unusable."""
+        if not isinstance(row.get("id"), str) or not isinstance(row.get("title"), str):
+            return False
+        settings = row.get("settings") if isinstance(row.get("settings"), str) else "{}"
+        try:
+            json.loads(settings)
+        except ValueError:
+            settings = "{}"
+        stamp = now()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO sessions"
+                " (id, title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    row["id"],
+                    row["title"],
+                    row.get("system_prompt") if isinstance(row.get("system_prompt"), str) else None,
+                    settings,
+                    row.get("created") if isinstance(row.get("created"), str) else stamp,
+                    row.get("updated") if isinstance(row.get("updated"), str) else stamp,
+                ),
+            )
+        return True
+
+    def restore_message(self, row: dict[str, Any]) -> bool:
+        """Insert a salvaged message row as it was (``kvchat doctor``); False if unusable."""
+        if not isinstance(row.get("content"), str) or row.get("role") not in (
+            "user", "assistant", "system"
+        ):
+            return False
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO messages"
+                " (id, session_id, role, content, created, token_count, partial)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.get("id") if isinstance(row.get("id"), int) else None,
+                    row["session_id"],
+                    row["role"],
+                    row["content"],
+                    row.get("created") if isinstance(row.get("created"), str) else now(),
+                    row.get("token_count") if isinstance(row.get("token_count"), int) else 0,
+                    1 if row.get("partial") else 0,
+                ),
+            )
+        return True
+
     def delete_session(self, session_id: str) -> None:
         """Delete a session, its messages and its snapshot row (the caller removes files)."""
         with self._tx() as conn:
