@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from typing import Literal
 
 from kvchat import __version__
@@ -14,13 +15,43 @@ FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 
 
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+_TOP_HEADING = re.compile(r" {0,3}#{1,2}(?:[ \t]|$)")
+
+
+def markdown_block(text: str) -> str:
+    """A message's Markdown, contained: it cannot end the transcript's structure.
+
+    Outside code fences, a line that would be a level-1 or level-2 heading (the
+    transcript's own title and role headings) is escaped; a fence the message leaves
+    open is closed, so the next role heading is not swallowed into a code block.
+    """
+    out: list[str] = []
+    fence: str | None = None
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if fence is None:
+            if match:
+                fence = match.group(1)
+            elif _TOP_HEADING.match(line):
+                line = "\\" + line.lstrip(" ")
+        elif match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence):
+            if not line.strip().strip(fence[0]):
+                fence = None
+        out.append(line)
+    if fence is not None:
+        out.append(fence)
+    return "\n".join(out)
+
+
 def to_markdown(session: Session, messages: list[Message]) -> str:
-    lines = [f"# {session.title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
+    title = " ".join(session.title.split())
+    lines = [f"# {title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
     if session.system_prompt:
-        lines += ["## System", "", session.system_prompt, ""]
+        lines += ["## System", "", markdown_block(session.system_prompt), ""]
     for m in messages:
         flag = " _(partial)_" if m.partial else ""
-        lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", "", m.content, ""]
+        lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", "", markdown_block(m.content), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
