@@ -1,4 +1,5 @@
-"""Shared fixtures: a private KVCHAT_HOME per test and a runner for the real `kvchat` CLI."""
+"""Shared fixtures (a private KVCHAT_HOME per test, a runner for the real `kvchat` CLI) and the
+order of the tests: unit tests first, end-to-end tests after (see pytest_collection_modifyitems)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,52 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Short, deterministic turns: greedy decoding, few tokens, a small context.
 FAST = ["--temperature", "0", "--max-tokens", "24", "--n-ctx", "1024"]
+
+# End-to-end tests: whole modules that run the real model, fixtures that run `kvchat`
+# processes, and single tests (file::function) that load the model in-process.
+E2E_MODULES = {
+    "test_durability.py",
+    "test_fallbacks.py",
+    "test_kv_types.py",
+    "test_overflow.py",
+    "test_resume.py",
+    "test_tiers.py",
+    "test_tui.py",
+    "test_wheel.py",
+}
+E2E_FIXTURES = {"cli", "turn_homes", "one_turn_home"}
+E2E_TESTS = {
+    "test_planner.py::test_kv_bytes_match_llama_cpp",
+    "test_defaults.py::test_service_applies_the_plan_when_it_loads_the_model",
+}
+
+
+def is_e2e(item: pytest.Item) -> bool:
+    name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+    return (
+        item.get_closest_marker("e2e") is not None
+        or item.path.name in E2E_MODULES
+        or name in E2E_TESTS
+        or not E2E_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the unit tests (no model, no subprocess: seconds) first, the end-to-end tests after.
+
+    A test is end-to-end when it is marked ``@pytest.mark.e2e``, lives in a module of
+    E2E_MODULES, uses a fixture of E2E_FIXTURES or is named in E2E_TESTS; this hook marks it
+    ``e2e`` and moves it after the rest, keeping the collection order within each group (so
+    a module's tests stay together and the wheel test, last by name, runs last). It runs before
+    ``-m`` selection, so ``pytest -m "not e2e"`` runs the unit tests alone and
+    ``pytest -m e2e`` the rest. ``stress`` tests (long runs) are deselected by the addopts
+    in pyproject.toml; ``pytest -m stress`` runs them.
+    """
+    for item in items:
+        if is_e2e(item) and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.e2e)
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
 
 
 @pytest.fixture
@@ -72,7 +119,9 @@ SNAPSHOT_FORMATS = {"chunks": {}, "blob": {"KVCHAT_SNAPSHOT_CHUNKS": "false"}}
 
 
 @pytest.fixture(scope="session")
-def turn_homes(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, dict[str, Any]]]:
+def turn_homes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[Path, dict[str, Any]]]:
     """Per snapshot format: a KVCHAT_HOME holding one session after one greedy turn."""
     made: dict[str, tuple[Path, dict[str, Any]]] = {}
 

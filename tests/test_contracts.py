@@ -1,0 +1,61 @@
+"""The checks CI runs as tests: ruff (lint and format), the import-linter contracts in
+pyproject.toml, and the same layering at run time (the domain loads neither textual nor click).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tool(name: str) -> str:
+    """The console script next to this interpreter (the venv's), else the one on PATH."""
+    here = Path(sys.executable).with_name(name)
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return found
+
+
+def check(*args: str) -> None:
+    proc = subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"NO_COLOR": "1"},
+    )
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_ruff_lint() -> None:
+    check(tool("ruff"), "check", "--no-fix", "--output-format=concise", "app", "tests")
+
+
+def test_ruff_format() -> None:
+    check(tool("ruff"), "format", "--check", "--output-format=concise", "app", "tests")
+
+
+def test_import_contracts() -> None:
+    check(tool("lint-imports"), "--no-cache", "--no-logo")
+
+
+def test_the_domain_loads_no_ui_library() -> None:
+    script = (
+        "import sys\n"
+        "import kvchat.chat, kvchat.export, kvchat.store, kvchat.kvcache\n"
+        "print(' '.join(sorted({'textual', 'click'} & {m.split('.')[0] for m in sys.modules})))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"the domain imported {proc.stdout.strip()}"
