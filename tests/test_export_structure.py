@@ -38,6 +38,4 @@ def test_fences_and_fake_headings_stay_inside_their_message():
 
 def test_a_title_cannot_add_lines():
     session = Session("abcd1234", "one\n## You\ntwo", None, {}, "2026-01-01", "2026-01-01")
-    assert _headings(to_markdown(session, [_message(1, "user", "hi")])) == [
-        "one ## You two", "You"
-    ]
+    assert _headings(to_markdown(session, [_message(1, "user", "hi")])) == ["one ## You two", "You"]

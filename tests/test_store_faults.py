@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.config import ensure_private_dir
+from kvchat.errors import KvchatError
 from kvchat.store import Store
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.models import SnapshotRow, pack_tokens
@@ -91,14 +92,16 @@ def test_processes_opening_a_new_home_at_once_all_succeed(tmp_path: Path):
 def test_copy_session_is_one_transaction(tmp_path: Path):
     store = Store(tmp_path / "kvchat.db")
     parent = store.create_session("Parent", "be brief", {"temperature": 0.1})
-    ids = [store.add_message(parent.id, r, f"m{i}").id for i, r in enumerate(["user", "assistant"] * 3)]
+    ids = [
+        store.add_message(parent.id, r, f"m{i}").id for i, r in enumerate(["user", "assistant"] * 3)
+    ]
     child = store.copy_session(parent.id, "Child", upto_message=ids[2], then=("user", "edited", 2))
     assert [m.content for m in store.messages(child.id)] == ["m0", "m1", "m2", "edited"]
     assert child.system_prompt == "be brief" and child.settings == {"temperature": 0.1}
 
     # A failure half-way (here: a constraint violation in the appended message) leaves nothing.
     before = len(store.list_sessions())
-    with pytest.raises(Exception):
+    with pytest.raises(sqlite3.IntegrityError):
         store.copy_session(parent.id, "Broken", then=("user", None, 0))  # type: ignore[arg-type]
     assert len(store.list_sessions()) == before
 
@@ -188,7 +191,7 @@ def test_a_session_lock_held_elsewhere_says_which_process(tmp_path: Path):
 
 
 def test_lock_names_come_from_session_ids_only(tmp_path: Path):
-    with pytest.raises(Exception):
+    with pytest.raises(KvchatError):
         SessionLocks(tmp_path).path("../../etc/passwd")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def _rows(db: sqlite3.Connection, table: str, lost: list[str]) -> Iterator[dict[
 
 def salvage(path: Path) -> SalvageReport:
     """Move the damaged database aside and copy its readable text into a fresh one."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}.damaged-{stamp}")
     with file_lock(Store.lock_path(path)):
         path.rename(aside)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import sqlite_utils
 
@@ -46,9 +46,7 @@ def m001_sessions_and_messages(db: sqlite_utils.Database) -> None:
 
 
 def m002_message_search(db: sqlite_utils.Database) -> None:
-    db["messages"].enable_fts(
-        ["content"], tokenize="porter", create_triggers=True, replace=True
-    )
+    db["messages"].enable_fts(["content"], tokenize="porter", create_triggers=True, replace=True)
 
 
 def m003_kv_snapshots(db: sqlite_utils.Database) -> None:
@@ -131,8 +129,6 @@ def migrate(db: sqlite_utils.Database) -> list[str]:
             continue
         migration(db)
         with db.conn:
-            db["_migrations"].insert(
-                {"name": name, "applied": datetime.now(timezone.utc).isoformat()}
-            )
+            db["_migrations"].insert({"name": name, "applied": datetime.now(UTC).isoformat()})
         applied.append(name)
     return applied

@@ -158,8 +158,11 @@ class SnapshotRow:
             format=row.get("format") if row.get("format") in ("blob", "chunks") else "?",
             chunk_keys=chunk_keys,
             layout=layout,
-            damage="; ".join(problems) if problems else (
-                None if row.get("format") in ("blob", "chunks")
+            damage="; ".join(problems)
+            if problems
+            else (
+                None
+                if row.get("format") in ("blob", "chunks")
                 else f"unknown snapshot format {row.get('format')!r}"
             ),
         )

@@ -9,7 +9,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from kvchat.store.models import ChunkRow, Message, SearchHit, Session, SessionSu
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def _create_private_file(path: Path) -> None:
@@ -57,16 +57,21 @@ def damaged_message(path: Path, detail: str) -> str:
     )
 
 
-def _translate(path: Path, exc: sqlite3.DatabaseError) -> KvchatError:
-    """One clear line for what SQLite raises on a full disk, a busy or a damaged file."""
+def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
+    """One clear line for what SQLite raises on a full disk, a busy or a damaged file.
+
+    Anything else (a constraint violation: a bug, not the user's problem) stays as it is.
+    """
     text = str(exc)
+    if isinstance(exc, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.InterfaceError):
+        return exc
     if "full" in text:
         return StoreFull(f"the disk is full: could not write to {path} ({text})")
     if "locked" in text or "busy" in text:
         return KvchatError(f"the database {path} is busy (another kvchat is writing): {text}")
-    if isinstance(exc, sqlite3.OperationalError) and "disk I/O" not in text:
-        return KvchatError(f"database error in {path}: {text}")
-    return DamagedDatabase(damaged_message(path, text))
+    if "malformed" in text or "not a database" in text or "encrypted" in text:
+        return DamagedDatabase(damaged_message(path, text))
+    return KvchatError(f"database error in {path}: {text}")
 
 
 class Store:
@@ -122,7 +127,9 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise _translate(self.path, exc) from None
 
-    def _rows(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+    def _rows(
+        self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()
+    ) -> list[dict[str, Any]]:
         try:
             with self._lock:
                 cursor = self.db.execute(sql, params)
@@ -247,7 +254,14 @@ class Store:
             conn.execute(
                 "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                (session_id, title, source.system_prompt, json.dumps(source.settings), stamp, stamp),
+                (
+                    session_id,
+                    title,
+                    source.system_prompt,
+                    json.dumps(source.settings),
+                    stamp,
+                    stamp,
+                ),
             )
             last = upto_message if upto_message is not None else 2**62
             conn.execute(
@@ -293,7 +307,9 @@ class Store:
     def restore_message(self, row: dict[str, Any]) -> bool:
         """Insert a salvaged message row as it was (``kvchat doctor``); False if unusable."""
         if not isinstance(row.get("content"), str) or row.get("role") not in (
-            "user", "assistant", "system"
+            "user",
+            "assistant",
+            "system",
         ):
             return False
         with self._tx() as conn:
@@ -400,7 +416,9 @@ class Store:
             (terms, limit),
         )
         return [
-            SearchHit(message=self._message(r), session_title=r["session_title"], snippet=r["snippet"])
+            SearchHit(
+                message=self._message(r), session_title=r["session_title"], snippet=r["snippet"]
+            )
             for r in rows
         ]
 
@@ -427,8 +445,16 @@ class Store:
                     "INSERT OR REPLACE INTO kv_chunks"
                     " (key, path, start, n_tokens, n_bytes, checksum, created, last_used)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (chunk.key, chunk.path, chunk.start, chunk.n_tokens, chunk.n_bytes,
-                     chunk.checksum, stamp, stamp),
+                    (
+                        chunk.key,
+                        chunk.path,
+                        chunk.start,
+                        chunk.n_tokens,
+                        chunk.n_bytes,
+                        chunk.checksum,
+                        stamp,
+                        stamp,
+                    ),
                 )
             conn.execute(
                 f"INSERT OR REPLACE INTO kv_snapshots ({columns}) VALUES ({marks})",
