@@ -1,160 +1,66 @@
 """The conversation service: one turn = store + engine + kvcache. It knows no UI.
 
-Not thread-safe: a UI runs every call that touches the engine on one worker thread.
+The service composes the store (text, the source of truth), an engine from the factory
+(loaded lazily) and the KV tiers; the UI and CLI talk to it alone. Not thread-safe: a UI
+runs every call that touches the engine on one worker thread.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvchat.config import Settings, data_dir
-from kvchat.engine import Engine, EngineConfig, GenerationParams, common_prefix
-from kvchat.engine.engine import CancelCheck, GenerationStats
+from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, create_engine
 from kvchat.errors import KvchatError
 from kvchat.export import ExportFormat, export_session
-from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
-from kvchat.kvcache.warm import WarmTier
+from kvchat.kvcache import Fingerprint, RestoreResult
+from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.turns import (
+    SESSION_SETTINGS,
+    SnapshotWrite,
+    TokenCallback,
+    TokenCounts,
+    TurnReport,
+    WindowShift,
+    generation_params,
+)
+from kvchat.window import fit_window, plan_shift, settle_target, system_head
 
-TokenCallback = Callable[[str], None]
+__all__ = [
+    "CacheGc",
+    "ChatService",
+    "open_service",
+    "SESSION_SETTINGS",
+    "SnapshotWrite",
+    "TokenCallback",
+    "TokenCounts",
+    "TurnReport",
+    "WindowShift",
+]
+
 DEFAULT_TITLE = "New chat"
 LAST_SESSION_KEY = "last_session"
-# Sampling settings a session may override.
-SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
-
-
-@dataclass
-class TokenCounts:
-    prompt: int = 0
-    reused: int = 0
-    decoded: int = 0
-    generated: int = 0
-
-
-@dataclass
-class SnapshotWrite:
-    bytes: int = 0  # the snapshot's state size
-    ms: float = 0.0
-    error: str | None = None
-    written: int = 0  # bytes written to disk for it (only new chunks)
-    chunks_written: int = 0
-    chunks_shared: int = 0
-
-
-@dataclass
-class TurnReport:
-    """Everything a UI shows about one turn; ``to_json`` is the CLI's ``--json`` object."""
-
-    session_id: str
-    reply: str
-    tokens: TokenCounts
-    restore: RestoreResult
-    ttft_ms: float | None
-    tokens_per_s: float | None
-    finish_reason: str
-    message_id: int | None = None
-    dropped_messages: int = 0
-    snapshot: SnapshotWrite = field(default_factory=SnapshotWrite)
-    # Context overflow on this turn: tokens and messages moved out of the KV by a shift, or
-    # why the kept window was re-read instead (see ChatService._shift_window).
-    shifted_tokens: int = 0
-    shifted_messages: int = 0
-    window_note: str | None = None
-
-    @property
-    def partial(self) -> bool:
-        return self.finish_reason in ("cancelled", "context")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "session": self.session_id,
-            "reply": self.reply,
-            "finish_reason": self.finish_reason,
-            "tokens": {
-                "prompt": self.tokens.prompt,
-                "reused": self.tokens.reused,
-                "decoded": self.tokens.decoded,
-                "generated": self.tokens.generated,
-            },
-            "restore": self.restore.to_json(),
-            "timing": {
-                "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
-                "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
-            },
-            "window": {
-                "dropped_messages": self.dropped_messages,
-                "shifted_messages": self.shifted_messages,
-                "shifted_tokens": self.shifted_tokens,
-                "note": self.window_note,
-            },
-            "snapshot": {
-                "bytes": self.snapshot.bytes,
-                "written": self.snapshot.written,
-                "chunks_written": self.snapshot.chunks_written,
-                "chunks_shared": self.snapshot.chunks_shared,
-                "ms": round(self.snapshot.ms, 2),
-                "error": self.snapshot.error,
-            },
-        }
-
-    def summary(self) -> str:
-        """One line for a status bar or stderr, e.g. "restored 312 tokens from disk in 4 ms · …"."""
-        r = self.restore
-        if r.source == "hot":
-            head = f"hot context, reused {self.tokens.reused:,} tokens"
-        elif r.source in ("ram", "disk"):
-            head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
-        else:
-            head = f"full prefill: {r.reason}"
-        parts = [head, f"decoded {self.tokens.decoded:,}"]
-        if self.ttft_ms is not None:
-            parts.append(f"first token {self.ttft_ms:,.0f} ms")
-        if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
-        if self.shifted_tokens:
-            parts.append(
-                f"KV shift: {self.shifted_messages} old messages ({self.shifted_tokens:,} tokens) "
-                f"left the window, {self.dropped_messages} out in all (text kept)"
-            )
-        elif self.dropped_messages:
-            parts.append(f"{self.dropped_messages} old messages left the window")
-        if self.window_note:
-            parts.append(self.window_note)
-        if self.finish_reason == "cancelled":
-            parts.append("cancelled")
-        return " · ".join(parts)
 
 
 class ChatService:
-    """Sessions and turns over one store, one snapshot store and one (lazily loaded) engine."""
+    """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
 
     def __init__(self, settings: Settings, home: Path | None = None) -> None:
         """``home`` overrides the data directory (the benchmark uses a scratch one)."""
         self.settings = settings
         directory = home or data_dir()
         self.store = Store(directory / "kvchat.db")
-        self.snapshots = SnapshotStore(
-            directory / "snapshots",
-            self.store,
-            chunk_tokens=settings.chunk_tokens,
-            budget_bytes=int(settings.disk_cache_gib * 2**30),
-            chunked=settings.snapshot_chunks,
-        )
-        self.warm = WarmTier(settings.ram_cache_mib * 2**20)
-        self.snapshots.cleanup_orphans()
+        # The KV tiers (hot context, RAM, disk); tools that measure them use this directly.
+        self.tiers = KVTiers.open(directory / "snapshots", self.store, settings)
         self._engine: Engine | None = None
         self._fingerprint: Fingerprint | None = None
         # n_ctx, KV types, flash attention and GPU layers as planned (see load_engine).
         self.plan: DefaultsChoice | None = None
-        self.hot_session_id: str | None = None
-        # The hot context holds KV that no snapshot has yet (e.g. a failed save).
-        self._hot_dirty = False
 
     # --- engine ---------------------------------------------------------------------------
 
@@ -163,25 +69,19 @@ class ChatService:
         if self._engine is None:
             path = self.settings.model_path()
             self.plan = plan_defaults(self.settings, path)
-            s = self.plan.apply(self.settings)
-            self._engine = Engine(
-                EngineConfig(
-                    model_path=path,
-                    n_ctx=s.n_ctx,
-                    n_batch=s.n_batch,
-                    n_threads=s.n_threads,
-                    n_gpu_layers=s.n_gpu_layers,
-                    type_k=s.type_k,
-                    type_v=s.type_v,
-                    flash_attn=s.flash_attn,
-                )
-            )
+            self._engine = create_engine(self.plan.apply(self.settings), path)
             self._fingerprint = Fingerprint.current(path, self._engine.layout())
+            self.tiers.attach(self._engine, self._fingerprint)
         return self._engine
 
     @property
     def engine(self) -> Engine:
         return self.load_engine()
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in the live context (0 before the model loads)."""
+        return self._engine.n_tokens if self._engine is not None else 0
 
     @property
     def plan_note(self) -> str | None:
@@ -197,8 +97,7 @@ class ChatService:
     def close(self) -> None:
         """Save the hot session if it has unsaved KV, then release everything."""
         if self._engine is not None:
-            if self._hot_dirty and self.hot_session_id:
-                self.save_hot()
+            self.tiers.detach()
             self._engine.close()
             self._engine = None
         self.store.close()
@@ -229,6 +128,16 @@ class ChatService:
     def messages(self, session_id: str) -> list[Message]:
         return self.store.messages(session_id)
 
+    def add_message(
+        self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
+    ) -> Message:
+        """Store a message without running the model (tests, the benchmark, an import)."""
+        if role not in ("user", "assistant"):
+            raise KvchatError(f"a message's role is user or assistant, not {role!r}")
+        return self.store.add_message(
+            session_id, role, text, token_count=token_count, partial=partial
+        )
+
     def rename(self, session_id: str, title: str) -> Session:
         title = title.strip()
         if not title:
@@ -250,29 +159,21 @@ class ChatService:
         return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
 
     def delete(self, session_id: str) -> None:
-        """Delete a session, its messages and its snapshot file."""
-        if self.hot_session_id == session_id:
-            self.hot_session_id = None
-            self._hot_dirty = False
-            if self._engine is not None:
-                self._engine.clear()
-        self.warm.drop(session_id)
-        self.snapshots.delete(session_id)
+        """Delete a session, its messages and its KV in every tier."""
+        self.tiers.forget(session_id)
         self.store.delete_session(session_id)
 
     def export(self, session_id: str, fmt: ExportFormat) -> str:
-        return export_session(self.store.get_session(session_id), self.store.messages(session_id), fmt)
+        return export_session(
+            self.store.get_session(session_id), self.store.messages(session_id), fmt
+        )
 
     def search(self, query: str) -> list[SearchHit]:
         return self.store.search(query)
 
     def kv_location(self, session_id: str) -> str:
         """Where this session's KV lives now: hot, ram, disk or none."""
-        if session_id == self.hot_session_id:
-            return "hot"
-        if session_id in self.warm:
-            return "ram"
-        return "disk" if self.store.get_snapshot(session_id) is not None else "none"
+        return self.tiers.location(session_id)
 
     def fork(self, session_id: str, at_message: int | None = None) -> Session:
         """A new session with this one's messages up to ``at_message`` (an id; default all).
@@ -292,8 +193,11 @@ class ChatService:
         )
         for message in history:
             self.store.add_message(
-                child.id, message.role, message.content,
-                token_count=message.token_count, partial=message.partial,
+                child.id,
+                message.role,
+                message.content,
+                token_count=message.token_count,
+                partial=message.partial,
             )
         row = self.store.get_snapshot(session_id)
         if at_message is None and row is not None and row.format == "chunks":
@@ -325,39 +229,38 @@ class ChatService:
                 f"{parent.title} (fork)", parent.system_prompt, parent.settings
             )
             self.store.set_meta(LAST_SESSION_KEY, branch.id)
-        self.store.add_message(
-            branch.id, "user", text, token_count=self.engine.count_tokens(text)
-        )
+        self.store.add_message(branch.id, "user", text, token_count=self.engine.count_tokens(text))
         return self.store.get_session(branch.id)
+
+    # --- the KV cache ------------------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, Any]:
         """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
-        rows = self.store.snapshots()
-        counters = self.store.counters()
-        return {
-            "ram": {
-                "entries": len(self.warm),
-                "bytes": self.warm.bytes,
-                "budget_bytes": self.warm.budget_bytes,
-                "hits": self.warm.hits,
-                "misses": self.warm.misses,
-            },
-            "disk": {
-                "snapshots": len(rows),
-                "chunks": len(self.store.all_chunks()),
-                "bytes": self.snapshots.disk_bytes(),
-                "logical_bytes": sum(r.n_bytes for r in rows),
-                "budget_bytes": self.snapshots.budget_bytes,
-            },
-            "counters": {
-                "restores_ram": counters.get("restores_ram", 0),
-                "restores_disk": counters.get("restores_disk", 0),
-                "misses": counters.get("restore_misses", 0),
-                "tokens_restored": counters.get("tokens_restored", 0),
-                "bytes_restored": counters.get("bytes_restored", 0),
-                "bytes_written": counters.get("bytes_written", 0),
-            },
-        }
+        return self.tiers.stats()
+
+    def cache_gc(self) -> CacheGc:
+        """Remove orphaned files and unused chunks, evict snapshots beyond the disk budget."""
+        return self.tiers.gc()
+
+    def cache_clear(self, session_id: str | None = None) -> int:
+        """Delete the saved KV of one session, or of all; returns snapshots deleted. Text is kept."""
+        return self.tiers.clear(session_id)
+
+    def make_hot(
+        self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
+    ) -> RestoreResult:
+        """Bring a session's KV into the context from the best tier that has it.
+
+        Hot → RAM → disk (its own snapshot, or the longest prefix another session's
+        snapshot shares with ``prompt``, by default its whole history) → none.
+        """
+        self.load_engine()
+        return self.tiers.make_hot(
+            session_id,
+            no_restore=no_restore,
+            prompt=prompt,
+            history=lambda: self._history_tokens(session_id),
+        )
 
     # --- turns ----------------------------------------------------------------------------
 
@@ -399,69 +302,6 @@ class ChatService:
             self.store.delete_message(history[-1].id)
         return self._turn(session_id, on_token, cancel, no_restore, overrides)
 
-    def make_hot(
-        self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
-    ) -> RestoreResult:
-        """Bring a session's KV into the context from the best tier that has it.
-
-        Hot (already in the context) → RAM → disk (its own snapshot, or with ``prompt``
-        the longest prefix another session's snapshot shares) → none.
-        """
-        engine = self.load_engine()
-        if no_restore:
-            self._drop_hot()
-            engine.clear()
-            return RestoreResult("none", reason="full prefill requested (--no-restore)")
-        if session_id == self.hot_session_id:
-            return RestoreResult("hot", tokens=engine.n_tokens)
-        self._drop_hot()
-        if prompt is None and self.store.get_snapshot(session_id) is None:
-            # No KV of its own (a new branch): look for the prefix it shares with others.
-            prompt = self._history_tokens(session_id)
-        started = time.perf_counter()
-        entry = self.warm.get(session_id, self.fingerprint.model_id)
-        if entry is not None and len(entry.tokens) <= engine.n_ctx:
-            if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
-                self.hot_session_id = session_id
-                self.store.bump_counters(
-                    restores_ram=1, tokens_restored=len(entry.tokens), bytes_restored=entry.n_bytes
-                )
-                elapsed = (time.perf_counter() - started) * 1000
-                return RestoreResult("ram", ms=elapsed, bytes=entry.n_bytes, tokens=len(entry.tokens))
-            self.warm.drop(session_id)
-        result = self.snapshots.restore(session_id, engine, self.fingerprint, prompt)
-        self.hot_session_id = session_id
-        return result
-
-    def _drop_hot(self) -> None:
-        """Before the context is overwritten: keep the hot session's KV (disk and RAM)."""
-        engine = self._engine
-        if self.hot_session_id and engine is not None and engine.n_tokens:
-            if self._hot_dirty:
-                self.save_hot()
-            self.warm.put(
-                self.hot_session_id, engine.tokens, engine.state_get(), self.fingerprint.model_id
-            )
-        self.hot_session_id = None
-
-    def save_hot(self) -> SnapshotWrite:
-        """Snapshot the hot context to disk; a failure is reported, never raised."""
-        if not self.hot_session_id or self._engine is None or self._engine.n_tokens == 0:
-            return SnapshotWrite()
-        started = time.perf_counter()
-        try:
-            saved = self.snapshots.save(self.hot_session_id, self._engine, self.fingerprint)
-        except OSError as exc:
-            return SnapshotWrite(error=f"could not save the KV snapshot: {exc}")
-        self._hot_dirty = False
-        return SnapshotWrite(
-            bytes=saved.row.n_bytes,
-            ms=(time.perf_counter() - started) * 1000,
-            written=saved.bytes_written,
-            chunks_written=saved.chunks_written,
-            chunks_shared=saved.chunks_shared,
-        )
-
     def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
         """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).
 
@@ -471,42 +311,17 @@ class ChatService:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.load_engine()
-        self._drop_hot()
+        self.tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
-        history = self.store.messages(session_id)
-        chat = [m.as_chat() for m in history] + [{"role": "user", "content": text}]
-        prompt = engine.chat_tokens(self._system_head(session) + chat)
+        chat = [m.as_chat() for m in self.store.messages(session_id)]
+        prompt = engine.chat_tokens(
+            self._system_head(session) + chat + [{"role": "user", "content": text}]
+        )
         prefill = engine.prefill(prompt)
         params = GenerationParams(temperature=0.0, max_tokens=1)
-        pieces = list(engine.generate(params, stats))
-        self.hot_session_id = None
-        return TurnReport(
-            session_id=session_id,
-            reply="".join(pieces),
-            tokens=TokenCounts(len(prompt), prefill.reused, prefill.decoded, stats.generated),
-            restore=restore,
-            ttft_ms=stats.ttft_ms,
-            tokens_per_s=stats.tokens_per_s,
-            finish_reason=stats.finish_reason,
-        )
-
-    def _params(self, session: Session, overrides: dict[str, Any]) -> GenerationParams:
-        values: dict[str, Any] = {
-            key: getattr(self.settings, key) for key in SESSION_SETTINGS
-        }
-        values.update({k: v for k, v in session.settings.items() if k in SESSION_SETTINGS})
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(values) - set(SESSION_SETTINGS)
-        if unknown:
-            raise TypeError(f"unknown generation settings: {unknown}")
-        if values["seed"] is None:
-            values["seed"] = secrets.randbits(31)
-        return GenerationParams(
-            temperature=float(values["temperature"]),
-            top_p=float(values["top_p"]),
-            max_tokens=int(values["max_tokens"]),
-            seed=int(values["seed"]),
-        )
+        reply = "".join(engine.generate(params, stats))
+        self.tiers.mark_hot(None)
+        return TurnReport.of_run(session_id, reply, restore, prefill, stats)
 
     def _history_tokens(self, session_id: str) -> list[int] | None:
         """The session's whole history as prompt tokens (None when it has no messages)."""
@@ -518,32 +333,7 @@ class ChatService:
         return self.engine.chat_tokens(chat)
 
     def _system_head(self, session: Session) -> list[dict[str, str]]:
-        system = session.system_prompt or self.settings.system_prompt
-        return [{"role": "system", "content": system}] if system else []
-
-    def _window(
-        self, session: Session, history: list[Message], reserve: int
-    ) -> tuple[list[int], int]:
-        """Prompt tokens for the newest messages that fit n_ctx minus ``reserve``.
-
-        The system prompt always stays; the oldest messages leave the window first (their
-        text stays in SQLite). Returns the tokens and how many messages were left out.
-        """
-        engine = self.engine
-        head = self._system_head(session)
-        chat = [m.as_chat() for m in history]
-        budget = engine.n_ctx - reserve
-        for dropped in range(len(chat)):
-            window = chat[dropped:]
-            if window and window[0]["role"] == "assistant":
-                continue
-            tokens = engine.chat_tokens(head + window)
-            if len(tokens) <= budget:
-                return tokens, dropped
-        raise KvchatError(
-            f"the last message does not fit the context (n_ctx={engine.n_ctx}); "
-            "shorten it or raise n_ctx"
-        )
+        return system_head(session.system_prompt or self.settings.system_prompt)
 
     def _turn(
         self,
@@ -555,17 +345,19 @@ class ChatService:
     ) -> TurnReport:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        params = self._params(session, overrides)
+        params = generation_params(self.settings, session.settings, overrides)
         engine = self.load_engine()
         self.store.set_meta(LAST_SESSION_KEY, session_id)
         history = self.store.messages(session_id)
+        chat = [m.as_chat() for m in history]
         reserve = min(params.max_tokens, engine.n_ctx // 4)
-        prompt, dropped = self._window(session, history, reserve)
+        head = self._system_head(session)
+        prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
         restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
-        self.hot_session_id = session_id
-        shift = self._shift_window(session, history, prompt, dropped)
+        self.tiers.mark_hot(session_id)
+        shift = self._shift_window(head, chat, prompt, dropped)
         prefill = engine.prefill(prompt, cancel)
-        self._hot_dirty = True
+        self.tiers.mark_dirty()
         pieces: list[str] = []
         if prefill.reused + prefill.decoded < len(prompt):
             stats.finish_reason = "cancelled"
@@ -575,14 +367,12 @@ class ChatService:
                 if on_token is not None:
                     on_token(piece)
         reply = "".join(pieces)
-        report = TurnReport(
-            session_id=session_id,
-            reply=reply,
-            tokens=TokenCounts(len(prompt), prefill.reused, prefill.decoded, stats.generated),
-            restore=restore,
-            ttft_ms=stats.ttft_ms,
-            tokens_per_s=stats.tokens_per_s,
-            finish_reason=stats.finish_reason,
+        report = TurnReport.of_run(
+            session_id,
+            reply,
+            restore,
+            prefill,
+            stats,
             dropped_messages=dropped,
             shifted_tokens=shift.tokens,
             shifted_messages=shift.messages,
@@ -590,96 +380,70 @@ class ChatService:
         )
         if reply.strip():
             message = self.store.add_message(
-                session_id,
-                "assistant",
-                reply,
-                token_count=stats.generated,
-                partial=report.partial,
+                session_id, "assistant", reply, token_count=stats.generated, partial=report.partial
             )
             report.message_id = message.id
         if engine.n_tokens >= len(prompt):
             self._settle(session, prompt, dropped)
-        report.snapshot = self.save_hot()
+        report.snapshot = self.tiers.save_hot()
         return report
 
     def _shift_window(
-        self, session: Session, history: list[Message], prompt: list[int], dropped: int
+        self,
+        head: list[dict[str, str]],
+        chat: list[dict[str, str]],
+        prompt: list[int],
+        dropped: int,
     ) -> WindowShift:
         """When old messages left the window: move them out of the KV instead of re-reading.
 
-        The context holds the rendering of some earlier window (messages ``start:``), the
-        new prompt renders messages ``dropped:``. In token space the new prompt is the held
-        rendering minus one block ``[p0, p1)`` (the messages ``start:dropped``, aligned on
-        the template's message boundaries): ``p0`` is the common prefix (the system prompt
-        and the first tokens stay) and ``p1 = p0 + (held - prompt)``, checked to line up on
-        both sides. Those positions are removed and the rest shifted down (llama.cpp's
-        context shift); the prefill then reuses the shifted KV and decodes only the new
-        turn. A model whose cache cannot shift re-reads the kept window, and says so.
+        :func:`kvchat.window.plan_shift` finds the block of held tokens those messages
+        are; those positions are removed and the rest shifted down (a context shift), so
+        the prefill reuses the shifted KV and decodes only the new turn. An engine whose
+        cache cannot shift re-reads the kept window, and says so.
         """
         engine = self.engine
-        held = engine.tokens
-        if not dropped or not held:
+        plan = plan_shift(engine.chat_tokens, head, chat, engine.tokens, prompt, dropped)
+        if plan is None:
             return WindowShift()
-        p0 = common_prefix(held, prompt)
-        if p0 >= len(prompt) or p0 >= len(held):
-            return WindowShift()  # the context is already this window (or a prefix of it)
-        head = self._system_head(session)
-        chat = [m.as_chat() for m in history]
-        for start in range(dropped - 1, -1, -1):  # the most recent window first
-            if start and chat[start]["role"] == "assistant":
-                continue  # _window never starts a window with a reply
-            rendered = engine.chat_tokens(head + chat[start:])
-            p1 = p0 + len(rendered) - len(prompt)
-            if p1 <= p0 or p1 >= len(held):
-                continue
-            if rendered[:p0] != prompt[:p0] or rendered[p1:] != prompt[p0:]:
-                continue  # the dropped messages are not one block of tokens here
-            if held[:p1] != rendered[:p1] or held[p1] != rendered[p1]:
-                continue  # the context does not hold this rendering
-            if not engine.can_shift():
-                return WindowShift(
-                    note=f"this model's KV cache cannot be shifted: re-read the kept window "
-                    f"({len(prompt) - p0:,} tokens after the first {p0:,})"
-                )
-            n_discard = engine.shift(p0, p1)
-            if not n_discard:
-                return WindowShift(note="llama.cpp did not take back the shifted KV: "
-                                   f"re-read the kept window ({len(prompt):,} tokens)")
-            return WindowShift(tokens=n_discard, messages=dropped - start)
-        return WindowShift(
-            note="the context does not hold the messages that left the window: "
-            f"re-read the kept window ({len(prompt) - p0:,} tokens after the first {p0:,})"
-        )
+        kept = f"re-read the kept window ({len(prompt) - plan.start:,} tokens after the first {plan.start:,})"
+        if not plan.found:
+            return WindowShift(
+                note=f"the context does not hold the messages that left the window: {kept}"
+            )
+        if not engine.capabilities.can_shift:
+            return WindowShift(note=f"this model's KV cache cannot be shifted: {kept}")
+        n_discard = engine.shift(plan.start, plan.end)
+        if not n_discard:
+            return WindowShift(
+                note="llama.cpp did not take back the shifted KV: "
+                f"re-read the kept window ({len(prompt):,} tokens)"
+            )
+        return WindowShift(tokens=n_discard, messages=plan.messages)
 
     def _settle(self, session: Session, prompt: list[int], dropped: int = 0) -> int:
         """Leave the context holding exactly the next turn's prompt up to the user's words.
 
-        The reply is re-decoded in batches (see :meth:`Engine.settle`), followed by what
-        the template puts between the reply and the next user's words (e.g.
-        ``<|im_end|>\n<|im_start|>user\n``): known already, so decoding it now takes it
-        off the next turn's time to first token. That opening is the common prefix of the
-        prompts for two different next messages. Returns the number of tokens decoded.
+        The reply is re-decoded in batches (see ``Engine.settle``), followed by what the
+        template puts between the reply and the next user's words (see
+        :func:`kvchat.window.settle_target`): known already, so decoding it now takes it
+        off the next turn's time to first token. Returns the number of tokens decoded.
         """
         engine = self.engine
         messages = self.store.messages(session.id)[dropped:]  # the window's messages
         chat = self._system_head(session) + [m.as_chat() for m in messages]
-        first = engine.chat_tokens(chat + [{"role": "user", "content": "A"}])
-        second = engine.chat_tokens(chat + [{"role": "user", "content": "B"}])
-        shared = common_prefix(first, second)
-        if first[: len(prompt)] == prompt and len(prompt) < shared < engine.n_ctx - 1:
-            target = first[:shared]
-        else:  # the template re-rendered the history differently: settle what is there
-            target = engine.tokens
+        target = settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
         return engine.settle(len(prompt), target)
 
 
-@dataclass
-class WindowShift:
-    """What a turn did when messages left the window: a KV shift, or a note why not."""
-
-    tokens: int = 0
-    messages: int = 0
-    note: str | None = None
+@contextmanager
+def open_service(settings: Settings, home: Path | None = None) -> Iterator[ChatService]:
+    """A service that is closed (the hot session saved) however the block ends."""
+    service = ChatService(settings, home=home)
+    try:
+        yield service
+    finally:
+        service.close()
 
 
 def _title_from(text: str, limit: int = 48) -> str:

@@ -19,8 +19,8 @@ import pytest
 
 from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine import Engine, EngineConfig
-from kvchat.engine.engine import SEQ_ID
+from kvchat.engine import EngineConfig
+from kvchat.engine.llama import SEQ_ID, LlamaEngine
 
 N_CTX = 256
 MAX_TOKENS = 24
@@ -164,7 +164,7 @@ def test_a_model_that_cannot_shift_rereads_only_the_kept_window(full_home, copy_
     source, session, i = full_home
     home = copy_home(source, "noshift")
     monkeypatch.setenv("KVCHAT_HOME", str(home))
-    monkeypatch.setattr(Engine, "can_shift", lambda self: False)
+    monkeypatch.setattr(LlamaEngine, "can_shift", lambda self: False)
     svc = service(home)
     try:
         report = svc.send(session, message(i))
@@ -186,7 +186,7 @@ def test_a_model_that_cannot_shift_rereads_only_the_kept_window(full_home, copy_
 def test_engine_shift_moves_positions_down_and_keeps_the_token_list():
     path = bundled_model_path()
     assert path is not None
-    engine = Engine(EngineConfig(model_path=path, n_ctx=N_CTX, n_threads=1))
+    engine = LlamaEngine(EngineConfig(model_path=path, n_ctx=N_CTX, n_threads=1))
     try:
         messages = [{"role": "user", "content": message(n)} for n in range(3)]
         tokens = engine.chat_tokens(messages)

@@ -10,7 +10,8 @@ import pytest
 
 from kvchat.chat import ChatService
 from kvchat.config import Settings, bundled_model_path
-from kvchat.engine import Engine, EngineConfig
+from kvchat.engine import EngineConfig
+from kvchat.engine.llama import LlamaEngine
 from kvchat.kvcache import layout as kvlayout
 
 SMALL_CHUNKS = dict(temperature=0, max_tokens=16, n_ctx=1024, chunk_tokens=32)
@@ -18,7 +19,7 @@ SMALL_CHUNKS = dict(temperature=0, max_tokens=16, n_ctx=1024, chunk_tokens=32)
 
 @pytest.mark.parametrize("flash_attn", [False, True], ids=["v-transposed", "v-rows"])
 def test_reassembled_chunks_equal_the_whole_blob(flash_attn: bool):
-    engine = Engine(EngineConfig(bundled_model_path(), n_ctx=1024, flash_attn=flash_attn))
+    engine = LlamaEngine(EngineConfig(bundled_model_path(), n_ctx=1024, flash_attn=flash_attn))
     tokens = engine.chat_tokens([{"role": "user", "content": "count: " + "one two three " * 40}])
     engine.prefill(tokens)
     blob = np.frombuffer(bytes(engine.state_get()), dtype=np.uint8)
@@ -38,7 +39,7 @@ def test_reassembled_chunks_equal_the_whole_blob(flash_attn: bool):
 
 
 def test_parser_rejects_layouts_it_does_not_know():
-    engine = Engine(EngineConfig(bundled_model_path(), n_ctx=256))
+    engine = LlamaEngine(EngineConfig(bundled_model_path(), n_ctx=256))
     engine.prefill(engine.chat_tokens([{"role": "user", "content": "hello"}]))
     blob = bytes(engine.state_get())
     n_layer, k_width, v_width = engine.kv_shape()
@@ -62,8 +63,8 @@ def test_each_turn_writes_only_new_chunks_and_resumes_exactly(kvhome: Path):
     session = service.new_session()
     first = service.send(session.id, "Name three rivers.")
     second = service.send(session.id, "And three mountains?")
-    per_token = second.snapshot.bytes / service.engine.n_tokens
-    new_tokens = service.engine.n_tokens - first.snapshot.bytes / per_token
+    per_token = second.snapshot.bytes / service.context_tokens
+    new_tokens = service.context_tokens - first.snapshot.bytes / per_token
     # Append-only: only the new tokens' KV hits the disk (plus small chunk headers).
     assert second.snapshot.written <= 1.05 * new_tokens * per_token + 4096
     assert second.snapshot.written >= new_tokens * per_token
@@ -97,7 +98,7 @@ def test_forks_share_their_prefix_on_disk(kvhome: Path):
     rows = {r.session_id: r for r in service.store.snapshots()}
     assert set(rows) == {parent.id, *(f.id for f in forks)}
     logical = sum(r.n_bytes for r in rows.values())
-    on_disk = service.snapshots.disk_bytes()
+    on_disk = service.cache_stats()["disk"]["bytes"]
     # The parent's full chunks are stored once, however many branches use them.
     shared_keys = set(rows[parent.id].chunk_keys[:-1])
     for child in forks:
@@ -124,9 +125,8 @@ def test_fork_at_an_earlier_message_borrows_the_shared_prefix(kvhome: Path):
     assert [m.content for m in service.messages(child.id)] == [
         m.content for m in service.messages(parent.id)[:2]
     ]
-    service.hot_session_id = None  # as in a new process: nothing hot
-    service.engine.clear()
-    service.warm.clear()
+    service.close()
+    service = ChatService(Settings(**SMALL_CHUNKS))  # a new process: nothing hot or in RAM
     report = service.send(child.id, "Now nuts.")
     assert report.restore.source == "disk"
     assert report.restore.donor == parent.id
@@ -172,13 +172,14 @@ def test_disk_budget_evicts_least_recently_used_snapshots_never_text(kvhome: Pat
     sessions = [s0] + [service.new_session() for _ in range(3)]
     for index, session in enumerate(sessions[1:]):
         service.send(session.id, f"Describe animal number {index}.")
-        assert service.snapshots.disk_bytes() <= service.snapshots.budget_bytes
+        disk = service.cache_stats()["disk"]
+        assert disk["bytes"] <= disk["budget_bytes"]
     kept = {r.session_id for r in service.store.snapshots()}
     assert sessions[-1].id in kept and s0.id not in kept
     for session in sessions:  # text is never evicted
         assert [m.role for m in service.messages(session.id)] == ["user", "assistant"]
-    service.hot_session_id = None
-    service.warm.clear()
+    service.close()
+    service = ChatService(Settings(**SMALL_CHUNKS, disk_cache_gib=budget_gib))  # nothing hot
     report = service.send(s0.id, "Go on.")
     assert report.restore.source == "none"
     assert report.restore.reason == "no snapshot saved for this session yet"
@@ -220,9 +221,8 @@ def test_editing_a_past_message_branches_and_reuses_the_shared_prefix(kvhome: Pa
     branch = service.edit(session.id, second_question.id, "And birds?")
     assert [m.content for m in service.messages(branch.id)][-1] == "And birds?"
     assert [m.content for m in service.messages(session.id)][2] == "And dogs?"  # kept
-    service.hot_session_id = None
-    service.engine.clear()
-    service.warm.clear()
+    service.close()
+    service = ChatService(Settings(**SMALL_CHUNKS))  # a new process: nothing hot or in RAM
     report = service.regenerate(branch.id)
     assert report.restore.source == "disk" and report.restore.donor == session.id
     assert report.tokens.reused == report.restore.tokens > 64

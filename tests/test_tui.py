@@ -242,11 +242,11 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
     # Two sessions written through the service (no model needed to store text).
     service = ChatService(make_settings())
     target = service.new_session("Travel")
-    service.store.add_message(target.id, "user", "Where is the Eiffel tower?")
+    service.add_message(target.id, "user", "Where is the Eiffel tower?")
     reply = "The **Eiffel tower** is in Paris.\n\n```python\nprint('Paris')\n```"
-    service.store.add_message(target.id, "assistant", reply)
+    service.add_message(target.id, "assistant", reply)
     other = service.new_session("Other")
-    service.store.add_message(other.id, "user", "Tell me about pancakes")
+    service.add_message(other.id, "user", "Tell me about pancakes")
     service.close()
 
     app = make_app()
@@ -399,7 +399,7 @@ async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(ho
     service = ChatService(make_settings())
     session = service.new_session("Long")
     for i in range(70):
-        service.store.add_message(session.id, "user" if i % 2 == 0 else "assistant", f"line {i}")
+        service.add_message(session.id, "user" if i % 2 == 0 else "assistant", f"line {i}")
     service.close()
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

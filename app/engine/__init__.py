@@ -1,5 +1,31 @@
-"""The llama.cpp engine: load, template → tokens, prefix reuse, generation, seq-state get/set."""
+"""Engines behind one protocol: the value types, the :class:`Engine` protocol and its factory.
 
-from kvchat.engine.engine import Engine, EngineConfig, GenerationParams, PrefillResult, common_prefix
+Importing this package loads no model library: implementations (``kvchat.engine.llama``)
+are imported by :func:`create_engine` when the settings choose them.
+"""
 
-__all__ = ["common_prefix", "Engine", "EngineConfig", "GenerationParams", "PrefillResult"]
+from kvchat.engine.base import (
+    CancelCheck,
+    Engine,
+    EngineCapabilities,
+    EngineConfig,
+    GenerationParams,
+    GenerationStats,
+    PrefillResult,
+    common_prefix,
+)
+from kvchat.engine.factory import ENGINES, create_engine, engine_config
+
+__all__ = [
+    "CancelCheck",
+    "common_prefix",
+    "create_engine",
+    "Engine",
+    "EngineCapabilities",
+    "EngineConfig",
+    "ENGINES",
+    "engine_config",
+    "GenerationParams",
+    "GenerationStats",
+    "PrefillResult",
+]

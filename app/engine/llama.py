@@ -1,4 +1,4 @@
-"""One llama.cpp context holding one conversation (sequence 0).
+"""The local llama.cpp engine: one llama.cpp context holding one conversation (sequence 0).
 
 The engine keeps the exact token ids that are in the context, so a new prompt reuses
 the longest common prefix and only its suffix is decoded. It knows nothing of
@@ -12,8 +12,7 @@ import codecs
 import ctypes
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,21 @@ import llama_cpp
 from llama_cpp import _internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from kvchat.engine.base import (
+    CancelCheck,
+    EngineCapabilities,
+    EngineConfig,
+    GenerationParams,
+    GenerationStats,
+    PrefillResult,
+    common_prefix,
+)
 from kvchat.errors import KvchatError
 
 SEQ_ID = 0
 # Prefill is decoded in slices this long so a cancel request is honoured between them.
 PREFILL_SLICE = 128
-# The smallest batch decoded (see Engine.prefill).
+# The smallest batch decoded (see LlamaEngine.prefill).
 MIN_BATCH = 2
 
 GGML_TYPES: dict[str, int] = {
@@ -42,57 +50,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-CancelCheck = Callable[[], bool]
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What it takes to open a context; every field that changes KV layout is here."""
-
-    model_path: Path
-    n_ctx: int = 8192
-    n_batch: int = 512
-    n_threads: int = 2
-    n_gpu_layers: int = -1
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: bool = False
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    max_tokens: int = 512
-    seed: int = 0
-
-
-@dataclass
-class PrefillResult:
-    """How a prompt was brought into the context."""
-
-    prompt: int
-    reused: int
-    decoded: int
-
-
-@dataclass
-class GenerationStats:
-    """Filled in while :meth:`Engine.generate` streams."""
-
-    generated: int = 0
-    ttft_ms: float | None = None
-    tokens_per_s: float | None = None
-    finish_reason: str = "stop"
-    # When the user's turn began: TTFT counts restore and prefill too.
-    started: float = field(default_factory=time.perf_counter)
-
-
-class Engine:
-    """A loaded model and its one context."""
+class LlamaEngine:
+    """A loaded model and its one context (implements :class:`kvchat.engine.Engine`)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -140,6 +100,13 @@ class Engine:
     @property
     def gpu_offload(self) -> bool:
         return bool(llama_cpp.llama_supports_gpu_offload())
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Asked each time: whether the cache can shift is known only once the context exists."""
+        return EngineCapabilities(
+            seq_state=True, can_shift=self.can_shift(), gpu_offload=self.gpu_offload
+        )
 
     def layout(self) -> dict[str, Any]:
         """Settings that decide the KV bytes' meaning; a snapshot must match all of them."""
@@ -446,13 +413,3 @@ def _batches(tokens: list[int], size: int) -> Iterator[list[int]]:
             end -= 1
         yield tokens[start:end]
         start = end
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

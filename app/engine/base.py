@@ -1,0 +1,178 @@
+"""The engine seam: what the conversation service needs from a model, whoever runs it.
+
+An engine holds one conversation's context: the exact token ids in it, prefix reuse,
+generation, and (when it can) the raw sequence-state bytes kvcache snapshots. The
+service asks :attr:`Engine.capabilities` what an engine can do, never its type. Nothing
+here imports llama.cpp, so the value types can be used without loading a model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+CancelCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What it takes to open a context; every field that changes KV layout is here."""
+
+    model_path: Path
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_threads: int = 2
+    n_gpu_layers: int = -1
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond prefill and generate; the service branches on these."""
+
+    # Sequence state as raw bytes (state_get/state_set): snapshots in the RAM and disk tiers.
+    seq_state: bool = False
+    # Drop a block of positions and move the later ones down (a KV shift), vs re-reading.
+    can_shift: bool = False
+    # Layers can run on a GPU.
+    gpu_offload: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    max_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass
+class PrefillResult:
+    """How a prompt was brought into the context."""
+
+    prompt: int
+    reused: int
+    decoded: int
+
+
+@dataclass
+class GenerationStats:
+    """Filled in while :meth:`Engine.generate` streams."""
+
+    generated: int = 0
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str = "stop"
+    # When the user's turn began: TTFT counts restore and prefill too.
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine(Protocol):
+    """A loaded model and its one context (sequence 0). Not thread-safe.
+
+    The ``state_*`` methods move the context's KV as raw bytes; an engine whose
+    capabilities say ``seq_state=False`` raises NotImplementedError from them.
+    """
+
+    config: EngineConfig
+    n_ctx: int
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    # --- identity of the KV bytes (for the snapshot fingerprint and chunk parser) ----------
+
+    def layout(self) -> dict[str, Any]:
+        """Settings that decide the KV bytes' meaning (type_k/v, flash_attn, RoPE, SWA, n_layer)."""
+        ...
+
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """(layers, K width, V width) per token and layer, or None when not uniform."""
+        ...
+
+    # --- tokens ---------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template over ``messages``, ending with the assistant's turn opening."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as message text (no template markup)."""
+        ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The exact token ids whose KV is in the context, in order."""
+        ...
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    # --- context --------------------------------------------------------------------------
+
+    def clear(self) -> None: ...
+
+    def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
+        """Bring ``prompt`` into the context, decoding only what follows the common prefix."""
+        ...
+
+    def settle(self, keep: int, tokens: Sequence[int]) -> int:
+        """Re-decode everything after position ``keep`` so the context holds ``tokens``."""
+        ...
+
+    def generate(
+        self, params: GenerationParams, stats: GenerationStats, cancel: CancelCheck | None = None
+    ) -> Iterator[str]:
+        """Sample and stream text pieces; afterwards the context holds prompt + reply."""
+        ...
+
+    def can_shift(self) -> bool: ...
+
+    def shift(self, start: int, end: int) -> int:
+        """Drop positions ``[start, end)`` and move the later ones down; returns tokens dropped."""
+        ...
+
+    # --- sequence state (capabilities.seq_state) ---------------------------------------------
+
+    def state_size(self) -> int: ...
+
+    def state_buffer(self, size: int) -> Any:
+        """A reusable writable buffer of at least ``size`` bytes."""
+        ...
+
+    def state_get(self) -> memoryview: ...
+
+    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
+        """Load ``size`` state bytes; on success the context holds ``tokens``, else it is empty."""
+        ...
+
+    def state_save_file(self, path: Path) -> int: ...
+
+    def state_load_file(self, path: Path) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

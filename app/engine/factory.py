@@ -1,0 +1,43 @@
+"""Choose and open an engine from the settings; implementations are imported only when chosen."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat.engine.base import Engine, EngineConfig
+from kvchat.errors import KvchatError
+
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+
+# Setting value → "module:class". A remote llama-server engine (slot save/restore) comes later.
+ENGINES: dict[str, str] = {
+    "llama.cpp": "kvchat.engine.llama:LlamaEngine",
+}
+
+
+def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
+    """The context settings of ``settings`` (already planned for this machine)."""
+    return EngineConfig(
+        model_path=model_path,
+        n_ctx=settings.n_ctx,
+        n_batch=settings.n_batch,
+        n_threads=settings.n_threads,
+        n_gpu_layers=settings.n_gpu_layers,
+        type_k=settings.type_k,
+        type_v=settings.type_v,
+        flash_attn=settings.flash_attn,
+    )
+
+
+def create_engine(settings: Settings, model_path: Path | None = None) -> Engine:
+    """Open the engine named by ``settings.engine`` on ``model_path`` (default: the settings')."""
+    target = ENGINES.get(settings.engine)
+    if target is None:
+        raise KvchatError(f"unknown engine {settings.engine!r}; known: {', '.join(ENGINES)}")
+    module, name = target.split(":")
+    engine_class = getattr(import_module(module), name)
+    engine: Engine = engine_class(engine_config(settings, model_path or settings.model_path()))
+    return engine

@@ -1,0 +1,258 @@
+"""One interface over the KV tiers: hot (the engine's context) → warm (RAM) → cold (disk).
+
+The order of the tiers lives here and only here: making a session hot looks in the
+context, then RAM, then disk; a session leaving the context goes to RAM (and to disk
+first when the context holds KV no snapshot has yet). Which session is hot, and whether
+its KV is unsaved, is assigned only by this class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvchat.engine import Engine
+from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
+from kvchat.kvcache.warm import WarmTier
+from kvchat.store import SnapshotRow, Store
+
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+
+# Counters kept in the store, as ``kvchat cache`` names them.
+_COUNTERS = {
+    "restores_ram": "restores_ram",
+    "restores_disk": "restores_disk",
+    "misses": "restore_misses",
+    "tokens_restored": "tokens_restored",
+    "bytes_restored": "bytes_restored",
+    "bytes_written": "bytes_written",
+}
+
+
+@dataclass
+class SnapshotWrite:
+    """What saving the hot context to disk did; ``error`` instead of an exception."""
+
+    bytes: int = 0  # the snapshot's state size
+    ms: float = 0.0
+    error: str | None = None
+    written: int = 0  # bytes written to disk for it (only new chunks)
+    chunks_written: int = 0
+    chunks_shared: int = 0
+
+
+@dataclass
+class CacheGc:
+    """What ``kvchat cache gc`` removed: orphaned files, unused chunks, snapshots over budget."""
+
+    orphans: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    evicted: list[str] = field(default_factory=list)
+
+
+class KVTiers:
+    """Sessions' KV across the context, RAM and disk; the engine is attached once loaded."""
+
+    def __init__(self, store: Store, cold: SnapshotStore, warm: WarmTier) -> None:
+        self.store = store
+        self.cold = cold
+        self.warm = warm
+        self.engine: Engine | None = None
+        self.fingerprint: Fingerprint | None = None
+        self._hot: str | None = None
+        # The context holds KV that no snapshot has yet (e.g. a failed save).
+        self._dirty = False
+
+    @classmethod
+    def open(cls, directory: Path, store: Store, settings: Settings) -> KVTiers:
+        """The tiers with the settings' budgets; leftovers of crashed writers are removed."""
+        cold = SnapshotStore(
+            directory,
+            store,
+            chunk_tokens=settings.chunk_tokens,
+            budget_bytes=int(settings.disk_cache_gib * 2**30),
+            chunked=settings.snapshot_chunks,
+        )
+        cold.cleanup_orphans()
+        return cls(store, cold, WarmTier(settings.ram_cache_mib * 2**20))
+
+    # --- the engine and the hot session ---------------------------------------------------
+
+    def attach(self, engine: Engine, fingerprint: Fingerprint) -> None:
+        """Use this engine's context as the hot tier; ``fingerprint`` identifies its KV."""
+        self.engine = engine
+        self.fingerprint = fingerprint
+
+    def detach(self) -> None:
+        """Before the engine closes: save the hot session if it has unsaved KV."""
+        if self.engine is not None and self._dirty and self._hot:
+            self.save_hot()
+        self.engine = None
+
+    @property
+    def hot_session_id(self) -> str | None:
+        """The session whose KV the context holds (None: no session's)."""
+        return self._hot
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def mark_hot(self, session_id: str | None) -> None:
+        """The context now holds ``session_id``'s KV (None: nothing a session can reuse)."""
+        self._hot = session_id
+
+    def mark_dirty(self) -> None:
+        """The hot context has changed since its last snapshot."""
+        self._dirty = True
+
+    def _attached(self) -> tuple[Engine, Fingerprint]:
+        if self.engine is None or self.fingerprint is None:
+            raise RuntimeError("KVTiers: no engine attached")
+        return self.engine, self.fingerprint
+
+    # --- moving KV between tiers ----------------------------------------------------------
+
+    def make_hot(
+        self,
+        session_id: str,
+        *,
+        no_restore: bool = False,
+        prompt: list[int] | None = None,
+        history: Callable[[], list[int] | None] | None = None,
+    ) -> RestoreResult:
+        """Bring a session's KV into the context from the best tier that has it.
+
+        Hot (already in the context) → RAM → disk (its own snapshot, or with ``prompt``
+        the longest prefix another session's snapshot shares) → none. Without a prompt
+        and without a snapshot of its own (a new branch), ``history()`` gives the prompt.
+        """
+        engine, fingerprint = self._attached()
+        if no_restore:
+            self.spill()
+            engine.clear()
+            return RestoreResult("none", reason="full prefill requested (--no-restore)")
+        if session_id == self._hot:
+            return RestoreResult("hot", tokens=engine.n_tokens)
+        self.spill()
+        if not engine.capabilities.seq_state:
+            engine.clear()
+            return RestoreResult("none", reason="this engine cannot restore saved KV")
+        if prompt is None and history is not None and self.store.get_snapshot(session_id) is None:
+            prompt = history()
+        started = time.perf_counter()
+        entry = self.warm.get(session_id, fingerprint.model_id)
+        if entry is not None and len(entry.tokens) <= engine.n_ctx:
+            if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
+                self._hot = session_id
+                self.store.bump_counters(
+                    restores_ram=1, tokens_restored=len(entry.tokens), bytes_restored=entry.n_bytes
+                )
+                elapsed = (time.perf_counter() - started) * 1000
+                return RestoreResult(
+                    "ram", ms=elapsed, bytes=entry.n_bytes, tokens=len(entry.tokens)
+                )
+            self.warm.drop(session_id)
+        result = self.cold.restore(session_id, engine, fingerprint, prompt)
+        self._hot = session_id
+        return result
+
+    def spill(self) -> None:
+        """Before the context is overwritten: keep the hot session's KV (disk and RAM)."""
+        engine = self.engine
+        if self._hot and engine is not None and engine.n_tokens:
+            if engine.capabilities.seq_state:
+                if self._dirty:
+                    self.save_hot()
+                assert self.fingerprint is not None
+                self.warm.put(
+                    self._hot, engine.tokens, engine.state_get(), self.fingerprint.model_id
+                )
+        self._hot = None
+
+    def save_hot(self) -> SnapshotWrite:
+        """Snapshot the hot context to disk; a failure is reported, never raised."""
+        engine = self.engine
+        if not self._hot or engine is None or engine.n_tokens == 0 or self.fingerprint is None:
+            return SnapshotWrite()
+        if not engine.capabilities.seq_state:
+            return SnapshotWrite(error="this engine cannot save its KV")
+        started = time.perf_counter()
+        try:
+            saved = self.cold.save(self._hot, engine, self.fingerprint)
+        except OSError as exc:
+            return SnapshotWrite(error=f"could not save the KV snapshot: {exc}")
+        self._dirty = False
+        return SnapshotWrite(
+            bytes=saved.row.n_bytes,
+            ms=(time.perf_counter() - started) * 1000,
+            written=saved.bytes_written,
+            chunks_written=saved.chunks_written,
+            chunks_shared=saved.chunks_shared,
+        )
+
+    def forget(self, session_id: str) -> None:
+        """Remove a session's KV from every tier (its text is not ours to touch)."""
+        if self._hot == session_id:
+            self._hot = None
+            self._dirty = False
+            if self.engine is not None:
+                self.engine.clear()
+        self.warm.drop(session_id)
+        self.cold.delete(session_id)
+
+    # --- looking ---------------------------------------------------------------------------
+
+    def location(self, session_id: str) -> str:
+        """Where this session's KV lives now: hot, ram, disk or none."""
+        if session_id == self._hot:
+            return "hot"
+        if session_id in self.warm:
+            return "ram"
+        return "disk" if self.store.get_snapshot(session_id) is not None else "none"
+
+    def snapshot(self, session_id: str) -> SnapshotRow | None:
+        """The session's own snapshot on disk, if any."""
+        return self.store.get_snapshot(session_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
+        rows = self.store.snapshots()
+        counters = self.store.counters()
+        return {
+            "ram": {
+                "entries": len(self.warm),
+                "bytes": self.warm.bytes,
+                "budget_bytes": self.warm.budget_bytes,
+                "hits": self.warm.hits,
+                "misses": self.warm.misses,
+            },
+            "disk": {
+                "snapshots": len(rows),
+                "chunks": len(self.store.all_chunks()),
+                "bytes": self.cold.disk_bytes(),
+                "logical_bytes": sum(r.n_bytes for r in rows),
+                "budget_bytes": self.cold.budget_bytes,
+            },
+            "counters": {name: counters.get(key, 0) for name, key in _COUNTERS.items()},
+        }
+
+    # --- housekeeping ----------------------------------------------------------------------
+
+    def gc(self) -> CacheGc:
+        """Remove orphaned files and unused chunks, then evict snapshots over the disk budget."""
+        orphans = self.cold.cleanup_orphans()
+        freed = self.cold.drop_unreferenced_chunks()
+        return CacheGc(orphans=orphans, freed_bytes=freed, evicted=self.cold.enforce_budget())
+
+    def clear(self, session_id: str | None = None) -> int:
+        """Delete the saved KV (disk and RAM) of one session or all; returns snapshots deleted."""
+        if session_id is None:
+            self.warm.clear()
+        else:
+            self.warm.drop(session_id)
+        return self.cold.clear(session_id)

@@ -1,0 +1,117 @@
+"""Which messages fit the context, and how old ones leave the KV: pure functions.
+
+Everything here works on token ids from a ``render(messages) -> tokens`` callable (an
+engine's ``chat_tokens``, or a fake in tests), so it is testable without a model. The
+service applies the results to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvchat.engine import common_prefix
+from kvchat.errors import KvchatError
+
+ChatMessage = dict[str, str]
+Render = Callable[[Sequence[ChatMessage]], list[int]]
+
+
+def system_head(system: str | None) -> list[ChatMessage]:
+    """The system prompt as the first message of every window (none when empty)."""
+    return [{"role": "system", "content": system}] if system else []
+
+
+def fit_window(
+    render: Render, head: list[ChatMessage], chat: list[ChatMessage], n_ctx: int, reserve: int
+) -> tuple[list[int], int]:
+    """Prompt tokens for the newest messages that fit ``n_ctx`` minus ``reserve``.
+
+    ``head`` (the system prompt) always stays; the oldest messages leave the window
+    first (their text stays in SQLite), and a window never starts with a reply. Returns
+    the tokens and how many messages were left out.
+    """
+    budget = n_ctx - reserve
+    for dropped in range(len(chat)):
+        window = chat[dropped:]
+        if window and window[0]["role"] == "assistant":
+            continue
+        tokens = render(head + window)
+        if len(tokens) <= budget:
+            return tokens, dropped
+    raise KvchatError(
+        f"the last message does not fit the context (n_ctx={n_ctx}); shorten it or raise n_ctx"
+    )
+
+
+@dataclass(frozen=True)
+class ShiftPlan:
+    """Positions ``[start, end)`` of the held KV to drop so it becomes the new prompt's.
+
+    ``start`` is where the held tokens and the prompt part; ``end == start`` when the
+    held tokens do not hold the messages that left the window as one block.
+    """
+
+    start: int
+    end: int
+    messages: int = 0  # messages that leave the KV with the block
+
+    @property
+    def found(self) -> bool:
+        return self.end > self.start
+
+
+def plan_shift(
+    render: Render,
+    head: list[ChatMessage],
+    chat: list[ChatMessage],
+    held: Sequence[int],
+    prompt: Sequence[int],
+    dropped: int,
+) -> ShiftPlan | None:
+    """When old messages left the window: the block of held KV to shift out, or None.
+
+    The context holds the rendering of some earlier window (messages ``start:``), the
+    new prompt renders messages ``dropped:``. In token space the new prompt is the held
+    rendering minus one block ``[p0, p1)`` (the messages ``start:dropped``, aligned on
+    the template's message boundaries): ``p0`` is the common prefix (the system prompt
+    and the first tokens stay) and ``p1 = p0 + (held - prompt)``, checked to line up on
+    both sides. None when nothing left the window or the context already holds this
+    window (or a prefix of it).
+    """
+    if not dropped or not held:
+        return None
+    p0 = common_prefix(held, prompt)
+    if p0 >= len(prompt) or p0 >= len(held):
+        return None
+    for start in range(dropped - 1, -1, -1):  # the most recent window first
+        if start and chat[start]["role"] == "assistant":
+            continue  # fit_window never starts a window with a reply
+        rendered = render(head + chat[start:])
+        p1 = p0 + len(rendered) - len(prompt)
+        if p1 <= p0 or p1 >= len(held):
+            continue
+        if rendered[:p0] != list(prompt[:p0]) or rendered[p1:] != list(prompt[p0:]):
+            continue  # the dropped messages are not one block of tokens here
+        if list(held[:p1]) != rendered[:p1] or held[p1] != rendered[p1]:
+            continue  # the context does not hold this rendering
+        return ShiftPlan(p0, p1, dropped - start)
+    return ShiftPlan(p0, p0)
+
+
+def settle_target(
+    render: Render, chat: list[ChatMessage], prompt: Sequence[int], held: list[int], n_ctx: int
+) -> list[int]:
+    """What the context should hold after a reply: the next turn's prompt up to the user's words.
+
+    That is what the template puts between the reply and the next user's words (e.g.
+    ``<|im_end|>\\n<|im_start|>user\\n``), found as the common prefix of the prompts for
+    two different next messages. When the template re-renders the history differently
+    from ``prompt``, ``held`` (what the context holds) is kept as it is.
+    """
+    first = render(chat + [{"role": "user", "content": "A"}])
+    second = render(chat + [{"role": "user", "content": "B"}])
+    shared = common_prefix(first, second)
+    if first[: len(prompt)] == list(prompt) and len(prompt) < shared < n_ctx - 1:
+        return first[:shared]
+    return held
