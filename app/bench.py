@@ -22,11 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvchat.chat import ChatService
+from kvchat.chat import ChatService, open_service
 from kvchat.config import Settings
 from kvchat.kvcache import SnapshotStore
 
-NEXT_MESSAGE = "Thanks! Now please summarise the three most important points above as one short bulleted list."
+NEXT_MESSAGE = (
+    "Thanks! Now please summarise the three most important points above as one short bulleted list."
+)
 _WORDS = (
     "memory cache token model context layer attention window river mountain library "
     "garden engine signal theory market history music science planet ocean village "
@@ -100,16 +102,16 @@ def build_history(service: ChatService, target_tokens: int, seed: int = 7) -> st
     """A session whose rendered history is about ``target_tokens`` long, ending on a user turn."""
     rng = random.Random(seed + target_tokens)
     session = service.new_session(title=f"bench {target_tokens}")
-    engine = service.engine
+    engine = service.load_engine()
     chat: list[dict[str, str]] = []
     while True:
         for role in ("user", "assistant"):
             text = _paragraph(rng, 60 if role == "user" else 140)
             chat.append({"role": role, "content": text})
-            service.store.add_message(session.id, role, text, token_count=engine.count_tokens(text))
+            service.add_message(session.id, role, text, token_count=engine.count_tokens(text))
         if len(engine.chat_tokens(chat)) >= target_tokens - 40:
             break
-    service.store.add_message(session.id, "user", "Go on.", token_count=2)
+    service.add_message(session.id, "user", "Go on.", token_count=2)
     return session.id
 
 
@@ -139,21 +141,20 @@ def run_bench(
 ) -> BenchReport:
     say = progress or (lambda _line: None)
     report = BenchReport()
-    with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as scratch:
-        service = ChatService(settings, home=Path(scratch))
-        try:
-            engine = service.load_engine()
-            say(f"model {engine.model_name}, n_ctx {engine.n_ctx}, threads {settings.n_threads}")
-            for target in sizes:
-                if target + 200 > engine.n_ctx:
-                    say(f"skipping {target} tokens: does not fit n_ctx={engine.n_ctx}")
-                    continue
-                report.rows.append(_bench_resume(service, target, cold=cold, repeat=repeat, say=say))
-            if tiers:
-                report.writes = _bench_writes(service, say)
-                report.forks = _bench_forks(service, say)
-        finally:
-            service.close()
+    with (
+        tempfile.TemporaryDirectory(prefix="kvchat-bench-") as scratch,
+        open_service(settings, home=Path(scratch)) as service,
+    ):
+        engine = service.load_engine()
+        say(f"model {engine.model_name}, n_ctx {engine.n_ctx}, threads {settings.n_threads}")
+        for target in sizes:
+            if target + 200 > engine.n_ctx:
+                say(f"skipping {target} tokens: does not fit n_ctx={engine.n_ctx}")
+                continue
+            report.rows.append(_bench_resume(service, target, cold=cold, repeat=repeat, say=say))
+        if tiers:
+            report.writes = _bench_writes(service, say)
+            report.forks = _bench_forks(service, say)
     return report
 
 
@@ -167,24 +168,34 @@ def _median_ms(action: Callable[[], Any], repeat: int, before: Callable[[], None
     return statistics.median(times)
 
 
-def _bench_resume(service: ChatService, target: int, *, cold: bool, repeat: int, say: Say) -> BenchRow:
-    engine = service.engine
+def _bench_resume(
+    service: ChatService, target: int, *, cold: bool, repeat: int, say: Say
+) -> BenchRow:
+    """One history length: restores (ours, llama.cpp's, blob, RAM) and TTFT vs full prefill.
+
+    The measurements drive the KV tiers the service composes (``service.tiers``): the
+    hot session is forgotten between restores so that each one reads its tier again.
+    """
+    engine = service.load_engine()
+    tiers = service.tiers
+    fingerprint = tiers.fingerprint
+    assert fingerprint is not None
     session_id = build_history(service, target)
     say(f"{target}: prefilling the history to make its snapshot…")
     service.regenerate(session_id, max_tokens=1, temperature=0.0, no_restore=True)
-    row = service.store.get_snapshot(session_id)
+    row = tiers.snapshot(session_id)
     assert row is not None
 
     # The same state as llama.cpp's own file and as our whole-blob file.
     service.make_hot(session_id)
-    directory = service.snapshots.directory
+    directory = tiers.cold.directory
     limit_path = directory / f"limit-{target}.llama"
     engine.state_save_file(limit_path)
-    twin = service.store.create_session(f"bench {target} blob twin")
-    blobs = SnapshotStore(directory, service.store, chunked=False)
-    blob_row = blobs.save(twin.id, engine, service.fingerprint).row
-    service.hot_session_id = None
-    files = [*service.snapshots.files(row), limit_path, *blobs.files(blob_row)]
+    twin = service.new_session(f"bench {target} blob twin")
+    blobs = SnapshotStore(directory, tiers.store, chunked=False)
+    blob_row = blobs.save(twin.id, engine, fingerprint).row
+    tiers.mark_hot(None)
+    files = [*tiers.cold.files(row), limit_path, *blobs.files(blob_row)]
 
     def page_cache() -> None:
         for path in files:
@@ -204,22 +215,21 @@ def _bench_resume(service: ChatService, target: int, *, cold: bool, repeat: int,
     limit = _median_ms(lambda: engine.state_load_file(limit_path), repeat, page_cache)
 
     def restore_blob() -> None:
-        if blobs.restore(twin.id, engine, service.fingerprint).source != "disk":
+        if blobs.restore(twin.id, engine, fingerprint).source != "disk":
             raise RuntimeError("bench blob restore failed")
 
     blob = _median_ms(restore_blob, repeat, page_cache)
     service.make_hot(session_id)
-    service.warm.put(session_id, engine.tokens, engine.state_get(), service.fingerprint.model_id)
-    service.hot_session_id = None
+    tiers.spill()  # into the RAM tier; the context holds no session now
     ram_times = []
     for _ in range(repeat):
-        service.hot_session_id = None
+        tiers.mark_hot(None)
         result = service.make_hot(session_id)
         if result.source != "ram":
             raise RuntimeError("bench RAM restore failed")
         ram_times.append(result.ms)
-    service.hot_session_id = None
-    service.warm.clear()
+    tiers.mark_hot(None)
+    tiers.warm.clear()
     engine.clear()
 
     say(f"{target}: full prefill for the baseline…")
@@ -260,7 +270,7 @@ def _bench_writes(service: ChatService, say: Say, turns: int = 12) -> list[Write
     before = 0
     for turn in range(1, turns + 1):
         report = service.send(session.id, _paragraph(rng, 90), max_tokens=48, temperature=0.0)
-        tokens = service.engine.n_tokens
+        tokens = service.context_tokens
         per_token = report.snapshot.bytes / tokens
         new_tokens = tokens - before
         new_kv = int(new_tokens * per_token)
@@ -282,18 +292,20 @@ def _bench_writes(service: ChatService, say: Say, turns: int = 12) -> list[Write
 def _bench_forks(service: ChatService, say: Say, n_forks: int = 5) -> dict[str, Any]:
     """Disk bytes for forks of one long conversation, each continued by one turn."""
     say(f"forks: {n_forks} branches of a ~2k-token conversation…")
-    service.snapshots.clear()
+    service.cache_clear()
     parent = build_history(service, 2048, seed=3)
     service.regenerate(parent, max_tokens=24, temperature=0.0)
-    prefix = service.store.get_snapshot(parent)
+    prefix = service.tiers.snapshot(parent)
     assert prefix is not None
     branch_bytes = 0
     for index in range(n_forks):
         child = service.fork(parent)
-        report = service.send(child.id, f"Branch {index}: {NEXT_MESSAGE}", max_tokens=24, temperature=0.0)
+        report = service.send(
+            child.id, f"Branch {index}: {NEXT_MESSAGE}", max_tokens=24, temperature=0.0
+        )
         branch_bytes += report.snapshot.bytes - prefix.n_bytes
-    on_disk = service.snapshots.disk_bytes()
-    logical = sum(r.n_bytes for r in service.store.snapshots())
+    disk = service.cache_stats()["disk"]
+    on_disk, logical = disk["bytes"], disk["logical_bytes"]
     ideal = prefix.n_bytes + branch_bytes
     return {
         "forks": n_forks,
@@ -327,8 +339,11 @@ def format_report(report: BenchReport) -> str:
         "snapshot; RAM = the warm tier; TTFT = next ~20-token turn to its first token."
     )
     if report.writes:
-        lines += ["", f"{'turn':>4} {'history':>8} {'new':>5} {'written':>10} {'new KV':>10} "
-                  f"{'ratio':>6} {'whole blob':>11}"]
+        lines += [
+            "",
+            f"{'turn':>4} {'history':>8} {'new':>5} {'written':>10} {'new KV':>10} "
+            f"{'ratio':>6} {'whole blob':>11}",
+        ]
         for w in report.writes:
             lines.append(
                 f"{w.turn:>4} {w.history_tokens:>8,} {w.new_tokens:>5} "

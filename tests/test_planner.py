@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvchat.cli_models import models_group, resolve_model
+from kvchat.cli.models import models_group, resolve_model
 from kvchat.config import bundled_model_path
 from kvchat.errors import KvchatError
 from kvchat.planner import (

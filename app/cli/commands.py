@@ -1,50 +1,20 @@
-"""The ``kvchat`` command."""
+"""The ``kvchat`` command group and its session commands (cache and models in their modules)."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from kvchat.config import Settings, load_settings
-from kvchat.errors import KvchatError, KvchatGroup
+from kvchat.cli.cache import cache
+from kvchat.cli.group import KvchatGroup, model_options, service, settings_from
+from kvchat.cli.models import models_group
+from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
 from kvchat.units import human_bytes
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def model_options(func: F) -> F:
-    """Flags that override the config file and ``KVCHAT_*`` environment."""
-    options = [
-        click.option("--model", "model", type=str, help="GGUF file or catalog name (default: bundled SmolLM2-135M)."),
-        click.option("--n-ctx", "n_ctx", type=int, help="Context length in tokens."),
-        click.option("--threads", "n_threads", type=int, help="CPU threads (default: physical cores)."),
-        click.option("--gpu-layers", "n_gpu_layers", type=int, help="Layers offloaded to the GPU (-1: all)."),
-        click.option("--kv-type", "kv_type", type=click.Choice(["f16", "q8_0", "q4_0"]), help="KV cache type (K and V)."),
-        click.option("--flash-attn/--no-flash-attn", "flash_attn", default=None, help="Flash attention."),
-        click.option("--vram", "vram", type=str, help="GPU memory to plan for, e.g. 6GiB (default: NVML's free memory)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def settings_from(ctx: click.Context, **flags: Any) -> Settings:
-    """Settings with this command's flags over the group's flags over env and file."""
-    merged: dict[str, Any] = dict(ctx.obj or {})
-    merged.update({k: v for k, v in flags.items() if v is not None})
-    kv_type = merged.pop("kv_type", None)
-    if kv_type:
-        merged.setdefault("type_k", kv_type)
-        merged.setdefault("type_v", kv_type)
-        if kv_type != "f16":
-            merged.setdefault("flash_attn", True)
-    return load_settings(**merged)
 
 
 @click.group(cls=KvchatGroup, invoke_without_command=True)
@@ -63,12 +33,6 @@ def main(ctx: click.Context, **flags: Any) -> None:
                 "the terminal app is not available in this build; use `kvchat ask MESSAGE`"
             ) from None
         run_app(settings)
-
-
-def _service(settings: Settings) -> Any:
-    from kvchat.chat import ChatService
-
-    return ChatService(settings)
 
 
 @main.command()
@@ -104,20 +68,19 @@ def ask(
         raise KvchatError("use either --session or --new, not both")
     settings = settings_from(ctx, **flags)
     settings.model_path()
-    service = _service(settings)
-    try:
+    with service(settings) as chat:
         if session_ref:
-            session = service.resolve(session_ref)
+            session = chat.resolve(session_ref)
             if system is not None:
-                service.configure(session.id, system_prompt=system)
+                chat.configure(session.id, system_prompt=system)
         else:
-            session = service.new_session(system_prompt=system)
+            session = chat.new_session(system_prompt=system)
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        report = service.send(
+        report = chat.send(
             session.id,
             message,
             on_token=None if as_json else stream,
@@ -126,14 +89,12 @@ def ask(
             temperature=temperature,
             seed=seed,
         )
-    finally:
-        service.close()
     if as_json:
         click.echo(json.dumps(report.to_json(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        if service.plan_note:
-            click.echo(f"plan: {service.plan_note}", err=True)
+        if chat.plan_note:
+            click.echo(f"plan: {chat.plan_note}", err=True)
         click.echo(f"[{session.id}] {report.summary()}", err=True)
         if report.snapshot.error:
             click.echo(f"kvchat: {report.snapshot.error}", err=True)
@@ -144,18 +105,13 @@ def ask(
 @click.pass_context
 def list_sessions(ctx: click.Context, as_json: bool) -> None:
     """Sessions, most recently updated first."""
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        summaries = service.list_sessions()
-    finally:
-        service.close()
+    with service(settings_from(ctx)) as chat:
+        summaries = chat.list_sessions()
     if as_json:
         click.echo(json.dumps([s.to_json() for s in summaries], ensure_ascii=False, indent=2))
         return
     if not summaries:
-        click.echo("No sessions yet. Start one with: kvchat ask --new \"Hello\"")
+        click.echo('No sessions yet. Start one with: kvchat ask --new "Hello"')
         return
     header = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"
     click.echo(header)
@@ -171,18 +127,15 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
 @main.command()
 @click.argument("session_ref")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE.")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE."
+)
 @click.pass_context
 def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
     """Export a session as Markdown, JSON or HTML."""
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        session = service.resolve(session_ref)
-        text = service.export(session.id, fmt)  # type: ignore[arg-type]
-    finally:
-        service.close()
+    with service(settings_from(ctx)) as chat:
+        session = chat.resolve(session_ref)
+        text = chat.export(session.id, fmt)  # type: ignore[arg-type]
     if output is None:
         sys.stdout.write(text)
         return
@@ -196,13 +149,21 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--cold", is_flag=True, help="Evict snapshot files from the page cache first.")
-@click.option("--sizes", default="512,1024,2048,4096", show_default=True, help="History lengths in tokens.")
+@click.option(
+    "--sizes", default="512,1024,2048,4096", show_default=True, help="History lengths in tokens."
+)
 @click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
 @click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
 @model_options
 @click.pass_context
 def bench(
-    ctx: click.Context, as_json: bool, cold: bool, sizes: str, repeat: int, no_tiers: bool, **flags: Any
+    ctx: click.Context,
+    as_json: bool,
+    cold: bool,
+    sizes: str,
+    repeat: int,
+    no_tiers: bool,
+    **flags: Any,
 ) -> None:
     """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
     from kvchat.bench import format_report, run_bench
@@ -237,94 +198,30 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     effective = plan.apply(settings)
     sources = settings.sources()
     sources.update(plan.sources)
-    rows = {name: {"value": getattr(effective, name), "source": sources[name]}
-            for name in type(settings).model_fields}
+    rows = {
+        name: {"value": getattr(effective, name), "source": sources[name]}
+        for name in type(settings).model_fields
+    }
     if as_json:
-        click.echo(json.dumps({"model_path": str(path), "config_file": str(config_file()),
-                               "settings": rows, "plan": plan.to_json()}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "model_path": str(path),
+                    "config_file": str(config_file()),
+                    "settings": rows,
+                    "plan": plan.to_json(),
+                },
+                indent=2,
+            )
+        )
         return
     click.echo(f"model file: {path}")
-    click.echo(f"config file: {config_file()}"
-               + ("" if config_file().is_file() else " (absent)"))
+    click.echo(f"config file: {config_file()}" + ("" if config_file().is_file() else " (absent)"))
     click.echo(f"plan: {plan.note}")
     width = max(len(name) for name in rows)
     for name, row in rows.items():
         value = "-" if row["value"] is None else row["value"]
         click.echo(f"  {name:<{width}}  {str(value):<24} {row['source']}")
-
-
-@main.group(invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def cache(ctx: click.Context, as_json: bool) -> None:
-    """The KV tiers: RAM (in the running app) and disk, with their counters."""
-    if ctx.invoked_subcommand is not None:
-        return
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        stats = service.cache_stats()
-    finally:
-        service.close()
-    if as_json:
-        click.echo(json.dumps(stats, indent=2))
-        return
-    ram, disk, counters = stats["ram"], stats["disk"], stats["counters"]
-    shared = disk["logical_bytes"] - disk["bytes"]
-    click.echo(
-        f"RAM   {ram['entries']} sessions, {human_bytes(ram['bytes'])} of "
-        f"{human_bytes(ram['budget_bytes'])} (lives in the running app)"
-    )
-    click.echo(
-        f"disk  {disk['snapshots']} snapshots in {disk['chunks']} chunks, "
-        f"{human_bytes(disk['bytes'])} of {human_bytes(disk['budget_bytes'] or 0)}"
-        + (f" ({human_bytes(shared)} saved by shared prefixes)" if shared > 0 else "")
-    )
-    click.echo(
-        f"hits  RAM {counters['restores_ram']}, disk {counters['restores_disk']}, "
-        f"misses {counters['misses']}"
-    )
-    click.echo(
-        f"prefill avoided: {counters['tokens_restored']:,} tokens "
-        f"({human_bytes(counters['bytes_restored'])} of KV restored); "
-        f"{human_bytes(counters['bytes_written'])} written"
-    )
-
-
-@cache.command(name="gc")
-@click.pass_context
-def cache_gc(ctx: click.Context) -> None:
-    """Remove orphaned files and evict snapshots beyond the disk budget (never text)."""
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        orphans = service.snapshots.cleanup_orphans()
-        freed = service.snapshots.drop_unreferenced_chunks()
-        evicted = service.snapshots.enforce_budget()
-    finally:
-        service.close()
-    click.echo(
-        f"removed {len(orphans)} orphaned files, {human_bytes(freed)} of unused chunks; "
-        f"evicted {len(evicted)} snapshots over budget"
-    )
-
-
-@cache.command(name="clear")
-@click.argument("session_ref", required=False)
-@click.pass_context
-def cache_clear(ctx: click.Context, session_ref: str | None) -> None:
-    """Delete the KV snapshots of SESSION, or of every session. Text is kept."""
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        session_id = service.resolve(session_ref).id if session_ref else None
-        count = service.snapshots.clear(session_id)
-    finally:
-        service.close()
-    click.echo(f"cleared {count} snapshots; conversations are untouched")
 
 
 @main.command()
@@ -334,26 +231,24 @@ def cache_clear(ctx: click.Context, session_ref: str | None) -> None:
 @click.pass_context
 def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: bool) -> None:
     """Branch a session; the shared history's KV is reused, not copied."""
-    from kvchat.chat import ChatService
-
-    service = ChatService(settings_from(ctx))
-    try:
-        parent = service.resolve(session_ref)
-        child = service.fork(parent.id, at_message)
-        messages = len(service.messages(child.id))
-    finally:
-        service.close()
+    with service(settings_from(ctx)) as chat:
+        parent = chat.resolve(session_ref)
+        child = chat.fork(parent.id, at_message)
+        messages = len(chat.messages(child.id))
     if as_json:
-        click.echo(json.dumps({"session": child.id, "parent": parent.id, "title": child.title,
-                               "messages": messages}))
+        click.echo(
+            json.dumps(
+                {
+                    "session": child.id,
+                    "parent": parent.id,
+                    "title": child.title,
+                    "messages": messages,
+                }
+            )
+        )
     else:
         click.echo(f"{child.id}  {child.title}  ({messages} messages)")
 
 
-def _register_subcommands() -> None:
-    from kvchat.cli_models import models_group
-
-    main.add_command(models_group, name="models")
-
-
-_register_subcommands()
+main.add_command(cache)
+main.add_command(models_group)

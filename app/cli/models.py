@@ -19,8 +19,9 @@ from typing import Any
 
 import click
 
+from kvchat.cli.group import KvchatGroup
 from kvchat.config import bundled_model_path, data_dir, ensure_private_dir
-from kvchat.errors import KvchatError, KvchatGroup
+from kvchat.errors import KvchatError
 from kvchat.planner.gguf_info import (
     CatalogEntry,
     ModelInfo,
@@ -58,8 +59,9 @@ def local_path(entry: CatalogEntry) -> Path | None:
     return path if path.is_file() else None
 
 
-def resolve_model(spec: str, catalog: Sequence[CatalogEntry] | None = None
-                  ) -> tuple[ModelInfo, CatalogEntry | None]:
+def resolve_model(
+    spec: str, catalog: Sequence[CatalogEntry] | None = None
+) -> tuple[ModelInfo, CatalogEntry | None]:
     """MODEL as a path, a file in the models dir, a catalog name, or ``bundled``."""
     catalog = load_catalog() if catalog is None else catalog
     path = Path(spec).expanduser()
@@ -81,8 +83,9 @@ def resolve_model(spec: str, catalog: Sequence[CatalogEntry] | None = None
     if in_dir.is_file():
         return read_gguf(in_dir), None
     names = ", ".join(e.name for e in catalog) or "none"
-    raise KvchatError(f"unknown model {spec!r}: not a GGUF file and not in the catalog "
-                      f"(known: {names})")
+    raise KvchatError(
+        f"unknown model {spec!r}: not a GGUF file and not in the catalog (known: {names})"
+    )
 
 
 @click.group(name="models", cls=KvchatGroup)
@@ -96,29 +99,78 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> in
 
 @models_group.command("plan")
 @click.argument("model")
-@click.option("--vram", default="6GiB", show_default=True, callback=_size,
-              help="GPU memory budget (6GiB, 8000MiB, 6GB = 10^9 bytes).")
-@click.option("--kv-type", type=click.Choice(CLI_KV_TYPES), default="f16", show_default=True,
-              help="KV cache type for K and V.")
-@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True,
-              help="Plan for flash attention (needed by a quantized V cache).")
-@click.option("--swa-full/--no-swa-full", default=True, show_default=True,
-              help="Sliding-window layers keep the whole context (llama-cpp-python default).")
-@click.option("--ctx", "target_ctx", type=int, default=None,
-              help="Context to find the best GPU/CPU split for (default: trained context).")
-@click.option("--reserve", default=f"{DEFAULT_RESERVE // 2**20}MiB", show_default=True,
-              callback=_size, help="VRAM kept free for the CUDA context and the desktop.")
-@click.option("--ubatch", type=click.IntRange(1), default=DEFAULT_UBATCH, show_default=True,
-              help="Micro-batch size (n_ubatch) the compute buffer is sized for.")
+@click.option(
+    "--vram",
+    default="6GiB",
+    show_default=True,
+    callback=_size,
+    help="GPU memory budget (6GiB, 8000MiB, 6GB = 10^9 bytes).",
+)
+@click.option(
+    "--kv-type",
+    type=click.Choice(CLI_KV_TYPES),
+    default="f16",
+    show_default=True,
+    help="KV cache type for K and V.",
+)
+@click.option(
+    "--flash-attn/--no-flash-attn",
+    default=True,
+    show_default=True,
+    help="Plan for flash attention (needed by a quantized V cache).",
+)
+@click.option(
+    "--swa-full/--no-swa-full",
+    default=True,
+    show_default=True,
+    help="Sliding-window layers keep the whole context (llama-cpp-python default).",
+)
+@click.option(
+    "--ctx",
+    "target_ctx",
+    type=int,
+    default=None,
+    help="Context to find the best GPU/CPU split for (default: trained context).",
+)
+@click.option(
+    "--reserve",
+    default=f"{DEFAULT_RESERVE // 2**20}MiB",
+    show_default=True,
+    callback=_size,
+    help="VRAM kept free for the CUDA context and the desktop.",
+)
+@click.option(
+    "--ubatch",
+    type=click.IntRange(1),
+    default=DEFAULT_UBATCH,
+    show_default=True,
+    help="Micro-batch size (n_ubatch) the compute buffer is sized for.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as a JSON object.")
-def plan_cmd(model: str, vram: int, kv_type: str, flash_attn: bool, swa_full: bool,
-             target_ctx: int | None, reserve: int, ubatch: int, as_json: bool) -> None:
+def plan_cmd(
+    model: str,
+    vram: int,
+    kv_type: str,
+    flash_attn: bool,
+    swa_full: bool,
+    target_ctx: int | None,
+    reserve: int,
+    ubatch: int,
+    as_json: bool,
+) -> None:
     """How much context MODEL (a GGUF path or a catalog name) fits in --vram."""
     if kv_type != "f16" and not flash_attn:
         raise KvchatError(f"a {kv_type} V cache needs flash attention: drop --no-flash-attn")
     info, _entry = resolve_model(model)
-    cfg = PlanConfig(vram_bytes=vram, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn,
-                     swa_full=swa_full, n_ubatch=ubatch, reserve_bytes=reserve)
+    cfg = PlanConfig(
+        vram_bytes=vram,
+        type_k=kv_type,
+        type_v=kv_type,
+        flash_attn=flash_attn,
+        swa_full=swa_full,
+        n_ubatch=ubatch,
+        reserve_bytes=reserve,
+    )
     plan = make_plan(info, cfg, target_ctx)
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2))
@@ -139,33 +191,63 @@ def list_models() -> list[dict[str, Any]]:
             kv_f16: int | None = kv_bytes_per_token(info_from_catalog(entry)).total
         except KvchatError:
             kv_f16 = None
-        rows.append({
-            "name": entry.name, "title": entry.title,
-            "source": "bundled" if entry.bundled else "catalog",
-            "present": here is not None, "path": str(here) if here else None,
-            "hf_repo": entry.hf_repo, "file": entry.file, "quantization": entry.quantization,
-            "size_bytes": entry.size_bytes, "attention": entry.attention,
-            "context_length": entry.context_length, "license": entry.license,
-            "kv_bytes_per_token_f16": kv_f16,
-        })
+        rows.append(
+            {
+                "name": entry.name,
+                "title": entry.title,
+                "source": "bundled" if entry.bundled else "catalog",
+                "present": here is not None,
+                "path": str(here) if here else None,
+                "hf_repo": entry.hf_repo,
+                "file": entry.file,
+                "quantization": entry.quantization,
+                "size_bytes": entry.size_bytes,
+                "attention": entry.attention,
+                "context_length": entry.context_length,
+                "license": entry.license,
+                "kv_bytes_per_token_f16": kv_f16,
+            }
+        )
     folder = models_dir()
     for path in sorted(folder.glob("*.gguf")) if folder.is_dir() else []:
         if path.resolve() in seen:
             continue
-        rows.append({"name": path.name, "title": path.stem, "source": "local", "present": True,
-                     "path": str(path), "hf_repo": None, "file": path.name,
-                     "quantization": None, "size_bytes": path.stat().st_size,
-                     "attention": None, "context_length": None, "license": None,
-                     "kv_bytes_per_token_f16": None})
+        rows.append(
+            {
+                "name": path.name,
+                "title": path.stem,
+                "source": "local",
+                "present": True,
+                "path": str(path),
+                "hf_repo": None,
+                "file": path.name,
+                "quantization": None,
+                "size_bytes": path.stat().st_size,
+                "attention": None,
+                "context_length": None,
+                "license": None,
+                "kv_bytes_per_token_f16": None,
+            }
+        )
     if not any(row["source"] == "bundled" for row in rows):
         bundled = bundled_model_path()
-        rows.append({"name": "bundled", "title": "bundled default model", "source": "bundled",
-                     "present": bundled is not None, "path": str(bundled) if bundled else None,
-                     "hf_repo": None, "file": bundled.name if bundled else None,
-                     "quantization": None,
-                     "size_bytes": bundled.stat().st_size if bundled else None,
-                     "attention": None, "context_length": None, "license": None,
-                     "kv_bytes_per_token_f16": None})
+        rows.append(
+            {
+                "name": "bundled",
+                "title": "bundled default model",
+                "source": "bundled",
+                "present": bundled is not None,
+                "path": str(bundled) if bundled else None,
+                "hf_repo": None,
+                "file": bundled.name if bundled else None,
+                "quantization": None,
+                "size_bytes": bundled.stat().st_size if bundled else None,
+                "attention": None,
+                "context_length": None,
+                "license": None,
+                "kv_bytes_per_token_f16": None,
+            }
+        )
     return rows
 
 
@@ -177,17 +259,23 @@ def list_cmd(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"models_dir": str(models_dir()), "models": rows}, indent=2))
         return
-    click.echo(f"{'name':<16} {'here':<4} {'quant':<7} {'size':>10} {'ctx':>7} "
-               f"{'KV f16/token':>12}  {'attn':<4} license")
+    click.echo(
+        f"{'name':<16} {'here':<4} {'quant':<7} {'size':>10} {'ctx':>7} "
+        f"{'KV f16/token':>12}  {'attn':<4} license"
+    )
     for row in rows:
         size = fmt_bytes(row["size_bytes"]) if row["size_bytes"] else "?"
         kv = fmt_bytes(row["kv_bytes_per_token_f16"]) if row["kv_bytes_per_token_f16"] else "?"
         ctx = f"{row['context_length'] // 1024}k" if row["context_length"] else "?"
-        click.echo(f"{row['name']:<16} {'yes' if row['present'] else 'no':<4} "
-                   f"{row['quantization'] or '?':<7} {size:>10} {ctx:>7} {kv:>12}  "
-                   f"{row['attention'] or '?':<4} {row['license'] or '?'}")
-    click.echo(f"models dir: {models_dir()}  (kvchat models pull NAME; "
-               "kvchat models plan NAME --vram 6GiB)")
+        click.echo(
+            f"{row['name']:<16} {'yes' if row['present'] else 'no':<4} "
+            f"{row['quantization'] or '?':<7} {size:>10} {ctx:>7} {kv:>12}  "
+            f"{row['attention'] or '?':<4} {row['license'] or '?'}"
+        )
+    click.echo(
+        f"models dir: {models_dir()}  (kvchat models pull NAME; "
+        "kvchat models plan NAME --vram 6GiB)"
+    )
 
 
 # --------------------------------------------------------------------------- pull
@@ -223,16 +311,22 @@ def expected_sha256(hub: Any, repo: str, filename: str) -> str | None:
 def sha256_file(path: Path, label: str = "verifying sha256") -> str:
     digest = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as fh, click.progressbar(length=size, label=label, file=sys.stderr
-                                                   ) as bar:
+    with (
+        open(path, "rb") as fh,
+        click.progressbar(length=size, label=label, file=sys.stderr) as bar,
+    ):
         while chunk := fh.read(HASH_CHUNK):
             digest.update(chunk)
             bar.update(len(chunk))
     return digest.hexdigest()
 
 
-def pull_model(name: str | None = None, repo: str | None = None, filename: str | None = None,
-               echo: Callable[[str], None] = click.echo) -> Path:
+def pull_model(
+    name: str | None = None,
+    repo: str | None = None,
+    filename: str | None = None,
+    echo: Callable[[str], None] = click.echo,
+) -> Path:
     """Download a catalog model (or any repo/file) into :func:`models_dir` and verify it."""
     if name and (repo or filename):
         raise KvchatError("give either a catalog NAME or --repo and --file, not both")
@@ -241,8 +335,10 @@ def pull_model(name: str | None = None, repo: str | None = None, filename: str |
         entry = find_entry(name, catalog)
         if entry is None:
             names = ", ".join(e.name for e in catalog) or "none"
-            raise KvchatError(f"unknown model {name!r}: not in the catalog (known: {names}); "
-                              "for another file use --repo OWNER/NAME --file FILE.gguf")
+            raise KvchatError(
+                f"unknown model {name!r}: not in the catalog (known: {names}); "
+                "for another file use --repo OWNER/NAME --file FILE.gguf"
+            )
         if entry.bundled:
             bundled = bundled_model_path()
             if bundled is None:
@@ -259,8 +355,9 @@ def pull_model(name: str | None = None, repo: str | None = None, filename: str |
     try:
         import huggingface_hub as hub
     except ImportError:
-        raise KvchatError("downloading models needs huggingface_hub: "
-                          "pip install huggingface-hub") from None
+        raise KvchatError(
+            "downloading models needs huggingface_hub: pip install huggingface-hub"
+        ) from None
 
     dest = models_dir()
     ensure_private_dir(data_dir())
@@ -278,8 +375,10 @@ def pull_model(name: str | None = None, repo: str | None = None, filename: str |
     actual = sha256_file(path)
     if actual != expected:
         path.unlink(missing_ok=True)
-        raise KvchatError(f"checksum mismatch for {filename}: expected {expected}, got "
-                          f"{actual}; the file was removed, run the pull again")
+        raise KvchatError(
+            f"checksum mismatch for {filename}: expected {expected}, got "
+            f"{actual}; the file was removed, run the pull again"
+        )
     echo(f"ok: {path} (sha256 {actual[:16]}…)")
     return path
 
