@@ -125,7 +125,9 @@ def parse(data: memoryview | bytes, n_layer: int, k_width: int, v_width: int) ->
             v_type, el_size, n_dims = r.take("<iII")
             if n_dims != v_width or el_size not in (2, 4):
                 raise LayoutError(f"transposed V of {n_dims} × {el_size} B, model width {v_width}")
-            layout.v_layers.append(LayerData(v_type, el_size, r.skip(el_size * n_dims * n_cells), n_dims))
+            layout.v_layers.append(
+                LayerData(v_type, el_size, r.skip(el_size * n_dims * n_cells), n_dims)
+            )
     if r.pos != len(r.data):
         raise LayoutError(f"{len(r.data) - r.pos} unexplained bytes after the last layer")
     layout.total = r.pos
@@ -162,10 +164,14 @@ def extract(data: np.ndarray, layout: StateLayout, start: int, end: int) -> np.n
         ],
     ]
     for layer in layout.k_layers:
-        parts.append(data[layer.offset + start * layer.row_size : layer.offset + end * layer.row_size])
+        parts.append(
+            data[layer.offset + start * layer.row_size : layer.offset + end * layer.row_size]
+        )
     for layer in layout.v_layers:
         if layout.v_trans:
-            block = data[layer.offset : layer.offset + layer.row_size * layer.n_dims * layout.n_cells]
+            block = data[
+                layer.offset : layer.offset + layer.row_size * layer.n_dims * layout.n_cells
+            ]
             grid = block.reshape(layer.n_dims, layout.n_cells * layer.row_size)
             parts.append(grid[:, start * layer.row_size : end * layer.row_size].reshape(-1))
         else:
@@ -220,7 +226,9 @@ class Assembler:
             struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
         for layer in layout.v_layers:
             if layout.v_trans:
-                struct.pack_into("<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims)
+                struct.pack_into(
+                    "<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims
+                )
             else:
                 struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
 
@@ -242,14 +250,16 @@ class Assembler:
         pos += n * meta_size
         for layer in layout.k_layers:
             size = layer.row_size
-            out[layer.offset + start * size : layer.offset + end * size] = chunk[pos : pos + cut * size]
+            out[layer.offset + start * size : layer.offset + end * size] = chunk[
+                pos : pos + cut * size
+            ]
             pos += n * size
         for layer in layout.v_layers:
             size = layer.row_size
             if layout.v_trans:
-                grid = out[layer.offset : layer.offset + size * layer.n_dims * self.n_cells].reshape(
-                    layer.n_dims, self.n_cells * size
-                )
+                grid = out[
+                    layer.offset : layer.offset + size * layer.n_dims * self.n_cells
+                ].reshape(layer.n_dims, self.n_cells * size)
                 src = chunk[pos : pos + n * size * layer.n_dims].reshape(layer.n_dims, n * size)
                 grid[:, start * size : end * size] = src[:, : cut * size]
                 pos += n * size * layer.n_dims
