@@ -76,6 +76,8 @@ class ChatService:
 
     @property
     def engine(self) -> Engine:
+        """The engine, loaded on first use (for tests and tools; a UI needs only the members
+        below: context_tokens, plan_note)."""
         return self.load_engine()
 
     @property
@@ -181,31 +183,15 @@ class ChatService:
         Its KV is shared, not copied: a whole-session fork points at the same chunks; an
         earlier fork point finds the shared prefix in the chunks on its first turn.
         """
-        parent = self.store.get_session(session_id)
-        history = self.store.messages(session_id)
-        if at_message is not None:
-            ids = [m.id for m in history]
-            if at_message not in ids:
-                raise KvchatError(f"session {session_id} has no message {at_message}")
-            history = history[: ids.index(at_message) + 1]
-        child = self.store.create_session(
-            f"{parent.title} (fork)", parent.system_prompt, parent.settings
-        )
-        for message in history:
-            self.store.add_message(
-                child.id,
-                message.role,
-                message.content,
-                token_count=message.token_count,
-                partial=message.partial,
-            )
+        if at_message is not None and at_message not in {m.id for m in self.messages(session_id)}:
+            raise KvchatError(f"session {session_id} has no message {at_message}")
+        child = self._branch(session_id, at_message)
         row = self.store.get_snapshot(session_id)
         if at_message is None and row is not None and row.format == "chunks":
             row.session_id = child.id
             row.created = ""
             self.store.put_snapshot(row)
-        self.store.set_meta(LAST_SESSION_KEY, child.id)
-        return self.store.get_session(child.id)
+        return child
 
     def edit(self, session_id: str, message_id: int, text: str) -> Session:
         """Edit a past user message as a new branch: the original conversation is kept.
@@ -221,16 +207,17 @@ class ChatService:
         if target is None or target.role != "user":
             raise KvchatError(f"session {session_id} has no user message {message_id}")
         index = history.index(target)
-        if index:
-            branch = self.fork(session_id, at_message=history[index - 1].id)
-        else:
-            parent = self.store.get_session(session_id)
-            branch = self.store.create_session(
-                f"{parent.title} (fork)", parent.system_prompt, parent.settings
-            )
-            self.store.set_meta(LAST_SESSION_KEY, branch.id)
-        self.store.add_message(branch.id, "user", text, token_count=self.engine.count_tokens(text))
-        return self.store.get_session(branch.id)
+        edited = ("user", text, self.engine.count_tokens(text))
+        return self._branch(session_id, history[index - 1].id if index else 0, edited)
+
+    def _branch(
+        self, session_id: str, upto: int | None, then: tuple[str, str, int] | None = None
+    ) -> Session:
+        """Copy a session's messages up to ``upto`` (and ``then``) in one transaction."""
+        title = f"{self.store.get_session(session_id).title} (fork)"
+        branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
+        self.store.set_meta(LAST_SESSION_KEY, branch.id)
+        return branch
 
     # --- the KV cache ------------------------------------------------------------------------
 

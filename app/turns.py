@@ -22,16 +22,6 @@ TokenCallback = Callable[[str], None]
 # Sampling settings a session may override.
 SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
 
-__all__ = [
-    "SESSION_SETTINGS",
-    "SnapshotWrite",
-    "TokenCallback",
-    "TokenCounts",
-    "TurnReport",
-    "WindowShift",
-    "generation_params",
-]
-
 
 def generation_params(
     settings: Settings, session: Mapping[str, Any], overrides: Mapping[str, Any]

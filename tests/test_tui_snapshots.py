@@ -54,6 +54,9 @@ class FakeEngine:
 class StandInService(ChatService):
     """The real service over the real store, with a fake engine and fixed turn figures."""
 
+    # Its own record of the hot session (the real one lives in the service's KV tiers).
+    hot_session_id: str | None = None
+
     def load_engine(self) -> Any:
         if self._engine is None:
             self._engine = FakeEngine()  # type: ignore[assignment]

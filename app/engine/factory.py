@@ -16,20 +16,13 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "llama.cpp": "kvchat.engine.llama:LlamaEngine",
 }
+# EngineConfig fields that the settings hold under the same names.
+_FROM_SETTINGS = ("n_ctx", "n_batch", "n_threads", "n_gpu_layers", "type_k", "type_v", "flash_attn")
 
 
 def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
     """The context settings of ``settings`` (already planned for this machine)."""
-    return EngineConfig(
-        model_path=model_path,
-        n_ctx=settings.n_ctx,
-        n_batch=settings.n_batch,
-        n_threads=settings.n_threads,
-        n_gpu_layers=settings.n_gpu_layers,
-        type_k=settings.type_k,
-        type_v=settings.type_v,
-        flash_attn=settings.flash_attn,
-    )
+    return EngineConfig(model_path, **{name: getattr(settings, name) for name in _FROM_SETTINGS})
 
 
 def create_engine(settings: Settings, model_path: Path | None = None) -> Engine:
