@@ -8,12 +8,13 @@ the engine thread.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from textual import work
 
 from kvchat.errors import KvchatError
-from kvchat.tui.format import code_blocks, shorten, slug
+from kvchat.tui.base import ScreenBase
+from kvchat.tui.format import code_blocks, shorten, slug, visible
 from kvchat.tui.screens.dialogs import (
     CodePickerDialog,
     ConfirmDialog,
@@ -27,51 +28,10 @@ from kvchat.tui.screens.search import SearchScreen
 from kvchat.tui.widgets.conversation import MessageView
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
-    from textual.screen import Screen
-    from textual.worker import Worker
-
-    from kvchat.chat import ChatService
-    from kvchat.store import SearchHit
-    from kvchat.tui.app import KvchatApp
-    from kvchat.tui.main import ActiveTurn
-    from kvchat.tui.widgets.conversation import Conversation
-    from kvchat.tui.widgets.sidebar import SessionList, SessionRow
-    from kvchat.tui.widgets.status import StatusBar
-
-    _Base = Screen[None]
-else:
-    _Base = object
+    from kvchat.chat import SearchHit
 
 
-class SessionActions(_Base):
-    if TYPE_CHECKING:  # provided by MainScreen
-        session_id: str | None
-        turn: ActiveTurn | None
-        _shown_id: str | None
-        _hot_id: str | None
-        kv_app: KvchatApp
-        service: ChatService
-        status: StatusBar
-        sessions: SessionList
-        conversation: Conversation
-
-        def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
-        def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
-        async def refresh_sessions(self) -> None: ...
-        def _session_rows(self) -> list[SessionRow]: ...
-        async def _new_session_id(self) -> str: ...
-        def open_session(
-            self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
-        ) -> Worker[None]: ...
-
-    def _idle(self, what: str) -> bool:
-        if self.turn is not None:
-            self.notify(f"Cannot {what} during a reply (Esc stops it)", severity="warning")
-            return False
-        return True
-
+class SessionActions(ScreenBase):
     def _need_session(self, what: str) -> str | None:
         if self.session_id is None:
             self.notify(f"No session to {what} yet: send a message first", severity="warning")
@@ -79,7 +39,7 @@ class SessionActions(_Base):
 
     def _title(self, session_id: str) -> str:
         row = self.sessions.row(session_id)
-        return row.summary.session.title if row else session_id
+        return visible(row.summary.session.title) if row else session_id
 
     @work(group="action", exit_on_error=False)
     async def action_new_session(self) -> None:
@@ -172,7 +132,7 @@ class SessionActions(_Base):
 
         defaults = {key: getattr(self.kv_app.settings, key) for key in SESSION_SETTINGS}
         result: SessionSettings | None = await self.app.push_screen_wait(
-            SettingsDialog(session.system_prompt or "", dict(session.settings), defaults)
+            SettingsDialog(visible(session.system_prompt or ""), dict(session.settings), defaults)
         )
         if result is None:
             return
@@ -191,8 +151,8 @@ class SessionActions(_Base):
     # --- copy -----------------------------------------------------------------------------
 
     def _selected_view(self) -> MessageView | None:
-        focused = self.focused
-        if isinstance(focused, MessageView):
+        focused = self._focused_message()
+        if focused is not None:
             return focused
         views = self.conversation.views
         replies = [v for v in views if v.role == "assistant" and not v.streaming]
@@ -207,7 +167,7 @@ class SessionActions(_Base):
 
     @work(group="action", exit_on_error=False)
     async def action_copy_code(self, view: MessageView | None = None) -> None:
-        focused = view or (self.focused if isinstance(self.focused, MessageView) else None)
+        focused = view or self._focused_message()
         sources = [focused] if focused is not None else self.conversation.views
         blocks = [b for v in sources for b in code_blocks(v.text)]
         if not blocks:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from importlib import resources
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from textual.app import App

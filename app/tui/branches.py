@@ -9,56 +9,16 @@ the reply runs the model; ``fork`` only writes the store but is queued with the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from textual import work
 
 from kvchat.errors import KvchatError
-from kvchat.tui.format import shorten
+from kvchat.tui.base import ScreenBase
+from kvchat.tui.format import shorten, visible
 from kvchat.tui.screens.dialogs import EditDialog
 from kvchat.tui.widgets.conversation import MessageView
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable
 
-    from textual.screen import Screen
-    from textual.worker import Worker
-
-    from kvchat.chat import ChatService
-    from kvchat.tui.main import ActiveTurn
-    from kvchat.tui.widgets.conversation import Conversation
-    from kvchat.tui.widgets.prompt import PromptInput
-    from kvchat.tui.widgets.status import StatusBar
-
-    _Base = Screen[None]
-else:
-    _Base = object
-
-
-class BranchActions(_Base):
-    if TYPE_CHECKING:  # provided by MainScreen
-        session_id: str | None
-        turn: ActiveTurn | None
-        _shown_id: str | None
-        ready: bool
-        service: ChatService
-        status: StatusBar
-        conversation: Conversation
-        prompt: PromptInput
-
-        def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
-        def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
-        async def refresh_sessions(self) -> None: ...
-        def _idle(self, what: str) -> bool: ...
-        def open_session(
-            self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
-        ) -> Worker[None]: ...
-        def run_turn(self, turn: ActiveTurn) -> Worker[None]: ...
-
-    def _focused_message(self) -> MessageView | None:
-        focused = self.focused
-        return focused if isinstance(focused, MessageView) else None
-
+class BranchActions(ScreenBase):
     async def _stored_id(self, view: MessageView) -> int | None:
         """The store id of a shown message. A message sent in this window has none on its
         view yet: find it in the store, where the shown messages are the newest ones."""
@@ -77,11 +37,17 @@ class BranchActions(_Base):
         view.message_id = message.id
         return view.message_id
 
-    def _ready_and_idle(self, what: str) -> bool:
+    async def _branch_point(self, view: MessageView, what: str) -> int | None:
+        """The store id of ``view`` if a branch may start there now; else say why not."""
         if not self.ready:
             self.notify(f"Cannot {what} while the model loads", severity="warning")
-            return False
-        return self._idle(what)
+            return None
+        if not self._idle(what):
+            return None
+        message_id = await self._stored_id(view)
+        if message_id is None:
+            self.notify("This message is not saved yet: wait for the reply", severity="warning")
+        return message_id
 
     # --- branch ---------------------------------------------------------------------------
 
@@ -102,11 +68,8 @@ class BranchActions(_Base):
         if session_id is None or view is None:
             self.notify("No message to branch from yet", severity="warning")
             return
-        if not self._ready_and_idle("branch"):
-            return
-        message_id = await self._stored_id(view)
+        message_id = await self._branch_point(view, "branch")
         if message_id is None:
-            self.notify("This message is not saved yet: wait for the reply", severity="warning")
             return
         try:
             branch = await self.on_engine(self.service.fork, session_id, at_message=message_id)
@@ -114,8 +77,9 @@ class BranchActions(_Base):
             self.notify(str(exc), severity="error", markup=False)
             return
         await self.refresh_sessions()
-        self.notify(f"Branched into “{shorten(branch.title, 40)}”; the original is kept",
-                    markup=False)
+        self.notify(
+            f"Branched into “{shorten(branch.title, 40)}”; the original is kept", markup=False
+        )
         # The usual switch: shows the messages, then makes the branch hot on the engine
         # thread (the shared prefix comes from the original's snapshot) and says so.
         self.open_session(branch.id, focus_prompt=True)
@@ -146,16 +110,14 @@ class BranchActions(_Base):
                 severity="warning",
             )
             return
-        if not self._ready_and_idle("edit a message"):
-            return
-        message_id = await self._stored_id(view)
+        message_id = await self._branch_point(view, "edit a message")
         if message_id is None:
-            self.notify("This message is not saved yet: wait for the reply", severity="warning")
             return
-        text: str | None = await self.app.push_screen_wait(EditDialog(view.text))
+        original = visible(view.text)  # what the message shows
+        text: str | None = await self.app.push_screen_wait(EditDialog(original))
         if text is None:
             return
-        if text == view.text.strip():
+        if text == original.strip():
             self.notify("The message is unchanged: nothing to do")
             return
         if self.session_id != session_id or not self._idle("edit a message"):
@@ -180,8 +142,10 @@ class BranchActions(_Base):
         self._shown_id = branch.id
         await self.refresh_sessions()
         self.prompt.focus()
-        self.notify(f"Edited into a new branch “{shorten(branch.title, 40)}”; the original is kept",
-                    markup=False)
+        self.notify(
+            f"Edited into a new branch “{shorten(branch.title, 40)}”; the original is kept",
+            markup=False,
+        )
         # Like Ctrl+R: the reply streams in; the engine thread makes the branch hot with
         # the KV prefix it shares with the original.
         self.run_turn(turn)

@@ -24,8 +24,13 @@ class KvchatCommands(Provider):
         for title, action, label in self._entries():
             score = matcher.match(title)
             if score > 0:
-                yield Hit(score, matcher.highlight(title), partial(self._run, action),
-                          text=title, help=f"key: {label}")
+                yield Hit(
+                    score,
+                    matcher.highlight(title),
+                    partial(self._run, action),
+                    text=title,
+                    help=f"key: {label}",
+                )
 
     async def _run(self, action: str) -> None:
         await self.app.run_action(action, self.screen)

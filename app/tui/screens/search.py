@@ -15,10 +15,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from kvchat.tui.format import shorten
+from kvchat.tui.format import shorten, visible
 
 if TYPE_CHECKING:
-    from kvchat.store import SearchHit
+    from kvchat.chat import SearchHit
 
 _MARK = re.compile(r"\[([^\[\]]*)\]")
 
@@ -30,7 +30,7 @@ def hit_content(hit: SearchHit) -> Content:
     head = Content.styled(shorten(hit.session_title, 40), "bold") + Content(
         f" · {'you' if hit.message.role == 'user' else hit.message.role}"
     )
-    snippet = " ".join(hit.snippet.split())
+    snippet = " ".join(visible(hit.snippet).split())
     parts: list[Content] = []
     pos = 0
     for m in _MARK.finditer(snippet):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -13,10 +14,20 @@ from textual.message import Message as TextualMessage
 from textual.widgets import Label, Markdown
 from textual.widgets._markdown import MarkdownStream
 
-from kvchat.tui.format import hard_breaks
+from kvchat.tui.format import hard_breaks, visible
 
 if TYPE_CHECKING:
-    from kvchat.store import Message
+    from kvchat.chat import Message
+
+# Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
+# and no character references (``&amp;`` stays as typed); formatting still renders.
+PLAIN_TEXT_RULES = ("html_inline", "html_block", "entity")
+
+
+def message_parser() -> MarkdownIt:
+    """The Markdown parser of every message (Textual's default, less the rules above)."""
+    return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
+
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
@@ -93,8 +104,14 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-role", markup=False)
-        shown = hard_breaks(self.text) if self.role == "user" else self.text
-        yield Markdown(shown, classes="message-body")
+        yield Markdown(
+            self._shown(self.text), classes="message-body", parser_factory=message_parser
+        )
+
+    def _shown(self, text: str) -> str:
+        """The Markdown source shown for ``text``: your line breaks kept, no control codes."""
+        text = visible(text)
+        return hard_breaks(text) if self.role == "user" else text
 
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)
@@ -117,7 +134,7 @@ class MessageView(Vertical, can_focus=True):
         """Append a buffered chunk of the reply being streamed."""
         self.text += text
         if self.stream is not None:
-            await self.stream.write(text)
+            await self.stream.write(visible(text))
 
     async def finish(self, *, text: str, message_id: int | None, partial: bool) -> None:
         """End the stream; ``text`` is the reply as the service committed it."""
@@ -128,8 +145,9 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self.partial = partial
         self.text = text
-        if self.body.source != text:  # e.g. a chunk raced the end of the stream
-            await self.body.update(text)
+        shown = self._shown(text)
+        if self.body.source != shown:  # e.g. a chunk raced the end of the stream
+            await self.body.update(shown)
         self.set_class(partial, "-partial")
         self.query_one(".message-role", Label).update(self._header())
 

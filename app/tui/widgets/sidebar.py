@@ -10,10 +10,10 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Label, ListItem, ListView
 
-from kvchat.tui.format import KV_LABELS, ago
+from kvchat.tui.format import KV_LABELS, ago, visible
 
 if TYPE_CHECKING:
-    from kvchat.store import SessionSummary
+    from kvchat.chat import SessionSummary
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class SessionItem(ListItem):
         """Show ``row`` (same session) without rebuilding the item."""
         self.row = row
         s = row.summary
-        self.query_one(".session-title", Label).update(s.session.title)
+        self.query_one(".session-title", Label).update(visible(s.session.title))
         info = f"{ago(s.session.updated)} · {s.tokens:,} tok"
         self.query_one(".session-info", Label).update(info)
         badge = self.query_one(".kv-badge", Label)

@@ -9,7 +9,6 @@ from textual.widgets import Label
 
 from kvchat.tui.format import gauge, shorten
 
-
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 

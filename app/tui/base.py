@@ -1,0 +1,92 @@
+"""The main screen's plumbing, shared by MainScreen and its action mixins.
+
+``ScreenBase`` reaches the app, the service, the two threads and the screen's widgets, and
+holds the helpers every group of actions needs. For the type checker it is a Screen that
+also declares the state and workers MainScreen defines; at run time it is a plain mixin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.prompt import PromptInput
+from kvchat.tui.widgets.sidebar import SessionList
+from kvchat.tui.widgets.status import StatusBar
+
+if TYPE_CHECKING:
+    from textual.screen import Screen
+    from textual.worker import Worker
+
+    from kvchat.chat import ChatService
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.main import ActiveTurn
+    from kvchat.tui.widgets.sidebar import SessionRow
+
+    _Base = Screen[None]
+else:
+    _Base = object
+
+
+class ScreenBase(_Base):
+    """Plumbing and shared helpers of the main screen (see the module docstring)."""
+
+    if TYPE_CHECKING:  # defined by MainScreen
+        session_id: str | None
+        turn: ActiveTurn | None
+        ready: bool
+        _shown_id: str | None
+        _hot_id: str | None
+
+        async def refresh_sessions(self) -> None: ...
+        def _session_rows(self) -> list[SessionRow]: ...
+        async def _new_session_id(self) -> str: ...
+        def open_session(
+            self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
+        ) -> Worker[None]: ...
+        def run_turn(self, turn: ActiveTurn) -> Worker[None]: ...
+
+    @property
+    def kv_app(self) -> KvchatApp:
+        return self.app  # type: ignore[return-value]
+
+    @property
+    def service(self) -> ChatService:
+        service = self.kv_app.service
+        assert service is not None
+        return service
+
+    def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the engine thread (anything touching the model); await the result."""
+        return self.kv_app.engine_thread.run(fn, *args, **kwargs)
+
+    def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the store thread (reads and store-only writes); await the result."""
+        return self.kv_app.store_thread.run(fn, *args, **kwargs)
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.query_one(Conversation)
+
+    @property
+    def sessions(self) -> SessionList:
+        return self.query_one(SessionList)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    def _idle(self, what: str) -> bool:
+        """True when no reply is being generated; else say that ``what`` has to wait."""
+        if self.turn is not None:
+            self.notify(f"Cannot {what} during a reply (Esc stops it)", severity="warning")
+            return False
+        return True
+
+    def _focused_message(self) -> MessageView | None:
+        focused = self.focused
+        return focused if isinstance(focused, MessageView) else None
