@@ -122,9 +122,10 @@ def test_first_run_empty_state(snap_compare: Any, service: StandInService) -> No
 
 @pytest.mark.parametrize("size", [SIZE, (80, 24)], ids=["100x30", "80x24"])
 def test_main_screen(snap_compare: Any, service: StandInService, size: tuple[int, int]) -> None:
+    # Oldest first (the sidebar shows the most recently updated first; ties by creation).
+    service.new_session("Empty chat")
     older = service.new_session("Rust lifetimes")
     service.store.add_message(older.id, "user", "What is a lifetime?", token_count=7)
-    service.new_session("Empty chat")
     session = service.new_session("Sort a list of tuples")
     service.store.add_message(session.id, "user", "How do I sort tuples by age?", token_count=9)
     service.store.add_message(session.id, "assistant", "By the second item.", token_count=5)

@@ -200,7 +200,7 @@ class Store:
                    COALESCE(k.n_bytes, 0) AS snapshot_bytes,
                    COALESCE(k.n_tokens, 0) AS snapshot_tokens
             FROM sessions s LEFT JOIN kv_snapshots k ON k.session_id = s.id
-            ORDER BY s.updated DESC
+            ORDER BY s.updated DESC, s.rowid DESC
             """
         )
         return [
