@@ -6,21 +6,13 @@ import re
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from kvchat.text import visible
 from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
     from kvchat.chat import RestoreResult, TurnReport
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
-# What a terminal would act on rather than show: escape sequences (CSI, OSC and the other
-# strings ended by BEL or ST; two-byte escapes), then any lone C0/C1 control but tab and
-# newline. An unterminated string sequence loses only its introducer, never the text after it.
-_SEQUENCE = re.compile(
-    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
-    r"|(?:\x1b[]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
-    r"|\x1b[ -/]*[0-~]"
-)
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
 
 
@@ -105,13 +97,6 @@ def hard_breaks(text: str) -> str:
 def code_blocks(markdown: str) -> list[str]:
     """The bodies of the fenced code blocks in ``markdown``, in order."""
     return [m.group("body").rstrip("\n") for m in _FENCE.finditer(markdown)]
-
-
-def visible(text: str) -> str:
-    """``text`` as it may reach the terminal: without escape sequences or control characters
-    (stored text is shown, never obeyed). Tabs and line breaks stay; CRLF becomes LF."""
-    text = text.replace("\r\n", "\n")
-    return _CONTROL.sub("", _SEQUENCE.sub("", text))
 
 
 def shorten(text: str, limit: int) -> str:

@@ -1,0 +1,46 @@
+"""Text from users, models and files, checked on the way in and made harmless on the way out.
+
+Nothing here imports a UI library: the CLI and the TUI both show stored and generated text
+through :func:`visible`, and every way text enters the service passes :func:`check_text`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvchat.errors import KvchatError
+
+# What a terminal would act on rather than show: escape sequences (CSI, OSC and the other
+# strings ended by BEL or ST; two-byte escapes), then any lone C0/C1 control but tab and
+# newline. An unterminated string sequence loses only its introducer, never the text after it.
+_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b[]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|\x1b[ -/]*[0-~]"
+)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def visible(text: str) -> str:
+    """``text`` as it may reach the terminal: without escape sequences or control characters
+    (stored text is shown, never obeyed). Tabs and line breaks stay; CRLF becomes LF."""
+    text = text.replace("\r\n", "\n")
+    return _CONTROL.sub("", _SEQUENCE.sub("", text))
+
+
+def one_line(text: str) -> str:
+    """``text`` visible and on one line (an error message, a title in a table)."""
+    return " ".join(visible(text).split())
+
+
+def check_text(text: str, what: str = "the message") -> str:
+    """``text`` if it is valid Unicode (storable as UTF-8), else a :class:`KvchatError`.
+
+    Python hands bytes of a command line that are not UTF-8 over as lone surrogates
+    (``surrogateescape``); SQLite and the tokenizer would fail on them later, after a
+    session was made, so they are refused first.
+    """
+    if _SURROGATE.search(text):
+        raise KvchatError(f"{what} is not valid UTF-8 text")
+    return text
