@@ -132,7 +132,7 @@ def test_orphans_are_removed_and_referenced_files_kept(turn_homes, copy_home, mo
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     fresh = snapshots / "deadbeef-2.kvs"  # may be another process's, between rename and commit
     fresh.write_bytes(b"x")
-    torn = snapshots / "cafe-3.kvs.999999999.tmp"  # no such pid: its writer is dead
+    torn = snapshots / "cafebabe-3.kvs.999999999.tmp"  # no such pid: its writer is dead
     torn.write_bytes(b"x")
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     service = ChatService(Settings())

@@ -52,10 +52,10 @@ def test_temp_writer_alive() -> None:
 
 
 def blob_file(tmp_path: Path, tokens: list[int], state: bytes) -> tuple[Path, SnapshotRow]:
-    parts, digest = fmt.blob_parts("s1", FP.to_dict(), tokens, memoryview(state))
-    path = tmp_path / fmt.blob_name("s1")
+    parts, digest = fmt.blob_parts("0123abcd", FP.to_dict(), tokens, memoryview(state))
+    path = tmp_path / fmt.blob_name("0123abcd")
     write_atomically(path, parts)
-    row = SnapshotRow("s1", path.name, len(tokens), tokens, FP.to_dict(), len(state), digest)
+    row = SnapshotRow("0123abcd", path.name, len(tokens), tokens, FP.to_dict(), len(state), digest)
     return path, row
 
 
@@ -84,6 +84,7 @@ def test_blob_round_trip_and_rejections(tmp_path: Path) -> None:
         (b"GGUF" + bytes(100), "bad magic"),
         (fmt.MAGIC + (1000).to_bytes(4, "little") + b"{}", "truncated"),
         (fmt.MAGIC + (4).to_bytes(4, "little") + b"{{{{", "header is corrupt"),
+        (fmt.MAGIC + (6).to_bytes(4, "little") + b"[1, 2]", "not a JSON object"),
     ],
 )
 def test_read_header_rejects(tmp_path: Path, content: bytes, reason: str) -> None:
@@ -164,10 +165,10 @@ def test_store_restores_a_blob_and_reports_rejections(tmp_path: Path) -> None:
 
 def test_cleanup_orphans_spares_young_and_live_files(tmp_path: Path) -> None:
     snapshots = SnapshotStore(tmp_path / "snapshots", Store(tmp_path / "kv.db"))
-    old = snapshots.directory / "dead-1.kvs"
-    young = snapshots.directory / "dead-2.kvs"
-    torn = snapshots.directory / "dead-3.kvs.999999999.tmp"
-    live = snapshots.directory / f"dead-4.kvs.{os.getppid()}.tmp"
+    old = snapshots.directory / "deadbeef-1.kvs"
+    young = snapshots.directory / "deadbeef-2.kvs"
+    torn = snapshots.directory / "deadbeef-3.kvs.999999999.tmp"
+    live = snapshots.directory / f"deadbeef-4.kvs.{os.getppid()}.tmp"
     for path in (old, young, torn, live):
         path.write_bytes(b"x")
     past = time.time() - 3600

@@ -1,4 +1,5 @@
-"""The one exception a snapshot that can't be trusted raises on its way to a prefill."""
+"""The exceptions of the snapshot code: a snapshot that can't be trusted, and a snapshot
+directory kvchat refuses to write to."""
 
 from __future__ import annotations
 
@@ -13,3 +14,16 @@ class SnapshotRejected(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class SnapshotsUnavailable(OSError):
+    """Snapshots cannot be written here (the directory is a symlink, not a directory, or a
+    name would not be one kvchat derives from a key). An :class:`OSError`, so a failed save
+    is reported like any other I/O failure: the turn goes on without a snapshot."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason

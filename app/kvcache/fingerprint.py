@@ -69,6 +69,12 @@ class Fingerprint:
 
     def mismatch(self, saved: dict[str, Any]) -> str | None:
         """Why KV saved under ``saved`` cannot be loaded here, or None when it can."""
+        damage = fingerprint_problem(saved)
+        if damage is not None:
+            return f"the snapshot's fingerprint is damaged ({damage})"
+        return self._mismatch(saved)
+
+    def _mismatch(self, saved: dict[str, Any]) -> str | None:
         if saved.get("model_id") != self.model_id:
             return (
                 f"snapshot was made with a different model file "
@@ -98,3 +104,29 @@ class Fingerprint:
         if int(saved.get("n_layer", -1)) != self.n_layer:
             return f"snapshot has {saved.get('n_layer')} layers, the model has {self.n_layer}"
         return None
+
+
+# What each field of a saved fingerprint must be (JSON gives ints for whole floats).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "model_id": (str,),
+    "model_file": (str,),
+    "llama_cpp_version": (str,),
+    "type_k": (str,),
+    "type_v": (str,),
+    "flash_attn": (bool,),
+    "rope_freq_base": (int, float),
+    "rope_freq_scale": (int, float),
+    "n_swa": (int,),
+    "n_layer": (int,),
+}
+
+
+def fingerprint_problem(saved: object) -> str | None:
+    """Why a fingerprint read back from the database is not one kvchat wrote, or None."""
+    if not isinstance(saved, dict):
+        return "not a JSON object"
+    for name, kinds in _FIELD_TYPES.items():
+        value = saved.get(name)
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            return f"field {name} is {value!r}"
+    return None

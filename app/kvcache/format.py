@@ -7,12 +7,18 @@ File layouts (little-endian)::
 
 Each header repeats its index row; xxh3-128 checksums cover the data. Readers raise
 :class:`SnapshotRejected` with the reason a file can't be trusted.
+
+File names derive from keys, never from stored strings: a blob is
+``<session id>-<hex stamp>.kvs`` and a chunk ``<key[:2]>/<key>.kvc``. The ``path`` column
+of an index row is only compared with the name its key gives (:func:`is_blob_name`,
+:func:`chunk_name`); a name that is not one of these patterns is never opened or removed.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
 import time
 from array import array
@@ -48,13 +54,49 @@ def token_bytes(tokens: list[int]) -> bytes:
     return array("i", tokens).tobytes()
 
 
+# Session ids are ``secrets.token_hex(4)``; chunk keys xxh3-128 hex digests.
+SESSION_ID = re.compile(r"[0-9a-f]{8}")
+CHUNK_KEY = re.compile(r"[0-9a-f]{32}")
+# A blob's name: its session id and a hex stamp (a new name per save, so the old file
+# stays whole until the new row is committed).
+BLOB_NAME = re.compile(r"(?P<session>[0-9a-f]{8})-[0-9a-f]{1,16}\.kvs")
+CHUNK_FILE = re.compile(r"(?P<key>[0-9a-f]{32})\.kvc")
+CHUNK_SUBDIR = re.compile(r"[0-9a-f]{2}")
+# A temp file of a write in progress: ``<final name>.<pid>.tmp``.
+TEMP_NAME = re.compile(r"(?P<final>.+)\.(?P<pid>[0-9]{1,10})\.tmp")
+
+
+def valid_session_id(session_id: object) -> bool:
+    return isinstance(session_id, str) and SESSION_ID.fullmatch(session_id) is not None
+
+
+def valid_key(key: object) -> bool:
+    return isinstance(key, str) and CHUNK_KEY.fullmatch(key) is not None
+
+
 def blob_name(session_id: str) -> str:
-    """A fresh file name for a session's blob (relative to the snapshot directory)."""
+    """A fresh file name for a session's blob (relative to the snapshot directory).
+
+    Raises ValueError for a session id that is not one kvchat makes.
+    """
+    if not valid_session_id(session_id):
+        raise ValueError(f"not a session id: {session_id!r}")
     return f"{session_id}-{time.time_ns():x}{SUFFIX}"
 
 
+def is_blob_name(session_id: str, name: object) -> bool:
+    """Whether ``name`` is a blob name :func:`blob_name` could have given ``session_id``."""
+    match = BLOB_NAME.fullmatch(name) if isinstance(name, str) else None
+    return match is not None and match["session"] == session_id
+
+
 def chunk_name(key: str) -> str:
-    """A chunk's file name (relative to the chunk directory), derived from its key only."""
+    """A chunk's file name (relative to the chunk directory), derived from its key only.
+
+    Raises ValueError for a key that is not a chunk key.
+    """
+    if not valid_key(key):
+        raise ValueError(f"not a chunk key: {key!r}")
     return f"{key[:2]}/{key}{CHUNK_SUFFIX}"
 
 
@@ -100,13 +142,18 @@ def read_header(mapped: mmap.mmap, magic: bytes, name: str) -> tuple[dict[str, A
     if 12 + header_len > len(mapped):
         raise SnapshotRejected(f"snapshot file is truncated ({len(mapped)} bytes)")
     try:
-        return json.loads(mapped[12 : 12 + header_len]), 12 + header_len
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json.loads(mapped[12 : 12 + header_len])
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
         raise SnapshotRejected("snapshot header is corrupt") from None
+    if not isinstance(header, dict):
+        raise SnapshotRejected("snapshot header is not a JSON object")
+    return header, 12 + header_len
 
 
 def read_blob(mapped: mmap.mmap, row: SnapshotRow, name: str) -> np.ndarray:
     """The blob's state bytes (a view into ``mapped``), verified against ``row``."""
+    if row.n_tokens < 0 or row.n_bytes < 0 or len(row.token_ids) != row.n_tokens:
+        raise SnapshotRejected("snapshot index row is damaged (negative or mismatched sizes)")
     header, tokens_at = read_header(mapped, MAGIC, name)
     state_at = tokens_at + 4 * row.n_tokens
     expected = state_at + row.n_bytes
@@ -137,12 +184,14 @@ def read_chunk(mapped: mmap.mmap, entry: ChunkRow, start: int, name: str) -> np.
     ``start`` is where the chain places the chunk; it must be where the row says it starts.
     """
     header, data_at = read_header(mapped, CHUNK_MAGIC, name)
-    if len(mapped) != data_at + entry.n_bytes:
+    if entry.n_bytes < 0 or len(mapped) != data_at + entry.n_bytes:
         raise SnapshotRejected(f"snapshot chunk {name} is truncated or padded")
     if (
         header.get("key") != entry.key
         or header.get("n_bytes") != entry.n_bytes
         or header.get("checksum") != entry.checksum
+        or header.get("start") != entry.start
+        or header.get("n_tokens") != entry.n_tokens
         or entry.start != start
     ):
         raise SnapshotRejected(f"snapshot chunk {name} does not match its index row")

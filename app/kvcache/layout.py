@@ -181,8 +181,47 @@ def extract(data: np.ndarray, layout: StateLayout, start: int, end: int) -> np.n
     return np.concatenate(parts)
 
 
+def _count(value: object, what: str, limit: int = 1 << 32) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise LayoutError(f"layout field {what} is not a count: {value!r}")
+    return value
+
+
+def check_desc(layout_desc: object) -> None:
+    """Raise :class:`LayoutError` unless ``layout_desc`` is what :meth:`StateLayout.describe`
+    writes: counts where counts belong, a known type for every layer, one K and one V
+    entry per layer. A layout read back from the database is checked before it is used."""
+    if not isinstance(layout_desc, dict):
+        raise LayoutError("layout is not a JSON object")
+    for name in ("magic", "cell_meta_size", "v_trans", "n_layer", "k", "v"):
+        if name not in layout_desc:
+            raise LayoutError(f"layout has no {name!r}")
+    _count(layout_desc["magic"], "magic", 1 << 64)
+    _count(layout_desc["cell_meta_size"], "cell_meta_size")
+    n_layer = _count(layout_desc["n_layer"], "n_layer")
+    if _count(layout_desc["v_trans"], "v_trans") > 1:
+        raise LayoutError(f"layout field v_trans is {layout_desc['v_trans']!r}")
+    for name, width in (("k", 2), ("v", 3)):
+        layers = layout_desc[name]
+        if not isinstance(layers, list) or len(layers) != n_layer:
+            raise LayoutError(f"layout {name!r} does not list {n_layer} layers")
+        for layer in layers:
+            if not isinstance(layer, list) or len(layer) != width:
+                raise LayoutError(f"layout {name!r} has a malformed layer: {layer!r}")
+            kind = layer[0]
+            if isinstance(kind, bool) or not isinstance(kind, int) or kind not in _TYPE_SIZES:
+                raise LayoutError(f"layout {name!r} has a layer of unknown type {layer[0]!r}")
+            for value in layer[1:]:
+                _count(value, f"{name} row size")
+
+
 def layout_for(layout_desc: dict[str, Any], n_cells: int) -> StateLayout:
-    """The layout of a whole state of ``n_cells`` cells with these per-model constants."""
+    """The layout of a whole state of ``n_cells`` cells with these per-model constants.
+
+    Raises :class:`LayoutError` for a description :func:`check_desc` refuses.
+    """
+    check_desc(layout_desc)
+    _count(n_cells, "n_cells")
     layout = StateLayout(
         n_cells=n_cells,
         meta_offset=_PREAMBLE,

@@ -10,12 +10,19 @@ Files are written atomically (:mod:`kvchat.kvcache.files`) in the formats of
 :mod:`kvchat.kvcache.format`, and only then are the rows committed, so a crash leaves
 the old snapshot or the new one, never a row pointing at a broken file. Deleting,
 budgets and orphans are :mod:`kvchat.kvcache.housekeeping`'s. Data dir 0700, files 0600.
+
+File names derive from keys (the session id, a chunk key), never from a stored path. The
+snapshot directory and its ``chunks/`` directory are used only when each is a real
+directory (created 0700 when missing, never chmod-ed when present): a symlink or a file in
+their place disables snapshots, with the reason, and the chat goes on with full prefills.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -30,10 +37,10 @@ from kvchat.kvcache import files as kvfiles
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
 from kvchat.kvcache.chunking import CHUNK_TOKENS, MIN_DONOR_TOKENS
-from kvchat.kvcache.errors import SnapshotRejected
+from kvchat.kvcache.errors import SnapshotRejected, SnapshotsUnavailable
 from kvchat.kvcache.files import STALL_ENV
 from kvchat.kvcache.fingerprint import Fingerprint
-from kvchat.kvcache.housekeeping import ORPHAN_GRACE_S, Housekeeper
+from kvchat.kvcache.housekeeping import ORPHAN_GRACE_S, Housekeeper, chunk_row_problem
 from kvchat.store import ChunkRow, SnapshotRow, Store
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "SaveResult",
     "SnapshotRejected",
     "SnapshotStore",
+    "SnapshotsUnavailable",
 ]
 
 Source = Literal["hot", "ram", "disk", "none"]
@@ -80,6 +88,8 @@ class SaveResult:
     chunks_written: int = 0
     chunks_shared: int = 0
     evicted: list[str] = field(default_factory=list)
+    # Set when the snapshots on disk still exceed the budget (see over_budget_note).
+    over_budget: str | None = None
 
 
 class SnapshotStore:
@@ -101,14 +111,23 @@ class SnapshotStore:
         self.budget_bytes = budget_bytes
         self.chunked = chunked
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvchat-chunks")
-        self._housekeeper = Housekeeper(directory, self.chunk_dir, store)
-        for path in (directory, self.chunk_dir):
-            kvfiles.private_dir(path)
+        # Why snapshots are off (the directory is a symlink, a file, can't be made), or None.
+        self.disabled: str | None = kvfiles.prepare_dir(directory) or kvfiles.prepare_dir(
+            self.chunk_dir
+        )
+        self._housekeeper = Housekeeper(directory, self.chunk_dir, store, self.disabled)
 
     # --- save -----------------------------------------------------------------------------
 
     def save(self, session_id: str, engine: Engine, fingerprint: Fingerprint) -> SaveResult:
-        """Snapshot the context as ``session_id``'s KV, replacing its previous snapshot."""
+        """Snapshot the context as ``session_id``'s KV, replacing its previous snapshot.
+
+        Raises :class:`SnapshotsUnavailable` (an OSError) when snapshots are disabled.
+        """
+        if self.disabled is not None:
+            raise SnapshotsUnavailable(f"snapshots are disabled: {self.disabled}")
+        if not fmt.valid_session_id(session_id):
+            raise SnapshotsUnavailable(f"not a session id kvchat makes: {session_id!r}")
         tokens = engine.tokens
         state = engine.state_get()
         previous = self.store.get_snapshot(session_id)
@@ -117,10 +136,12 @@ class SnapshotStore:
             result = self._save_chunks(session_id, tokens, state, layout, fingerprint)
         else:
             result = self._save_blob(session_id, tokens, state, fingerprint)
-        if previous is not None and previous.format == "blob" and previous.path != result.row.path:
-            (self.directory / previous.path).unlink(missing_ok=True)
+        self._housekeeper.clear_gone(session_id)
+        if previous is not None and previous.path != result.row.path:
+            self._housekeeper.remove_blob(previous)
         self.drop_unreferenced_chunks()
         result.evicted = self.enforce_budget(keep=session_id)
+        result.over_budget = self.over_budget_note()
         self.store.bump_counters(bytes_written=result.bytes_written)
         return result
 
@@ -178,16 +199,30 @@ class SnapshotStore:
         known = self.store.get_chunks([key for _, _, key in plan])
         new_rows: list[ChunkRow] = []
         written = shared = 0
+        subdir_problems: dict[str, str | None] = {}
         for start, end, key in plan:
             existing = known.get(key)
-            if existing is not None and (self.chunk_dir / existing.path).is_file():
+            path = self.chunk_dir / fmt.chunk_name(key)
+            if key[:2] not in subdir_problems:
+                subdir_problems[key[:2]] = kvfiles.prepare_dir(path.parent)
+            if (
+                existing is not None
+                and chunk_row_problem(existing) is None
+                and (existing.start, existing.n_tokens) == (start, end - start)
+                and subdir_problems[key[:2]] is None
+                and kvfiles.regular_file(path) is not None
+            ):
                 shared += 1
                 continue
             chunk = kvlayout.extract(data, layout, start, end)
             parts, digest = fmt.chunk_parts(key, start, end, chunk)
             name = fmt.chunk_name(key)
-            (self.chunk_dir / key[:2]).mkdir(mode=0o700, exist_ok=True)
-            written += kvfiles.write_atomically(self.chunk_dir / name, parts)
+            problem = subdir_problems[key[:2]]
+            if problem is None and os.path.lexists(path) and kvfiles.regular_file(path) is None:
+                problem = f"{path} is in the way (not a file kvchat wrote)"
+            if problem is not None:
+                raise SnapshotsUnavailable(f"cannot write snapshot chunks: {problem}")
+            written += kvfiles.write_atomically(path, parts)
             new_rows.append(ChunkRow(key, name, start, end - start, len(chunk), digest))
         keys = [key for _, _, key in plan]
         row = SnapshotRow(
@@ -221,12 +256,18 @@ class SnapshotStore:
         """
         started = time.perf_counter()
         try:
+            if self.disabled is not None:
+                raise SnapshotRejected(f"snapshots are disabled: {self.disabled}")
             row, keep = self._pick(session_id, fingerprint, prompt, engine.n_ctx)
             self._load(row, engine, keep)
-        except SnapshotRejected as rejected:
+        except (SnapshotRejected, OSError) as exc:
             engine.clear()
             self.store.bump_counters(restore_misses=1)
-            return RestoreResult("none", reason=rejected.reason)
+            if isinstance(exc, SnapshotRejected):
+                reason = exc.reason
+            else:
+                reason = f"could not read the snapshot ({exc.strerror or exc})"
+            return RestoreResult("none", reason=reason)
         elapsed = (time.perf_counter() - started) * 1000
         n_bytes = engine.state_size() if keep != row.n_tokens else row.n_bytes
         self.store.touch_snapshot(row.session_id)
@@ -242,10 +283,15 @@ class SnapshotStore:
         if row is None:
             donor = chunking.best_donor(self.store, session_id, fingerprint, prompt, n_ctx)
             if donor is None:
-                raise SnapshotRejected("no snapshot saved for this session yet")
+                gone = self._housekeeper.gone_reason(session_id)
+                raise SnapshotRejected(gone or "no snapshot saved for this session yet")
             row, keep = donor
         else:
             keep = row.n_tokens
+        if row.damage:
+            raise SnapshotRejected(f"the snapshot's index row is damaged ({row.damage})")
+        if keep < 0:
+            raise SnapshotRejected(f"the snapshot's index row is damaged ({keep} tokens)")
         reason = fingerprint.mismatch(row.fingerprint)
         if reason is not None:
             raise SnapshotRejected(reason)
@@ -260,9 +306,14 @@ class SnapshotStore:
             self._load_blob(row, engine)
 
     def _load_blob(self, row: SnapshotRow, engine: Engine) -> None:
-        """Map, verify and load one blob file."""
-        path = self.directory / row.path
-        with kvfiles.mapped(path) as mapped:
+        """Map, verify and load one blob file (named by the session id, never by the row)."""
+        path = self._housekeeper.blob_path(row)
+        if path is None:
+            raise SnapshotRejected(
+                f"the snapshot row names a file that is not its own ({row.path!r})"
+            )
+        mapped = kvfiles.map_file(path, path.name)
+        with mapped:
             state = fmt.read_blob(mapped, row, path.name)
             try:
                 pointer = ctypes.cast(state.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
@@ -277,26 +328,43 @@ class SnapshotStore:
             raise SnapshotRejected("chunked snapshot has no layout")
         if row.checksum != fmt.chain_checksum(row.chunk_keys):
             raise SnapshotRejected("snapshot chunk list does not match its index row")
-        index = self.store.get_chunks(row.chunk_keys)
-        needed: list[tuple[ChunkRow, int]] = []
-        covered = 0
-        for key in row.chunk_keys:
-            if covered >= keep:
-                break
-            entry = index.get(key)
-            if entry is None:
-                raise SnapshotRejected(f"snapshot chunk {key[:12]} is missing from the index")
-            needed.append((entry, covered))
-            covered += entry.n_tokens
-        out = engine.state_buffer(kvlayout.layout_for(row.layout, keep).total)
+        # The chunks must be this row's: their keys re-derive from its tokens and fingerprint.
+        needed = chunking.verify_chain(row, self.store.get_chunks(row.chunk_keys), keep)
+        try:
+            target = kvlayout.layout_for(row.layout, keep)
+        except kvlayout.LayoutError as exc:
+            raise SnapshotRejected(f"the snapshot's layout is damaged: {exc}") from None
+        # The chunks hold every cell's bytes, so a layout asking for more than they hold is
+        # damaged, and chunk files shorter than their rows say are found before the state
+        # buffer is sized: nothing read from the database decides an allocation alone.
+        row_bytes = sum(entry.n_bytes for entry, _ in needed)
+        if keep * target.per_cell_bytes() > row_bytes:
+            self._find_bad_chunk(needed)  # a chunk row that lies about its size, else:
+            raise SnapshotRejected("the snapshot's layout does not match its chunks")
+        file_bytes = 0
+        for subdir in {entry.key[:2] for entry, _ in needed}:
+            problem = kvfiles.dir_problem(self.chunk_dir / subdir)
+            if problem is not None and os.path.lexists(self.chunk_dir / subdir):
+                raise SnapshotRejected(f"snapshot chunks are not readable: {problem}")
+        for entry, _ in needed:
+            info = kvfiles.regular_file(self.chunk_dir / fmt.chunk_name(entry.key))
+            file_bytes += info.st_size if info is not None else 0
+        if file_bytes < row_bytes:
+            self._find_bad_chunk(needed)
+            raise SnapshotRejected("snapshot chunk files do not match their index rows")
+        out = engine.state_buffer(target.total)
         view = np.frombuffer(out, dtype=np.uint8)
         try:
             assembler = kvlayout.Assembler(view, row.layout, keep)
             with _ChunkSet() as chunks:
 
                 def verify_and_place(entry: ChunkRow, start: int) -> int:
-                    data = chunks.open(self.chunk_dir / entry.path, entry, start)
-                    return assembler.place(data, start)
+                    path = self.chunk_dir / fmt.chunk_name(entry.key)
+                    data = chunks.open(path, entry, start)
+                    try:
+                        return assembler.place(data, start)
+                    except (ValueError, TypeError, IndexError, struct.error) as exc:
+                        raise kvlayout.LayoutError(str(exc)) from None
 
                 # Two workers: numpy's copies release the GIL, so chunks land in parallel.
                 futures = [self._workers.submit(verify_and_place, *item) for item in needed]
@@ -321,6 +389,19 @@ class SnapshotStore:
         if not engine.state_set(out, size, row.token_ids[:keep]):
             raise SnapshotRejected("llama.cpp rejected the reassembled snapshot state")
 
+    def _find_bad_chunk(self, needed: list[tuple[ChunkRow, int]]) -> None:
+        """Verify each chunk against its row (missing, a symlink, truncated, foreign, a row
+        that lies about its size...): the first bad one is forgotten, so the next save
+        writes it again, and its reason raised. Returns when every chunk checks out. Runs
+        only when the sizes show that something is wrong."""
+        with _ChunkSet() as chunks:
+            for entry, start in needed:
+                try:
+                    chunks.open(self.chunk_dir / fmt.chunk_name(entry.key), entry, start)
+                except SnapshotRejected:
+                    self._housekeeper.forget_chunks([entry])
+                    raise
+
     # --- housekeeping (see kvchat.kvcache.housekeeping) -----------------------------------
 
     def files(self, row: SnapshotRow) -> list[Path]:
@@ -340,8 +421,43 @@ class SnapshotStore:
         return self._housekeeper.disk_bytes()
 
     def enforce_budget(self, keep: str | None = None) -> list[str]:
-        """Evict least recently used snapshots until the disk budget holds; never text."""
+        """Evict least recently used snapshots until the disk budget holds; never text.
+
+        Without ``keep`` (a full pass, as ``kvchat cache gc`` runs it) damaged rows are
+        dropped first (:meth:`drop_damaged`); they are not in the returned list.
+        """
+        if keep is None:
+            self.drop_damaged()
         return self._housekeeper.enforce_budget(self.budget_bytes, keep)
+
+    def drop_damaged(self) -> dict[str, str]:
+        """Remove every snapshot row that can never be loaded; returns {session id: why}.
+
+        Damaged columns, a path that is not the session's own file name, a damaged layout,
+        chunk keys that do not derive from the row's tokens (another session's, or an older
+        key scheme's), chunk rows that are not ours. No file is read; only files whose names
+        kvchat derives from keys are removed. Each session's next restore says why.
+        """
+        return self._housekeeper.drop_damaged()
+
+    def over_budget_note(self) -> str | None:
+        """A line for ``kvchat cache`` when the snapshots on disk exceed the disk budget (in
+        particular when one session's snapshot alone is larger than it), else None."""
+        return self._housekeeper.over_budget_note(self.budget_bytes)
+
+    def disk_stats(self) -> dict[str, object]:
+        """Figures ``kvchat cache`` can add to its disk line: ``over_budget`` (a note or None),
+        ``damaged`` (rows that can never be loaded; ``cache gc`` removes them) and
+        ``disabled`` (why snapshots are off, or None)."""
+        damaged = 0
+        for row in self.store.snapshots():
+            if self._housekeeper.row_problem(row) is not None:
+                damaged += 1
+        return {
+            "over_budget": self.over_budget_note(),
+            "damaged": damaged,
+            "disabled": self.disabled,
+        }
 
     def clear(self, session_id: str | None = None) -> int:
         """Delete one session's snapshot, or all of them; returns how many."""
