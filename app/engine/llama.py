@@ -11,6 +11,8 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import re
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,6 +44,15 @@ GGML_TYPES: dict[str, int] = {
     "q8_0": llama_cpp.GGML_TYPE_Q8_0,
     "q4_0": llama_cpp.GGML_TYPE_Q4_0,
 }
+
+# Tokens that llama.cpp parses out of text when asked to (``special=True``).
+_SPECIAL_ATTRS = (
+    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+)
+# What C's isspace() strips next to a token with the LSTRIP/RSTRIP attribute.
+_C_SPACE = " \t\n\v\f\r"
 
 # Used when a GGUF carries no chat template: ChatML, which most small instruct models speak.
 CHATML_TEMPLATE = (
@@ -90,6 +101,11 @@ class LlamaEngine:
             add_generation_prompt=True,
         )
         self._state_buffer: ctypes.Array[ctypes.c_uint8] | None = None
+        self._markup = _Markup(self._vocab)
+        # Stands in for message i's content while the template renders: private-use
+        # characters and a random part, so no message text can contain or forge one.
+        self._slot = f"\ue000{secrets.token_hex(8)}:"
+        self._slots = re.compile(re.escape(self._slot) + r"(\d+)\ue001")
 
     # --- identity -------------------------------------------------------------------------
 
@@ -159,10 +175,14 @@ class LlamaEngine:
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The chat template over ``messages``, ending with the assistant's turn opening."""
-        return self._formatter(messages=list(messages)).prompt
+        try:
+            return self._formatter(messages=list(messages)).prompt
+        except Exception as exc:  # jinja2's errors, and the template's raise_exception
+            raise KvchatError(f"the model's chat template refused these messages: {exc}") from exc
 
     def tokenize(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos(text), special=True)
+        """``text`` as text: a control token's spelling inside it stays plain characters."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
     def _add_bos(self, text: str) -> bool:
         bos = self.llm.token_bos()
@@ -171,7 +191,38 @@ class LlamaEngine:
         return not text.startswith(self._piece(bos))
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.tokenize(self.render(messages))
+        """The prompt for ``messages``: only the template's own markup makes control tokens.
+
+        The template is rendered with each message's content replaced by a slot marker; the
+        rendering is cut at the markers, and the template's pieces are split at the spellings
+        of the vocabulary's special tokens (as llama.cpp's ``special=True`` does). The text
+        between two special tokens (template text and message content together, as one
+        string, so the tokens are those of a plain tokenization) is tokenized with
+        ``special=False``. So ``<|im_end|>`` typed, pasted, imported or in a system prompt
+        is eight ordinary tokens, never the end of a turn. Deterministic: the same messages
+        give the same ids, whatever the markers were.
+        """
+        contents = [str(m.get("content") or "") for m in messages]
+        stand_ins = [{**m, "content": f"{self._slot}{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self.render(stand_ins)
+        pieces = self._slots.split(rendered)
+        tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
+        run = _TextRun()
+        for index, piece in enumerate(pieces):
+            if index % 2:  # a message's content
+                run.add(contents[int(piece)])
+                continue
+            for text, special in self._markup.split(piece):
+                if special is None:
+                    run.add(text)
+                    continue
+                if special.lstrip:
+                    run.strip_end()
+                tokens += self.tokenize(run.take())
+                tokens.append(special.id)
+                run.strip_next = special.rstrip
+        tokens += self.tokenize(run.take())
+        return tokens
 
     def count_tokens(self, text: str) -> int:
         return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
@@ -402,6 +453,80 @@ class LlamaEngine:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class _Special:
+    """A special token: its id, and whether llama.cpp strips whitespace beside it."""
+
+    __slots__ = ("id", "lstrip", "rstrip")
+
+    def __init__(self, token: int, attr: int) -> None:
+        self.id = token
+        self.lstrip = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP)
+        self.rstrip = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)
+
+
+class _Markup:
+    """Splits template text at the spellings of the vocabulary's special tokens.
+
+    The same tokens llama.cpp parses with ``special=True`` (control, user-defined and
+    unknown), the longest spelling first where two could match at one place.
+    """
+
+    def __init__(self, vocab: Any) -> None:
+        found: dict[str, _Special] = {}
+        for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
+            attr = int(llama_cpp.llama_vocab_get_attr(vocab, token))
+            if not attr & _SPECIAL_ATTRS:
+                continue
+            raw = llama_cpp.llama_vocab_get_text(vocab, token)
+            try:
+                text = raw.decode("utf-8") if raw else ""
+            except UnicodeDecodeError:
+                continue
+            if text and text not in found:
+                found[text] = _Special(token, attr)
+        self.tokens = found
+        spellings = sorted(found, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+
+    def split(self, text: str) -> Iterator[tuple[str, _Special | None]]:
+        """``(text, None)`` for plain text and ``(spelling, token)`` for a special token."""
+        if self._pattern is None:
+            yield text, None
+            return
+        at = 0
+        for match in self._pattern.finditer(text):
+            if match.start() > at:
+                yield text[at : match.start()], None
+            yield match.group(), self.tokens[match.group()]
+            at = match.end()
+        if at < len(text):
+            yield text[at:], None
+
+
+class _TextRun:
+    """The text between two special tokens, gathered to be tokenized as one string."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.strip_next = False  # the last special token strips the whitespace after it
+
+    def add(self, text: str) -> None:
+        if self.strip_next:
+            text = text.lstrip(_C_SPACE)
+            self.strip_next = not text
+        if text:
+            self.parts.append(text)
+
+    def strip_end(self) -> None:
+        text = "".join(self.parts).rstrip(_C_SPACE)
+        self.parts = [text] if text else []
+
+    def take(self) -> str:
+        text = "".join(self.parts)
+        self.parts = []
+        return text
 
 
 def _batches(tokens: list[int], size: int) -> Iterator[list[int]]:
