@@ -7,25 +7,38 @@ runs every call that touches the engine on one worker thread.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvchat.config import Settings, data_dir
-from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, create_engine
+from kvchat.engine import (
+    CancelCheck,
+    Engine,
+    GenerationParams,
+    GenerationStats,
+    create_engine,
+    engine_config,
+)
 from kvchat.errors import KvchatError
 from kvchat.export import ExportFormat, export_session
 from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.store.locks import SessionLocks
+from kvchat.store.store import StoreFull
+from kvchat.text import check_text, one_line
 from kvchat.turns import (
     SESSION_SETTINGS,
     SnapshotWrite,
     TokenCallback,
     TokenCounts,
     TurnReport,
+    UnansweredMessage,
     WindowShift,
     generation_params,
 )
@@ -40,24 +53,45 @@ __all__ = [
     "TokenCallback",
     "TokenCounts",
     "TurnReport",
+    "UnansweredMessage",
     "WindowShift",
 ]
 
 DEFAULT_TITLE = "New chat"
 LAST_SESSION_KEY = "last_session"
+# How long a turn waits for another process's turn on the same session before giving up.
+LOCK_WAIT_S = 3.0
 
 
 class ChatService:
     """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
 
-    def __init__(self, settings: Settings, home: Path | None = None) -> None:
-        """``home`` overrides the data directory (the benchmark uses a scratch one)."""
+    def __init__(
+        self, settings: Settings, home: Path | None = None, *, engine: Engine | None = None
+    ) -> None:
+        """``home`` overrides the data directory (the benchmark uses a scratch one).
+
+        ``engine``: an engine already loaded (by a test suite, to load a model once for many
+        services) to use instead of creating one. Its config must be the one these settings
+        plan (checked when it is first used); its context is emptied then, and
+        :meth:`close` leaves it open: whoever created it closes it.
+        """
         self.settings = settings
         directory = home or data_dir()
-        self.store = Store(directory / "kvchat.db")
-        # The KV tiers (hot context, RAM, disk); tools that measure them use this directly.
-        self.tiers = KVTiers.open(directory / "snapshots", self.store, settings)
+        try:
+            self.store = Store(directory / "kvchat.db")
+        except OSError as exc:
+            raise KvchatError(_os_error("cannot open the database", exc)) from None
+        try:
+            # The KV tiers (hot context, RAM, disk); tools that measure them use this directly.
+            self.tiers = KVTiers.open(directory / "snapshots", self.store, settings)
+        except BaseException:
+            self.store.close()
+            raise
+        # One turn per session at a time, across processes (see SessionLocks).
+        self.locks = SessionLocks(directory / "locks")
         self._engine: Engine | None = None
+        self._given_engine = engine
         self._fingerprint: Fingerprint | None = None
         # n_ctx, KV types, flash attention and GPU layers as planned (see load_engine).
         self.plan: DefaultsChoice | None = None
@@ -69,9 +103,16 @@ class ChatService:
         if self._engine is None:
             path = self.settings.model_path()
             self.plan = plan_defaults(self.settings, path)
-            self._engine = create_engine(self.plan.apply(self.settings), path)
-            self._fingerprint = Fingerprint.current(path, self._engine.layout())
-            self.tiers.attach(self._engine, self._fingerprint)
+            planned = self.plan.apply(self.settings)
+            if self._given_engine is not None:
+                engine = self._given_engine
+                _check_config(engine, engine_config(planned, path))
+                engine.clear()  # another service's KV is not this one's
+            else:
+                engine = create_engine(planned, path)
+            self._engine = engine
+            self._fingerprint = Fingerprint.current(path, engine.layout())
+            self.tiers.attach(engine, self._fingerprint)
         return self._engine
 
     @property
@@ -97,21 +138,31 @@ class ChatService:
         return self._fingerprint
 
     def close(self) -> None:
-        """Save the hot session if it has unsaved KV, then release everything."""
+        """Save the hot session if it has unsaved KV, then release everything (an engine
+        given to the constructor is left open for its owner)."""
         if self._engine is not None:
             self.tiers.detach()
-            self._engine.close()
+            if self._engine is not self._given_engine:
+                self._engine.close()
             self._engine = None
         self.store.close()
 
     # --- sessions -------------------------------------------------------------------------
 
     def new_session(self, title: str | None = None, system_prompt: str | None = None) -> Session:
+        if title is not None:
+            check_text(title, "the title")
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
         session = self.store.create_session(title or DEFAULT_TITLE, system_prompt)
-        self.store.set_meta(LAST_SESSION_KEY, session.id)
+        self._remember(session.id)
         return session
 
     def resolve(self, ref: str) -> Session:
+        """A session by id or unique title prefix; an empty reference names none."""
+        check_text(ref, "the session name")
+        if not ref.strip():
+            raise KvchatError("no session given: name one by its id or title (see `kvchat list`)")
         return self.store.resolve_session(ref)
 
     def list_sessions(self) -> list[SessionSummary]:
@@ -136,12 +187,13 @@ class ChatService:
         """Store a message without running the model (tests, the benchmark, an import)."""
         if role not in ("user", "assistant"):
             raise KvchatError(f"a message's role is user or assistant, not {role!r}")
+        check_text(text)
         return self.store.add_message(
             session_id, role, text, token_count=token_count, partial=partial
         )
 
     def rename(self, session_id: str, title: str) -> Session:
-        title = title.strip()
+        title = check_text(title, "the title").strip()
         if not title:
             raise KvchatError("a session title cannot be empty")
         return self.store.update_session(session_id, title=title)
@@ -154,6 +206,8 @@ class ChatService:
         settings: dict[str, Any] | None = None,
     ) -> Session:
         """Set a session's system prompt ("" clears it) and sampling overrides."""
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
         if settings is not None:
             unknown = set(settings) - set(SESSION_SETTINGS)
             if unknown:
@@ -199,7 +253,7 @@ class ChatService:
         The branch holds the messages before ``message_id`` and the edited message; the
         caller then runs :meth:`regenerate` on it, which reuses the shared prefix's KV.
         """
-        text = text.strip()
+        text = check_text(text).strip()
         if not text:
             raise KvchatError("the message is empty")
         history = self.store.messages(session_id)
@@ -216,8 +270,15 @@ class ChatService:
         """Copy a session's messages up to ``upto`` (and ``then``) in one transaction."""
         title = f"{self.store.get_session(session_id).title} (fork)"
         branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
-        self.store.set_meta(LAST_SESSION_KEY, branch.id)
+        self._remember(branch.id)
         return branch
+
+    def _remember(self, session_id: str) -> None:
+        """Note the session to open next time: a convenience, so a full disk is no error."""
+        try:
+            self.store.set_meta(LAST_SESSION_KEY, session_id)
+        except StoreFull:
+            pass
 
     # --- the KV cache ------------------------------------------------------------------------
 
@@ -261,16 +322,107 @@ class ChatService:
         no_restore: bool = False,
         **overrides: Any,
     ) -> TurnReport:
-        """Commit the user's message, then run the model and commit its reply."""
-        text = text.strip()
+        """Commit the user's message, then run the model and commit its reply.
+
+        Nothing is stored when the message is empty, not valid text, or cannot fit the
+        context. The session's turn lock is held from storing the message to saving the
+        snapshot (another process's turn on it raises ``SessionBusy`` after a short wait).
+        Once the message is stored it stays: if the turn then fails, the error says that
+        the message is saved without a reply. A reply that was generated is always in the
+        report; if it could not be stored, ``report.reply_error`` says why.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.settings, session.settings, overrides)
+        text = self._checked_message(text, session.system_prompt, params.max_tokens)
+        with self._turn_lock(session_id):
+            engine = self.load_engine()
+            self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
+            try:
+                if session.title == DEFAULT_TITLE:
+                    self._retitle(session_id, _title_from(text))
+                return self._turn(session_id, params, on_token, cancel, no_restore)
+            except KvchatError as exc:
+                raise UnansweredMessage(session_id, str(exc)) from exc
+
+    def start(
+        self,
+        text: str,
+        *,
+        system_prompt: str | None = None,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """A new session whose first turn is ``text`` (``kvchat ask`` without ``--session``).
+
+        The session exists only if it got a reply: when the turn fails, or the model says
+        nothing, the new session is deleted again (a KvchatError says so), so no empty
+        session or lone question is left behind.
+        """
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
+        params = generation_params(self.settings, {}, overrides)
+        text = self._checked_message(text, system_prompt, params.max_tokens)
+        session = self.new_session(system_prompt=system_prompt)
+        try:
+            report = self.send(
+                session.id,
+                text,
+                on_token=on_token,
+                cancel=cancel,
+                no_restore=no_restore,
+                **overrides,
+            )
+        except BaseException as exc:
+            self._discard(session.id)
+            if isinstance(exc, KvchatError):
+                reason = exc.reason if isinstance(exc, UnansweredMessage) else str(exc)
+                raise KvchatError(f"{reason}; nothing was saved") from exc
+            raise
+        if report.message_id is None and report.reply_error is None:
+            self._discard(session.id)
+            raise KvchatError("the model gave no reply; nothing was saved")
+        return report
+
+    def _discard(self, session_id: str) -> None:
+        """Delete a session this service just made (best effort: a full disk may refuse)."""
+        try:
+            self.delete(session_id)
+        except (KvchatError, OSError):
+            pass
+
+    def _checked_message(self, text: str, system_prompt: str | None, max_tokens: int) -> str:
+        """The message stripped, if it is text, not empty, and fits the context alone."""
+        text = check_text(text).strip()
         if not text:
             raise KvchatError("the message is empty")
-        session = self.store.get_session(session_id)
         engine = self.load_engine()
-        self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
-        if session.title == DEFAULT_TITLE:
-            self.store.update_session(session_id, title=_title_from(text))
-        return self._turn(session_id, on_token, cancel, no_restore, overrides)
+        head = system_head(system_prompt or self.settings.system_prompt)
+        reserve = min(max_tokens, engine.n_ctx // 4)
+        fit_window(
+            engine.chat_tokens, head, [{"role": "user", "content": text}], engine.n_ctx, reserve
+        )
+        return text
+
+    def _retitle(self, session_id: str, title: str) -> None:
+        try:
+            self.store.update_session(session_id, title=title)
+        except StoreFull:
+            pass  # a title is a convenience: the turn goes on
+
+    @contextmanager
+    def _turn_lock(self, session_id: str) -> Iterator[None]:
+        """Hold the session's turn lock (see :class:`kvchat.store.locks.SessionLocks`)."""
+        try:
+            held = self.locks.hold(session_id, LOCK_WAIT_S)
+            held.__enter__()
+        except OSError as exc:
+            raise KvchatError(_os_error(f"cannot lock session {session_id}", exc)) from None
+        try:
+            yield
+        finally:
+            held.__exit__(None, None, None)
 
     def regenerate(
         self,
@@ -281,13 +433,18 @@ class ChatService:
         no_restore: bool = False,
         **overrides: Any,
     ) -> TurnReport:
-        """Replace the last reply with a new one (the prompt is already in the context)."""
-        history = self.store.messages(session_id)
-        if not history:
-            raise KvchatError("nothing to regenerate: the session has no messages")
-        if history[-1].role == "assistant":
-            self.store.delete_message(history[-1].id)
-        return self._turn(session_id, on_token, cancel, no_restore, overrides)
+        """Replace the last reply with a new one (the prompt is already in the context).
+
+        The old reply is deleted only once the new one is stored.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.settings, session.settings, overrides)
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            if not history:
+                raise KvchatError("nothing to regenerate: the session has no messages")
+            replaces = history[-1].id if history[-1].role == "assistant" else None
+            return self._turn(session_id, params, on_token, cancel, no_restore, replaces)
 
     def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
         """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).
@@ -325,17 +482,19 @@ class ChatService:
     def _turn(
         self,
         session_id: str,
+        params: GenerationParams,
         on_token: TokenCallback | None,
         cancel: CancelCheck | None,
         no_restore: bool,
-        overrides: dict[str, Any],
+        replaces: int | None = None,
     ) -> TurnReport:
+        """Run the model on the session's history (without message ``replaces``) and store
+        its reply (then delete ``replaces``). Called with the session's turn lock held."""
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        params = generation_params(self.settings, session.settings, overrides)
         engine = self.load_engine()
-        self.store.set_meta(LAST_SESSION_KEY, session_id)
-        history = self.store.messages(session_id)
+        self._remember(session_id)
+        history = [m for m in self.store.messages(session_id) if m.id != replaces]
         chat = [m.as_chat() for m in history]
         reserve = min(params.max_tokens, engine.n_ctx // 4)
         head = self._system_head(session)
@@ -365,13 +524,30 @@ class ChatService:
             shifted_messages=shift.messages,
             window_note=shift.note,
         )
+        # From here on the reply exists: whatever fails is reported, never raised.
         if reply.strip():
-            message = self.store.add_message(
-                session_id, "assistant", reply, token_count=stats.generated, partial=report.partial
-            )
-            report.message_id = message.id
-        if engine.n_tokens >= len(prompt):
-            self._settle(session, prompt, dropped)
+            try:
+                message = self.store.add_message(
+                    session_id,
+                    "assistant",
+                    reply,
+                    token_count=stats.generated,
+                    partial=report.partial,
+                )
+            except KvchatError as exc:
+                report.reply_error = f"the reply could not be saved: {exc}"
+            else:
+                report.message_id = message.id
+        if replaces is not None and report.message_id is not None:
+            try:
+                self.store.delete_message(replaces)
+            except KvchatError as exc:
+                report.reply_error = f"the old reply could not be removed: {exc}"
+        if report.message_id is not None and engine.n_tokens >= len(prompt):
+            try:
+                self._settle(session, prompt, dropped)
+            except KvchatError as exc:
+                report.window_note = f"the context was left as generated ({exc})"
         report.snapshot = self.tiers.save_hot()
         return report
 
@@ -423,6 +599,25 @@ class ChatService:
         return engine.settle(len(prompt), target)
 
 
+def _check_config(engine: Engine, wanted: Any) -> None:
+    """An engine handed to the service must be the one its settings would open."""
+    have = engine.config
+    differ = [
+        f"{f.name}={getattr(have, f.name)!r} (wanted {getattr(wanted, f.name)!r})"
+        for f in fields(wanted)
+        if getattr(have, f.name) != getattr(wanted, f.name)
+    ]
+    if differ:
+        raise ValueError(f"the engine given to ChatService has other settings: {', '.join(differ)}")
+
+
+def _os_error(what: str, exc: OSError) -> str:
+    """One line for an OSError, naming a full disk as such."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full: {what} ({exc.strerror})"
+    return f"{what}: {exc.strerror or exc}"
+
+
 @contextmanager
 def open_service(settings: Settings, home: Path | None = None) -> Iterator[ChatService]:
     """A service that is closed (the hot session saved) however the block ends."""
@@ -434,5 +629,5 @@ def open_service(settings: Settings, home: Path | None = None) -> Iterator[ChatS
 
 
 def _title_from(text: str, limit: int = 48) -> str:
-    line = " ".join(text.split())
+    line = one_line(text)
     return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine import GenerationParams, GenerationStats, PrefillResult
+from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.kvcache.tiers import SnapshotWrite
 
@@ -19,6 +20,17 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 TokenCallback = Callable[[str], None]
+
+
+class UnansweredMessage(KvchatError):
+    """A turn failed after the user's message was stored: the message stays, unanswered."""
+
+    def __init__(self, session_id: str, reason: str) -> None:
+        super().__init__(f"{reason}; your message is saved in session {session_id} without a reply")
+        self.session_id = session_id
+        self.reason = reason
+
+
 # Sampling settings a session may override.
 SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
 
@@ -73,6 +85,8 @@ class TurnReport:
     shifted_tokens: int = 0
     shifted_messages: int = 0
     window_note: str | None = None
+    # The reply was generated (it is in ``reply``) but could not be stored: why, in one line.
+    reply_error: str | None = None
 
     @classmethod
     def of_run(
@@ -105,6 +119,8 @@ class TurnReport:
             "session": self.session_id,
             "reply": self.reply,
             "finish_reason": self.finish_reason,
+            "message_id": self.message_id,
+            "reply_error": self.reply_error,
             "tokens": {
                 "prompt": self.tokens.prompt,
                 "reused": self.tokens.reused,

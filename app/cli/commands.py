@@ -10,10 +10,13 @@ from typing import Any
 import click
 
 from kvchat.cli.cache import cache
-from kvchat.cli.group import KvchatGroup, model_options, service, settings_from
+from kvchat.cli.doctor import doctor
+from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
 from kvchat.cli.models import models_group
+from kvchat.cli.transfer import export_bundle, import_cmd
 from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
+from kvchat.text import one_line
 from kvchat.units import human_bytes
 
 
@@ -62,42 +65,59 @@ def ask(
 ) -> None:
     """One turn: send MESSAGE, stream the reply to stdout.
 
-    Without --session or --new, a new session is started.
+    Without --session or --new, a new session is started; a new session that gets no
+    reply (an error, an interrupted turn) is not kept.
     """
-    if session_ref and new:
+    if session_ref is not None and new:
         raise KvchatError("use either --session or --new, not both")
+    if session_ref is not None and not session_ref.strip():
+        raise KvchatError("--session needs a session id or title (see `kvchat list`)")
+    if not message.strip():
+        raise KvchatError("the message is empty")
     settings = settings_from(ctx, **flags)
     settings.model_path()
+    turn: dict[str, Any] = dict(
+        on_token=None if as_json else _stream,
+        no_restore=no_restore,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
     with service(settings) as chat:
-        if session_ref:
+        if session_ref is not None:
             session = chat.resolve(session_ref)
             if system is not None:
                 chat.configure(session.id, system_prompt=system)
+            report = chat.send(session.id, message, **turn)
         else:
-            session = chat.new_session(system_prompt=system)
-
-        def stream(piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-        report = chat.send(
-            session.id,
-            message,
-            on_token=None if as_json else stream,
-            no_restore=no_restore,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-        )
+            report = chat.start(message, system_prompt=system, **turn)
     if as_json:
-        click.echo(json.dumps(report.to_json(), ensure_ascii=False))
+        click.echo(to_json(report.to_json()))
     else:
         sys.stdout.write("\n")
-        if chat.plan_note:
-            click.echo(f"plan: {chat.plan_note}", err=True)
-        click.echo(f"[{session.id}] {report.summary()}", err=True)
-        if report.snapshot.error:
-            click.echo(f"kvchat: {report.snapshot.error}", err=True)
+        sys.stdout.flush()
+    if report.reply_error:
+        # The reply is shown above; say once, and last, that it is not in the database.
+        raise KvchatError(f"{report.reply_error} (the reply above is not stored)")
+    if as_json:
+        return
+    if chat.plan_note:
+        click.echo(f"plan: {chat.plan_note}", err=True)
+    click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
+    if report.message_id is None:
+        click.echo(
+            f"kvchat: the model gave no reply; your message is saved in session "
+            f"{report.session_id} without one",
+            err=True,
+        )
+    if report.snapshot.error:
+        click.echo(f"kvchat: {one_line(report.snapshot.error)}", err=True)
+
+
+def _stream(piece: str) -> None:
+    """Write a piece of the reply as it comes (on a terminal, never a control sequence)."""
+    sys.stdout.write(shown(piece))
+    sys.stdout.flush()
 
 
 @main.command(name="list")
@@ -108,7 +128,7 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
     with service(settings_from(ctx)) as chat:
         summaries = chat.list_sessions()
     if as_json:
-        click.echo(json.dumps([s.to_json() for s in summaries], ensure_ascii=False, indent=2))
+        click.echo(to_json([s.to_json() for s in summaries], indent=2))
         return
     if not summaries:
         click.echo('No sessions yet. Start one with: kvchat ask --new "Hello"')
@@ -116,7 +136,8 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
     header = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"
     click.echo(header)
     for s in summaries:
-        title = s.session.title if len(s.session.title) <= 32 else s.session.title[:31] + "…"
+        title = one_line(s.session.title)
+        title = title if len(title) <= 32 else title[:31] + "…"
         snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
         updated = s.session.updated[:16].replace("T", " ")
         click.echo(
@@ -126,18 +147,26 @@ def list_sessions(ctx: click.Context, as_json: bool) -> None:
 
 @main.command()
 @click.argument("session_ref")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True)
 @click.option(
-    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write to FILE."
+    "--format", "fmt", type=click.Choice([*FORMATS, "bundle"]), default="md", show_default=True
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    help="Write to FILE (- for stdout, the default).",
 )
 @click.pass_context
 def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
-    """Export a session as Markdown, JSON or HTML."""
+    """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences)."""
+    if fmt == "bundle":
+        return export_bundle(ctx, session_ref, output)  # text + KV, see kvchat.transfer
     with service(settings_from(ctx)) as chat:
         session = chat.resolve(session_ref)
         text = chat.export(session.id, fmt)  # type: ignore[arg-type]
-    if output is None:
-        sys.stdout.write(text)
+    if output is None or str(output) == "-":
+        sys.stdout.write(shown(text))
+        sys.stdout.flush()
         return
     try:
         output.write_text(text, encoding="utf-8")
@@ -221,7 +250,7 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     width = max(len(name) for name in rows)
     for name, row in rows.items():
         value = "-" if row["value"] is None else row["value"]
-        click.echo(f"  {name:<{width}}  {str(value):<24} {row['source']}")
+        click.echo(f"  {name:<{width}}  {one_line(str(value)):<24} {row['source']}")
 
 
 @main.command()
@@ -237,7 +266,7 @@ def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: 
         messages = len(chat.messages(child.id))
     if as_json:
         click.echo(
-            json.dumps(
+            to_json(
                 {
                     "session": child.id,
                     "parent": parent.id,
@@ -247,8 +276,10 @@ def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: 
             )
         )
     else:
-        click.echo(f"{child.id}  {child.title}  ({messages} messages)")
+        click.echo(f"{child.id}  {one_line(child.title)}  ({messages} messages)")
 
 
 main.add_command(cache)
+main.add_command(doctor)
 main.add_command(models_group)
+main.add_command(import_cmd)

@@ -3,15 +3,20 @@ settings from flags, and the service opened and closed around a command."""
 
 from __future__ import annotations
 
+import errno
+import json
+import re
+import sqlite3
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from kvchat.config import Settings, load_settings
 from kvchat.errors import KvchatError
+from kvchat.text import check_text, one_line, visible
 
 if TYPE_CHECKING:
     from kvchat.chat import ChatService
@@ -19,15 +24,62 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Characters json.dumps(ensure_ascii=False) leaves raw that a terminal would obey (DEL, C1).
+_JSON_RAW_CONTROLS = re.compile(r"[\x7f-\x9f]")
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr (without control characters), exit status 2."""
+    click.echo(f"kvchat: {one_line(message)}", err=True)
+    sys.exit(2)
+
+
 class KvchatGroup(click.Group):
-    """A command group that turns :class:`KvchatError` into one line on stderr, exit 2."""
+    """A command group that turns :class:`KvchatError` into one line on stderr, exit 2.
+
+    So do the operating system's and SQLite's errors that reach it (a full disk, a file
+    that cannot be read): a fault is one clear line, never a traceback.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for arg in args:
+            try:
+                check_text(arg, "an argument")
+            except KvchatError as exc:
+                fail(f"{exc} (the command line holds bytes that are not UTF-8)")
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KvchatError as exc:
-            click.echo(f"kvchat: {exc}", err=True)
-            sys.exit(2)
+            fail(str(exc))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                fail(f"the disk is full: {exc.strerror} ({exc.filename or 'writing'})")
+            where = f": {exc.filename}" if exc.filename else ""
+            fail(f"{exc.strerror or exc}{where}")
+        except sqlite3.OperationalError as exc:
+            text = str(exc)
+            fail(f"the disk is full: {text}" if "full" in text else f"database error: {text}")
+
+
+def shown(text: str, stream: IO[str] | None = None) -> str:
+    """``text`` as it may be written to ``stream`` (stdout by default): on a terminal,
+    without escape sequences or control characters; to a file or pipe, exactly."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return visible(text) if tty else text
+
+
+def to_json(value: Any, **options: Any) -> str:
+    """JSON for stdout: UTF-8 text as it is, but no raw control character a terminal
+    would act on (json escapes C0 controls itself; DEL and C1 are escaped here too)."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    return _JSON_RAW_CONTROLS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def model_options(func: F) -> F:

@@ -8,6 +8,8 @@ its KV is unsaved, is assigned only by this class.
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine import Engine
+from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
 from kvchat.kvcache.warm import WarmTier
 from kvchat.store import SnapshotRow, Store
+from kvchat.store.store import DamagedDatabase, StoreFull
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -77,7 +81,10 @@ class KVTiers:
             budget_bytes=int(settings.disk_cache_gib * 2**30),
             chunked=settings.snapshot_chunks,
         )
-        cold.cleanup_orphans()
+        try:
+            cold.cleanup_orphans()
+        except (OSError, StoreFull):
+            pass  # housekeeping: `kvchat cache gc` tries again; the chat needs none of it
         return cls(store, cold, WarmTier(settings.ram_cache_mib * 2**20))
 
     # --- the engine and the hot session ---------------------------------------------------
@@ -149,7 +156,7 @@ class KVTiers:
         if entry is not None and len(entry.tokens) <= engine.n_ctx:
             if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
                 self._hot = session_id
-                self.store.bump_counters(
+                self._count(
                     restores_ram=1, tokens_restored=len(entry.tokens), bytes_restored=entry.n_bytes
                 )
                 elapsed = (time.perf_counter() - started) * 1000
@@ -157,9 +164,22 @@ class KVTiers:
                     "ram", ms=elapsed, bytes=entry.n_bytes, tokens=len(entry.tokens)
                 )
             self.warm.drop(session_id)
-        result = self.cold.restore(session_id, engine, fingerprint, prompt)
+        try:
+            result = self.cold.restore(session_id, engine, fingerprint, prompt)
+        except StoreFull as exc:
+            # Restoring also touches the index (last use, counters); with the disk full the
+            # turn goes on from an empty context rather than fail.
+            engine.clear()
+            result = RestoreResult("none", reason=f"{exc}: full prefill")
         self._hot = session_id
         return result
+
+    def _count(self, **deltas: int) -> None:
+        """Bump the persistent counters; figures are not worth failing a turn for."""
+        try:
+            self.store.bump_counters(**deltas)
+        except StoreFull:
+            pass
 
     def spill(self) -> None:
         """Before the context is overwritten: keep the hot session's KV (disk and RAM)."""
@@ -184,8 +204,10 @@ class KVTiers:
         started = time.perf_counter()
         try:
             saved = self.cold.save(self._hot, engine, self.fingerprint)
-        except OSError as exc:
-            return SnapshotWrite(error=f"could not save the KV snapshot: {exc}")
+        except DamagedDatabase as exc:
+            return SnapshotWrite(error=str(exc))
+        except (OSError, KvchatError, sqlite3.Error) as exc:
+            return SnapshotWrite(error=_save_error(exc))
         self._dirty = False
         return SnapshotWrite(
             bytes=saved.row.n_bytes,
@@ -256,3 +278,14 @@ class KVTiers:
         else:
             self.warm.drop(session_id)
         return self.cold.clear(session_id)
+
+
+def _save_error(exc: BaseException) -> str:
+    """Why a snapshot was not saved, in one line; a full disk is named as such."""
+    text = str(exc)
+    full = isinstance(exc, StoreFull) or (isinstance(exc, sqlite3.Error) and "full" in text)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        full, text = True, exc.strerror or text
+    if full:
+        return f"the disk is full: the KV snapshot was not saved ({text.removeprefix('the disk is full: ')})"
+    return f"could not save the KV snapshot: {text}"

@@ -1,0 +1,63 @@
+"""``kvchat doctor``: check the database; ``--salvage`` rescues the text of a damaged one.
+
+Exit status: 0 when the database is sound (or was salvaged), 2 when it is damaged and
+``--salvage`` was not given, so a script can tell the two apart. It never opens the
+database for writing: the check is SQLite's ``integrity_check`` on a read-only
+connection, and salvaging renames the damaged file aside (never deletes or changes it)
+before copying what can be read into a fresh database.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvchat.config import data_dir
+from kvchat.errors import KvchatError
+from kvchat.text import one_line
+
+# Lines of what could not be read shown after a salvage (the count is always shown).
+SHOW_LOST = 10
+
+
+@click.command(name="doctor")
+@click.option(
+    "--salvage",
+    "do_salvage",
+    is_flag=True,
+    help="Move a damaged database aside and salvage its text into a fresh one.",
+)
+def doctor(do_salvage: bool) -> None:
+    """Check the database; with --salvage, rescue the conversations of a damaged one.
+
+    Exit status 0: the database is sound (or was salvaged); 2: it is damaged.
+    """
+    from kvchat.store.doctor import check, salvage  # here: `kvchat --version` opens no store
+
+    path = data_dir() / "kvchat.db"
+    report = check(path)
+    if report.ok:
+        if not path.exists():
+            click.echo(f"ok (no database yet at {path})")
+        else:
+            click.echo(f"ok ({report.sessions} sessions, {report.messages} messages) {path}")
+        if do_salvage:
+            click.echo("nothing to salvage: the database is sound")
+        return
+    click.echo(f"damaged: {one_line(report.detail)}")
+    if not do_salvage:
+        raise KvchatError(
+            f"the database {path} is damaged: run `kvchat doctor --salvage` to move it "
+            "aside (kept as it is) and salvage its conversations into a fresh database"
+        )
+    done = salvage(path)
+    click.echo(
+        f"salvaged {done.sessions} sessions, {done.messages} messages into a fresh database; "
+        f"the damaged file is kept at {done.moved_to}"
+    )
+    unreadable = [line for line in done.lost if "unreadable" in line]
+    click.echo(f"lost: {len(unreadable)} unreadable rows")
+    for line in done.lost[:SHOW_LOST]:
+        click.echo(f"  {one_line(line)}")
+    if len(done.lost) > SHOW_LOST:
+        click.echo(f"  … and {len(done.lost) - SHOW_LOST} more")
+    click.echo("KV snapshots are not salvaged: the next turn of each session re-reads it once")
