@@ -223,8 +223,7 @@ class Housekeeper:
 
     def clear_gone(self, session_id: str) -> None:
         """A new snapshot (or an explicit delete): the old reason no longer holds."""
-        if self.store.get_meta(GONE_KEY.format(session_id)):
-            self.store.set_meta(GONE_KEY.format(session_id), "")
+        self.store.delete_meta(GONE_KEY.format(session_id))
 
     def gone_reason(self, session_id: str) -> str | None:
         """Why the session has no snapshot although it had one (evicted, dropped), or None."""

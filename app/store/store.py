@@ -197,8 +197,10 @@ class Store:
                    (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS n_messages,
                    (SELECT COALESCE(SUM(token_count), 0) FROM messages m
                      WHERE m.session_id = s.id) AS n_tokens,
-                   COALESCE(k.n_bytes, 0) AS snapshot_bytes,
-                   COALESCE(k.n_tokens, 0) AS snapshot_tokens
+                   CASE WHEN typeof(k.n_bytes) = 'integer' AND k.n_bytes >= 0
+                        THEN k.n_bytes ELSE 0 END AS snapshot_bytes,
+                   CASE WHEN typeof(k.n_tokens) = 'integer' AND k.n_tokens >= 0
+                        THEN k.n_tokens ELSE 0 END AS snapshot_tokens
             FROM sessions s LEFT JOIN kv_snapshots k ON k.session_id = s.id
             ORDER BY s.updated DESC, s.rowid DESC
             """
@@ -348,6 +350,10 @@ class Store:
                 (key, value),
             )
 
+    def delete_meta(self, key: str) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM meta WHERE key=?", (key,))
+
     # --- messages -------------------------------------------------------------------------
 
     @staticmethod
@@ -484,7 +490,9 @@ class Store:
             """
             SELECT c.* FROM kv_chunks c
             WHERE NOT EXISTS (
-                SELECT 1 FROM kv_snapshots s, json_each(s.chunk_keys) k
+                SELECT 1 FROM kv_snapshots s, json_each(
+                    CASE WHEN json_valid(s.chunk_keys) THEN s.chunk_keys ELSE '[]' END
+                ) k
                 WHERE s.format = 'chunks' AND k.value = c.key
             )
             """
@@ -526,3 +534,100 @@ class Store:
 
     def integrity_check(self) -> str:
         return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])
+
+    # --- imports (kvchat.transfer) ----------------------------------------------------------
+
+    def claimed_sessions(self, key: str) -> list[str]:
+        """The sessions that meta ``key`` (an import's record) names and that still exist."""
+        value = self.get_meta(key)
+        try:
+            ids = json.loads(value) if value else []
+        except ValueError:
+            return []
+        ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []
+        return [
+            i
+            for i in ids
+            if isinstance(i, str) and self._rows("SELECT 1 FROM sessions WHERE id=?", (i,))
+        ]
+
+    def import_sessions(
+        self, sessions: Sequence[dict[str, Any]], file_key: str
+    ) -> list[tuple[str, bool]]:
+        """Insert whole sessions with their messages in one transaction (all or nothing).
+
+        Each item: ``title``, ``system_prompt``, ``settings``, ``created``/``updated`` (None:
+        now), ``messages`` as (role, content, created or None, token_count, partial), and
+        ``key``: a meta key for its content, or None. An item whose key names a session that
+        still exists is not inserted again. ``file_key`` records every session of the file.
+        Returns (session id, inserted now) per item. Raises KvchatError if ``file_key``
+        already names live sessions (another import of the same file won the race).
+        """
+        stamp = now()
+        results: list[tuple[str, bool]] = []
+        with self._tx() as conn:
+            # The first write takes the database's write lock: the checks below can't race.
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, '[]') ON CONFLICT(key) DO NOTHING",
+                (file_key,),
+            )
+
+            def live(key: str) -> list[str]:
+                row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+                try:
+                    ids = json.loads(row[0]) if row and row[0] else []
+                except ValueError:
+                    return []
+                ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []
+                found = [
+                    i
+                    for i in ids
+                    if isinstance(i, str)
+                    and conn.execute("SELECT 1 FROM sessions WHERE id=?", (i,)).fetchone()
+                ]
+                return found
+
+            taken = live(file_key)
+            if taken:
+                raise KvchatError(f"this file was already imported as {', '.join(taken)}")
+            for item in sessions:
+                key = item.get("key")
+                earlier = live(key) if key else []
+                if earlier:
+                    results.append((earlier[0], False))
+                    continue
+                session_id = _new_session_id(conn)
+                created = item.get("created") or stamp
+                conn.execute(
+                    "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        session_id,
+                        item["title"],
+                        item.get("system_prompt"),
+                        json.dumps(item.get("settings") or {}),
+                        created,
+                        item.get("updated") or created,
+                    ),
+                )
+                conn.executemany(
+                    "INSERT INTO messages"
+                    " (session_id, role, content, created, token_count, partial)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (session_id, role, content, when or created, tokens, int(partial))
+                        for role, content, when, tokens, partial in item["messages"]
+                    ],
+                )
+                if key:
+                    conn.execute(
+                        "INSERT INTO meta (key, value) VALUES (?, ?)"
+                        " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                        (key, json.dumps(session_id)),
+                    )
+                results.append((session_id, True))
+            conn.execute(
+                "UPDATE meta SET value=? WHERE key=?",
+                (json.dumps([session_id for session_id, _ in results]), file_key),
+            )
+        return results
