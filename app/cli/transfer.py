@@ -1,0 +1,92 @@
+"""``kvchat import`` and the bundle branch of ``kvchat export`` (see kvchat.transfer)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvchat.cli.group import model_options, service, settings_from
+from kvchat.errors import KvchatError
+from kvchat.units import human_bytes
+
+
+def _line(item: Any, carries_kv: bool) -> str:
+    """One line per session: id, title, messages, and (for a bundle) what became of its KV."""
+    from kvchat.text import visible
+
+    title = visible(" ".join(item.title.split()))
+    notes = [f"{item.messages} message{'' if item.messages == 1 else 's'}"]
+    if item.skipped:
+        notes.append(f"{item.skipped} left out (tool calls, images, hidden context)")
+    if not item.new:
+        notes.append("already imported")
+    elif item.kv_tokens:
+        notes.append(f"KV {item.kv_tokens:,} tokens")
+    elif carries_kv:
+        notes.append(f"text only: {visible(item.kv_reason or 'no KV')}")
+    return f"{item.session}  {title}  ({'; '.join(notes)})"
+
+
+@click.command(name="import")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@model_options
+@click.pass_context
+def import_cmd(ctx: click.Context, files: tuple[Path, ...], as_json: bool, **flags: Any) -> None:
+    """Import conversations: kvchat JSON exports and bundles, OpenAI-style JSON, a ChatGPT
+    conversations.json, an llm logs.db.
+
+    A bundle's KV comes along when it was made with this model and settings. A file that
+    can't be imported imports nothing and is reported on one line (exit status 2).
+    """
+    from kvchat.transfer import import_file
+    from kvchat.transfer.bundle import NAME as BUNDLE
+
+    sessions: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+    with service(settings_from(ctx, **flags)) as chat:
+        for path in files:
+            try:
+                result = import_file(chat, path)
+            except KvchatError as exc:
+                errors.append({"file": str(path), "error": str(exc)})
+                if not as_json:
+                    click.echo(f"kvchat: {exc}", err=True)
+                continue
+            for item in result.sessions:
+                sessions.append({**item.to_json(), "file": str(path), "format": result.format})
+            if as_json:
+                continue
+            if result.already:
+                ids = ", ".join(item.session for item in result.sessions)
+                click.echo(f"{path}: already imported (as {ids}); nothing imported again")
+                continue
+            for item in result.sessions:
+                click.echo(_line(item, result.format == BUNDLE))
+    if as_json:
+        document: dict[str, Any] = {"sessions": sessions}
+        if errors:
+            document["errors"] = errors
+        click.echo(json.dumps(document, ensure_ascii=False))
+    if errors:
+        sys.exit(2)
+
+
+def export_bundle(ctx: click.Context, session_ref: str, output: Path | None) -> None:
+    """``kvchat export SESSION --format bundle -o FILE``: the text and the session's KV."""
+    from kvchat.transfer import write_bundle
+
+    if output is None or str(output) == "-":
+        raise KvchatError("a bundle is a binary file: give it a name with -o FILE")
+    with service(settings_from(ctx)) as chat:
+        session = chat.resolve(session_ref)
+        written = write_bundle(chat, session.id, output)
+    if written.reason is None:
+        kv = f"KV {written.kv_tokens:,} tokens, {human_bytes(written.kv_bytes)}"
+    else:
+        kv = f"text only: {written.reason}"
+    click.echo(f"wrote {output} ({human_bytes(written.bytes)}; {kv})", err=True)

@@ -1,0 +1,166 @@
+"""A ChatGPT data export's ``conversations.json``: many conversations, each a message tree.
+
+Each conversation's ``mapping`` holds nodes ``{id, message, parent, children}``; the branch
+the user last saw is the path from ``current_node`` up the ``parent`` links. On it, nodes
+without a message, hidden ones (``metadata.is_visually_hidden_from_conversation``), tool
+results, tool calls (``recipient`` other than ``all``), non-text content (code, browsing,
+reasoning summaries) and empty messages are left out; a system message before the first
+user or assistant message becomes the system prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvchat.transfer.common import (
+    MAX_MESSAGES,
+    MAX_SESSIONS,
+    BadFile,
+    ImportedMessage,
+    ImportedSession,
+    check_text,
+    default_title,
+    iso_time,
+)
+
+NAME = "ChatGPT export"
+_TEXT_TYPES = ("text", "multimodal_text")
+_ROLES = ("user", "assistant", "system", "tool")
+
+
+def matches(document: object) -> bool:
+    if isinstance(document, dict):
+        return isinstance(document.get("mapping"), dict)
+    return (
+        isinstance(document, list)
+        and bool(document)
+        and all(isinstance(c, dict) and isinstance(c.get("mapping"), dict) for c in document)
+    )
+
+
+def _branch(path: Path, mapping: dict[str, Any], current: object, where: str) -> list[Any]:
+    """The nodes from the root to ``current``, following ``parent`` links (cycles refused)."""
+    if not isinstance(current, str) or current not in mapping:
+        raise BadFile(path, f"{where} has no current_node in its mapping")
+    chain: list[Any] = []
+    seen: set[str] = set()
+    node_id: object = current
+    while node_id is not None:
+        if not isinstance(node_id, str) or node_id not in mapping:
+            raise BadFile(path, f"{where}: node {str(node_id)[:40]!r} is not in the mapping")
+        if node_id in seen:
+            raise BadFile(path, f"{where}: the parent links form a cycle")
+        seen.add(node_id)
+        node = mapping[node_id]
+        if not isinstance(node, dict):
+            raise BadFile(path, f"{where}: node {node_id[:40]!r} is not an object")
+        chain.append(node)
+        node_id = node.get("parent")
+    chain.reverse()
+    return chain
+
+
+def _message_text(path: Path, message: dict[str, Any], where: str) -> str | None:
+    """The message's text ("" when it has none), or None for one kvchat leaves out (a
+    hidden message with text, a tool call, non-text content)."""
+    content = message.get("content")
+    if not isinstance(content, dict):
+        raise BadFile(path, f"{where} has no content")
+    if content.get("content_type") not in _TEXT_TYPES:
+        return None
+    parts = content.get("parts")
+    if not isinstance(parts, list):
+        raise BadFile(path, f"{where}.content has no parts")
+    texts = []
+    for number, part in enumerate(parts, 1):
+        if isinstance(part, str):
+            text = check_text(path, part, f"{where} part {number}")
+            assert text is not None
+            texts.append(text)
+    text = "\n".join(t for t in texts if t)
+    if not text.strip():
+        return ""
+    metadata = message.get("metadata")
+    hidden = isinstance(metadata, dict) and metadata.get("is_visually_hidden_from_conversation")
+    if hidden or message.get("recipient") not in (None, "all"):
+        return None
+    return text
+
+
+def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession | None:
+    where = f"conversation {number}"
+    if not isinstance(conversation, dict):
+        raise BadFile(path, f"{where} is not an object")
+    mapping = conversation.get("mapping")
+    if not isinstance(mapping, dict):
+        raise BadFile(path, f"{where} has no mapping")
+    nodes = _branch(path, mapping, conversation.get("current_node"), where)
+    system: str | None = None
+    messages: list[ImportedMessage] = []
+    skipped = 0
+    for node in nodes:
+        message = node.get("message")
+        if message is None:
+            continue
+        node_where = f"{where}, node {str(node.get('id'))[:40]!r}"
+        if not isinstance(message, dict):
+            raise BadFile(path, f"{node_where}: the message is not an object")
+        author = message.get("author")
+        role = author.get("role") if isinstance(author, dict) else None
+        if not isinstance(role, str):
+            raise BadFile(path, f"{node_where}: the message has no author role")
+        if role not in _ROLES:
+            raise BadFile(path, f"{node_where}: unknown role {role!r}")
+        text = None if role == "tool" else _message_text(path, message, node_where)
+        if not text:
+            skipped += text is None  # a tool's, hidden or non-text message; empty ones aren't
+            continue
+        if role == "system":
+            if not messages and system is None:
+                system = text
+            else:
+                skipped += 1
+            continue
+        messages.append(ImportedMessage(role, text, created=iso_time(message.get("create_time"))))
+    if not messages:
+        return None
+    title = conversation.get("title")
+    if isinstance(title, str) and title.strip():
+        title = check_text(path, title, f"{where}.title")
+    else:
+        title = default_title(messages)
+    source = conversation.get("conversation_id") or conversation.get("id")
+    return ImportedSession(
+        title=title,
+        system_prompt=system,
+        settings={},
+        messages=messages,
+        source_key=f"chatgpt:{source}" if isinstance(source, str) else None,
+        created=iso_time(conversation.get("create_time")),
+        updated=iso_time(conversation.get("update_time")),
+        skipped=skipped,
+    )
+
+
+def read(path: Path, document: Any) -> list[ImportedSession]:
+    conversations = document if isinstance(document, list) else [document]
+    if len(conversations) > MAX_SESSIONS:
+        raise BadFile(
+            path, f"{len(conversations):,} conversations is over the {MAX_SESSIONS:,} limit"
+        )
+    total = sum(
+        len(c["mapping"])
+        for c in conversations
+        if isinstance(c, dict) and isinstance(c.get("mapping"), dict)
+    )
+    if total > MAX_MESSAGES:
+        raise BadFile(path, f"{total:,} messages is over the {MAX_MESSAGES:,} limit")
+    sessions = []
+    for number, conversation in enumerate(conversations, 1):
+        session = _conversation(path, conversation, number)
+        if session is not None:
+            sessions.append(session)
+    if not sessions:
+        raise BadFile(path, "no conversation in it has a message to import")
+    return sessions

@@ -1,0 +1,81 @@
+"""kvchat's own JSON export (``kvchat export --format json``; a bundle's messages.json).
+
+``{"format": "kvchat.session/1", "session": {...}, "messages": [...], "message_meta": [...]}``:
+the session's system prompt (also the first message, role ``system``), its sampling
+settings, every message with its ``partial`` flag, and per message its time and token count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvchat.transfer.common import (
+    MAX_MESSAGES,
+    BadFile,
+    ImportedMessage,
+    ImportedSession,
+    check_settings,
+    check_text,
+    iso_time,
+    require,
+)
+
+FORMAT = "kvchat.session/1"
+NAME = "kvchat JSON"
+
+
+def matches(document: object) -> bool:
+    return isinstance(document, dict) and document.get("format") == FORMAT
+
+
+def read(path: Path, document: Any) -> list[ImportedSession]:
+    session = require(path, document, "session", dict, "the export")
+    items = require(path, document, "messages", list, "the export")
+    if len(items) > MAX_MESSAGES:
+        raise BadFile(path, f"{len(items):,} messages is over the {MAX_MESSAGES:,} limit")
+    title = check_text(path, session.get("title"), "session.title")
+    assert title is not None
+    system = check_text(path, session.get("system_prompt"), "session.system_prompt", optional=True)
+    settings = check_settings(path, session.get("settings"), "session.settings")
+    meta = document.get("message_meta")
+    if meta is not None and not isinstance(meta, list):
+        raise BadFile(path, "message_meta is not a list")
+    messages: list[ImportedMessage] = []
+    for index, item in enumerate(items):
+        where = f"message {index + 1}"
+        role = require(path, item, "role", str, where)
+        content = check_text(path, item.get("content"), f"{where}.content")
+        assert content is not None
+        if role == "system":
+            if index == 0 and content == (system or ""):
+                continue  # the system prompt, repeated as the first message
+            raise BadFile(
+                path,
+                f"{where} is a system message after the start (kvchat keeps one system prompt)",
+            )
+        if role not in ("user", "assistant"):
+            raise BadFile(path, f"{where} has an unknown role {role!r}")
+        partial = item.get("partial", False)
+        if not isinstance(partial, bool):
+            raise BadFile(path, f"{where}.partial is not true or false")
+        created, tokens = None, 0
+        if meta is not None and len(messages) < len(meta) and isinstance(meta[len(messages)], dict):
+            entry = meta[len(messages)]
+            created = iso_time(entry.get("created"))
+            count = entry.get("token_count")
+            if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 1 << 31:
+                tokens = count
+        messages.append(ImportedMessage(role, content, partial, created, tokens))
+    source_id = session.get("id")
+    return [
+        ImportedSession(
+            title=title,
+            system_prompt=system or None,
+            settings=settings,
+            messages=messages,
+            source_key=f"kvchat:{source_id}" if isinstance(source_id, str) else None,
+            created=iso_time(session.get("created")),
+            updated=iso_time(session.get("updated")),
+        )
+    ]
