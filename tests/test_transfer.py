@@ -628,3 +628,6 @@ def test_a_bundle_from_other_settings_imports_text_only_with_the_reason(
     item = import_json(cli, tmp_path / "q8", bundle, "--kv-type", "q8_0")
     assert item["kv"]["tokens"] == 0
     assert "type_k=f16" in item["kv"]["reason"] and "type_k=q8_0" in item["kv"]["reason"]
+    text_only = import_json(cli, tmp_path / "text", bundle, "--no-kv")
+    assert text_only["kv"] == {"tokens": 0, "reason": "text only was asked for (--no-kv)"}
+    assert text_only["messages"] == item["messages"] == 2

@@ -34,9 +34,12 @@ def _line(item: Any, carries_kv: bool) -> str:
 @click.command(name="import")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--no-kv", is_flag=True, help="Take only the text of a bundle, not its KV.")
 @model_options
 @click.pass_context
-def import_cmd(ctx: click.Context, files: tuple[Path, ...], as_json: bool, **flags: Any) -> None:
+def import_cmd(
+    ctx: click.Context, files: tuple[Path, ...], as_json: bool, no_kv: bool, **flags: Any
+) -> None:
     """Import conversations: kvchat JSON exports and bundles, OpenAI-style JSON, a ChatGPT
     conversations.json, an llm logs.db.
 
@@ -51,7 +54,7 @@ def import_cmd(ctx: click.Context, files: tuple[Path, ...], as_json: bool, **fla
     with service(settings_from(ctx, **flags)) as chat:
         for path in files:
             try:
-                result = import_file(chat, path)
+                result = import_file(chat, path, kv=not no_kv)
             except KvchatError as exc:
                 errors.append({"file": str(path), "error": str(exc)})
                 if not as_json:

@@ -207,9 +207,12 @@ def _install_kv(
     return row.n_tokens, None
 
 
-def import_file(service: ChatService, path: Path) -> FileImport:
+def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImport:
     """Import every session in ``path``; raises :class:`BadFile` (a KvchatError naming the
-    file, one line) for a file that can't be imported, having stored nothing from it."""
+    file, one line) for a file that can't be imported, having stored nothing from it.
+
+    ``kv=False`` takes only the text of a bundle (its KV is as trustworthy as its maker).
+    """
     fd, info = _open_regular(path)
     with os.fdopen(fd, "rb") as fh:
         head = fh.read(16)
@@ -231,7 +234,9 @@ def import_file(service: ChatService, path: Path) -> FileImport:
             with bundle.open_bundle(path, fh, info.st_size) as opened:
                 _store_sessions(service, result, opened.sessions)
                 for item in result.sessions:
-                    if item.new:
+                    if item.new and not kv:
+                        item.kv_reason = "text only was asked for (--no-kv)"
+                    elif item.new:
                         item.kv_tokens, item.kv_reason = _install_kv(service, opened, item.session)
                     else:
                         item.kv_reason = "this conversation was imported before"
