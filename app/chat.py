@@ -8,6 +8,7 @@ runs every call that touches the engine on one worker thread.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -30,7 +31,7 @@ from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
 from kvchat.store.locks import SessionLocks
-from kvchat.store.store import StoreFull
+from kvchat.store.store import DamagedDatabase, StoreFull
 from kvchat.text import check_text, one_line
 from kvchat.turns import (
     SESSION_SETTINGS,
@@ -61,6 +62,8 @@ DEFAULT_TITLE = "New chat"
 LAST_SESSION_KEY = "last_session"
 # How long a turn waits for another process's turn on the same session before giving up.
 LOCK_WAIT_S = 3.0
+# Free space below which a disk counts as full (SQLite needs a few pages to open a file).
+FULL_BELOW_BYTES = 64 * 1024
 
 
 class ChatService:
@@ -82,6 +85,13 @@ class ChatService:
             self.store = Store(directory / "kvchat.db")
         except OSError as exc:
             raise KvchatError(_os_error("cannot open the database", exc)) from None
+        except (StoreFull, DamagedDatabase):
+            raise
+        except KvchatError as exc:
+            # SQLite reports a disk with no room for its shared-memory file as an I/O error.
+            if disk_full(directory):
+                raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
+            raise
         try:
             # The KV tiers (hot context, RAM, disk); tools that measure them use this directly.
             self.tiers = KVTiers.open(directory / "snapshots", self.store, settings)
@@ -215,9 +225,12 @@ class ChatService:
         return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
 
     def delete(self, session_id: str) -> None:
-        """Delete a session, its messages and its KV in every tier."""
-        self.tiers.forget(session_id)
-        self.store.delete_session(session_id)
+        """Delete a session, its messages and its KV in every tier (never under a turn that
+        another process is running on it: that raises ``SessionBusy``)."""
+        with self._turn_lock(session_id):
+            self.tiers.forget(session_id)
+            self.store.delete_session(session_id)
+        self.locks.remove(session_id)
 
     def export(self, session_id: str, fmt: ExportFormat) -> str:
         return export_session(
@@ -609,6 +622,17 @@ def _check_config(engine: Engine, wanted: Any) -> None:
     ]
     if differ:
         raise ValueError(f"the engine given to ChatService has other settings: {', '.join(differ)}")
+
+
+def disk_full(directory: Path) -> bool:
+    """Whether the filesystem holding ``directory`` (or its nearest parent) has no room."""
+    for place in (directory, *directory.parents):
+        try:
+            stat = os.statvfs(place)
+        except OSError:
+            continue
+        return stat.f_bavail * stat.f_frsize < FULL_BELOW_BYTES
+    return False
 
 
 def _os_error(what: str, exc: OSError) -> str:

@@ -231,6 +231,26 @@ def test_the_cli_turns_os_and_sqlite_errors_into_one_line(
         assert len(lines) == 1 and lines[0].startswith("kvchat: the disk is full"), lines
 
 
+def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
+    kvhome: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import kvchat.chat
+
+    ChatService(Settings()).close()  # the home exists
+
+    def io_error(self, path, **_kwargs):
+        raise KvchatError(f"database error in {path}: disk I/O error")
+
+    monkeypatch.setattr(Store, "__init__", io_error)
+    monkeypatch.setattr(kvchat.chat, "disk_full", lambda _directory: True)
+    for args in (["list"], ["cache"], ["export", "x"], ["ask", "Hi"], ["doctor"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "the disk" in lines[0] and "is full" in lines[0], lines
+    assert (kvhome / "kvchat.db").exists()  # doctor moved nothing aside
+
+
 # --- 3. one turn per session -----------------------------------------------------------------
 
 
@@ -250,6 +270,20 @@ def test_a_turn_holds_its_session_for_its_whole_length(service: ChatService, kvh
     assert seen
     with SessionLocks(kvhome / "locks").hold(session.id, wait_s=0):
         pass  # released after the turn
+
+
+def test_a_session_is_not_deleted_under_a_running_turn(kvhome: Path):
+    service = ChatService(Settings())
+    try:
+        session = service.new_session()
+        with SessionLocks(kvhome / "locks").hold(session.id):
+            with pytest.raises(KvchatError, match=f"process {os.getpid()}"):
+                service.delete(session.id)
+        assert [s.session.id for s in service.list_sessions()] == [session.id]
+        service.delete(session.id)
+        assert service.list_sessions() == []
+    finally:
+        service.close()
 
 
 @pytest.mark.e2e

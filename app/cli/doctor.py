@@ -17,6 +17,8 @@ from kvchat.text import one_line
 
 # Lines of what could not be read shown after a salvage (the count is always shown).
 SHOW_LOST = 10
+# SQLite's words for a file it could not read at all (permissions, I/O), which is no damage.
+UNREADABLE = ("disk I/O error", "unable to open database file", "readonly", "locked")
 
 
 @click.command(name="doctor")
@@ -31,9 +33,17 @@ def doctor(do_salvage: bool) -> None:
 
     Exit status 0: the database is sound (or was salvaged); 2: it is damaged.
     """
-    from kvchat.store.doctor import check, salvage  # here: `kvchat --version` opens no store
+    # Imported here: `kvchat --version` loads no store.
+    from kvchat.chat import disk_full
+    from kvchat.store.doctor import check, salvage
 
     path = data_dir() / "kvchat.db"
+    if path.exists() and disk_full(path.parent):
+        # SQLite cannot even read a WAL database without room for its shared-memory file:
+        # that is no damage, and salvaging now would make things worse.
+        raise KvchatError(
+            f"the disk holding {path} is full: free some space, then run `kvchat doctor` again"
+        )
     report = check(path)
     if report.ok:
         if not path.exists():
@@ -43,6 +53,11 @@ def doctor(do_salvage: bool) -> None:
         if do_salvage:
             click.echo("nothing to salvage: the database is sound")
         return
+    if any(sign in report.detail for sign in UNREADABLE):
+        raise KvchatError(
+            f"cannot read the database {path} ({one_line(report.detail)}); it is not known "
+            "to be damaged, so nothing was moved or salvaged"
+        )
     click.echo(f"damaged: {one_line(report.detail)}")
     if not do_salvage:
         raise KvchatError(
