@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Input, Label, Markdown, RadioButton, Text
 from kvchat.chat import ChatService
 from kvchat.config import Settings
 from kvchat.engine import Engine
-from kvchat.tui.app import KvchatApp
+from kvchat.tui.app import EXIT_FATAL, KvchatApp
 from kvchat.tui.main import MainScreen
 from kvchat.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, TextDialog
 from kvchat.tui.screens.error import ErrorScreen
@@ -207,8 +207,13 @@ async def test_sessions_new_switch_rename_delete(home: Path) -> None:
         # RAM when the service keeps one, else the file on disk), not re-read.
         started = time.perf_counter()
         main.open_session(first)  # what selecting it in the sidebar does
-        await wait_until(lambda: main.session_id == first and main.last_restore is not None
-                         and main.last_restore.source in ("ram", "disk"))
+        await wait_until(
+            lambda: (
+                main.session_id == first
+                and main.last_restore is not None
+                and main.last_restore.source in ("ram", "disk")
+            )
+        )
         assert main.last_restore.tokens > 0
         switch_s = time.perf_counter() - started
         assert switch_s < 10
@@ -271,10 +276,10 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         assert main.conversation.scroll_y >= 0  # not the anchor's negative offset
         assert area.y <= focused.region.y < area.bottom  # the hit is on screen
 
-        # Copy that message (c) and its code block (Ctrl+B: the focused message's only one).
+        # Copy that message (c) and its code block (F5: the focused message's only one).
         await pilot.press("c")
         assert app.clipboard.startswith("The **Eiffel tower**")
-        await pilot.press("ctrl+b")
+        await pilot.press("f5")
         await wait_until(lambda: app.clipboard == "print('Paris')")
         # Any other key typed on a message goes to the input.
         await pilot.press("o", "k")
@@ -304,7 +309,7 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
             out = tmp_path / f"out.{suffix}"
             path_input.value = str(out)
             await pilot.click("#export")
-            await wait_until(lambda: out.exists())
+            await wait_until(out.exists)
         assert (tmp_path / "out.md").read_text().startswith("# Travel")
         doc = json.loads((tmp_path / "out.json").read_text())
         assert doc["session"]["title"] == "Travel"
@@ -375,7 +380,7 @@ async def test_first_paint_and_typing_before_the_model_is_ready(home: Path) -> N
 async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model.gguf"
     app = make_app(model=str(missing))
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=SIZE):
         await wait_until(lambda: isinstance(app.screen, ErrorScreen))
         await wait_until(lambda: app.screen.query("#error-detail"))
         screen = app.screen
@@ -384,7 +389,7 @@ async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -
         assert "--model" in screen.query_one("#error-fix", Markdown).source
         app.simulate_key("q")
         await wait_until(lambda: app._closed)
-    assert app.return_code == 0
+    assert app.return_code == EXIT_FATAL  # a script sees that the app could not start
 
 
 async def test_not_a_gguf_file_shows_an_error_screen(home: Path, tmp_path: Path) -> None:
@@ -414,7 +419,10 @@ async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(ho
         await pilot.press(*'"line 3"', "enter")  # one hit: message 3, not among the last 60
         await wait_until(lambda: isinstance(app.focused, MessageView))
         assert isinstance(app.focused, MessageView) and app.focused.text == "line 3"
-        assert len(main.conversation.views) == 67
+        # A window around the hit (#4), not everything from it to the end.
+        views = main.conversation.views
+        assert len(views) == 12 and views[0].number == 2 and app.focused.number == 4
+        assert main.conversation.later == 70 - 13
 
 
 async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
@@ -438,9 +446,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         await wait_until(lambda: main.last_restore is not None and main._hot_id == branch)
         assert len(main.sessions.rows) == 2 and branch in {r.id for r in main.sessions.rows}
         stored = service_of(app).messages(branch)
-        assert [(m.role, m.content) for m in stored] == [
-            (m.role, m.content) for m in before[:2]
-        ]
+        assert [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in before[:2]]
         assert texts(main) == [(m.role, m.content) for m in before[:2]]
         # Not a full prefill: the shared prefix came from the original's snapshot.
         restore = main.last_restore
@@ -471,8 +477,9 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
 
         main.conversation.views[1].focus()  # a reply: not editable
         await pilot.press("e")
-        await wait_until(lambda: any("Only your own messages" in n.message
-                                     for n in app._notifications))
+        await wait_until(
+            lambda: any("Only your own messages" in n.message for n in app._notifications)
+        )
         assert app.screen is main
 
         main.conversation.views[0].focus()

@@ -25,8 +25,19 @@ def test_every_bound_action_exists() -> None:
         else:
             assert hasattr(MainScreen, f"action_{action}"), action
     keys = {b.key for b in bindings()}
-    expected = {"escape", "ctrl+n", "f2", "f8", "ctrl+f", "ctrl+s", "ctrl+g", "ctrl+r", "f1",
-                "ctrl+t", "f4"}
+    expected = {
+        "escape",
+        "ctrl+n",
+        "f2",
+        "f8",
+        "ctrl+f",
+        "ctrl+s",
+        "ctrl+g",
+        "ctrl+r",
+        "f1",
+        "ctrl+t",
+        "f4",
+    }
     assert expected | {"ctrl+q"} <= keys
 
 

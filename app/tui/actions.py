@@ -1,4 +1,4 @@
-"""The main screen's session actions (new, rename, delete, search, export, settings, copy).
+"""The main screen's session actions (new, rename, delete, search, export, settings).
 
 A mixin of MainScreen, kept apart so each file stays small. Like the rest of the UI it
 only presents: store-only calls go to the store thread, anything touching the engine to
@@ -7,16 +7,18 @@ the engine thread.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual import work
 
+from kvchat.config import data_dir, ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
-from kvchat.tui.format import code_blocks, shorten, slug, visible
+from kvchat.tui.format import shorten, slug, visible
+from kvchat.tui.presets import load_presets
 from kvchat.tui.screens.dialogs import (
-    CodePickerDialog,
     ConfirmDialog,
     ExportDialog,
     ExportRequest,
@@ -25,7 +27,6 @@ from kvchat.tui.screens.dialogs import (
     TextDialog,
 )
 from kvchat.tui.screens.search import SearchScreen
-from kvchat.tui.widgets.conversation import MessageView
 
 if TYPE_CHECKING:
     from kvchat.chat import SearchHit
@@ -108,13 +109,17 @@ class SessionActions(ScreenBase):
         if session_id is None:
             return
         request: ExportRequest | None = await self.app.push_screen_wait(
-            ExportDialog(Path.cwd(), slug(self._title(session_id)))
+            ExportDialog(exports_dir(), slug(self._title(session_id)))
         )
         if request is None:
             return
         try:
             text = await self.on_store(self.service.export, session_id, request.fmt)
-            await self.on_store(_write_text, request.path, text)
+            await self.on_store(_write_text, request.path, text, request.replace)
+        except FileExistsError:
+            message = f"Not exported: {request.path} exists now (export again to replace it)"
+            self.notify(message, severity="error", markup=False)
+            return
         except (KvchatError, OSError) as exc:
             message = f"Export failed: {getattr(exc, 'strerror', None) or exc}"
             self.notify(message, severity="error", markup=False)
@@ -130,9 +135,19 @@ class SessionActions(ScreenBase):
         session = await self.on_store(self.service.resolve, session_id)
         from kvchat.chat import SESSION_SETTINGS
 
-        defaults = {key: getattr(self.kv_app.settings, key) for key in SESSION_SETTINGS}
+        settings = self.kv_app.settings
+        defaults = {key: getattr(settings, key) for key in SESSION_SETTINGS}
+        presets, problem = await self.on_store(load_presets)
+        if problem:
+            self.notify(problem, severity="warning", markup=False)
         result: SessionSettings | None = await self.app.push_screen_wait(
-            SettingsDialog(visible(session.system_prompt or ""), dict(session.settings), defaults)
+            SettingsDialog(
+                visible(session.system_prompt or ""),
+                dict(session.settings),
+                defaults,
+                n_ctx=self.status.n_ctx or settings.n_ctx,
+                presets=presets,
+            )
         )
         if result is None:
             return
@@ -148,44 +163,18 @@ class SessionActions(ScreenBase):
             return
         self.notify("Session settings saved; they apply from the next reply")
 
-    # --- copy -----------------------------------------------------------------------------
 
-    def _selected_view(self) -> MessageView | None:
-        focused = self._focused_message()
-        if focused is not None:
-            return focused
-        views = self.conversation.views
-        replies = [v for v in views if v.role == "assistant" and not v.streaming]
-        return replies[-1] if replies else (views[-1] if views else None)
-
-    def action_copy_message(self) -> None:
-        view = self._selected_view()
-        if view is None or not view.text:
-            self.notify("No message to copy", severity="warning")
-            return
-        self._copy(view.text, "message")
-
-    @work(group="action", exit_on_error=False)
-    async def action_copy_code(self, view: MessageView | None = None) -> None:
-        focused = view or self._focused_message()
-        sources = [focused] if focused is not None else self.conversation.views
-        blocks = [b for v in sources for b in code_blocks(v.text)]
-        if not blocks:
-            self.notify("No code block to copy", severity="warning")
-            return
-        if len(blocks) == 1:
-            self._copy(blocks[0], "code block")
-            return
-        picked = await self.app.push_screen_wait(CodePickerDialog(blocks[::-1]))
-        if picked is not None:
-            self._copy(picked, "code block")
-
-    def _copy(self, text: str, what: str) -> None:
-        self.app.copy_to_clipboard(text)
-        lines = text.count("\n") + 1
-        self.notify(f"Copied the {what} ({lines} line{'s' if lines != 1 else ''})")
+def _write_text(path: Path, text: str, replace: bool) -> None:
+    """Write an export readable by its owner only; never over a file unless ``replace``."""
+    if path.parent == exports_dir():
+        ensure_private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    with os.fdopen(os.open(path, flags, 0o600), "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+def exports_dir() -> Path:
+    """Where exports go by default: ``exports/`` in the data directory."""
+    return data_dir() / "exports"

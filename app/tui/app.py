@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from kvchat.chat import ChatService
 
 ASSETS = resources.files("kvchat.assets")
+# The exit status after an error screen: like the CLI's for an error meant for users.
+EXIT_FATAL = 2
 
 
 class KvchatApp(App[None]):
@@ -48,6 +50,9 @@ class KvchatApp(App[None]):
         self._closing = False
         self._closed = False
         self._shut_down = False
+        # An error screen was shown (the model or the data could not be opened): quitting
+        # then exits with EXIT_FATAL, so scripts and shells see the failure.
+        self.fatal = False
         # Failures of background work, shown as notices (tests assert it stays empty).
         self.worker_errors: list[BaseException] = []
 
@@ -78,6 +83,7 @@ class KvchatApp(App[None]):
         self.show_fatal("The model could not be loaded", str(exc))
 
     def show_fatal(self, title: str, detail: str) -> None:
+        self.fatal = True
         self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
 
     # --- quit -----------------------------------------------------------------------------
@@ -97,7 +103,7 @@ class KvchatApp(App[None]):
         if self.service is not None and not self._closed:
             main.status.set_turn("saving the session's memory…", "busy")
             await self.engine_thread.run(self._close_service)
-        self.exit()
+        self.exit(return_code=EXIT_FATAL if self.fatal else 0)
 
     def _close_service(self) -> None:
         if self.service is not None and not self._closed:
@@ -125,9 +131,14 @@ class KvchatApp(App[None]):
         self.shutdown()
 
 
-def run_app(settings: Settings) -> None:
+def run_app(settings: Settings) -> int:
+    """Run the app; exit the process with EXIT_FATAL after an error screen, else return 0."""
     app = KvchatApp(settings)
     try:
         app.run()
     finally:
         app.shutdown()
+    code = app.return_code or 0
+    if code:
+        raise SystemExit(code)
+    return code

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from textual.screen import Screen
     from textual.worker import Worker
 
-    from kvchat.chat import ChatService
+    from kvchat.chat import ChatService, TurnReport
     from kvchat.tui.app import KvchatApp
     from kvchat.tui.main import ActiveTurn
     from kvchat.tui.widgets.sidebar import SessionRow
@@ -37,6 +37,8 @@ class ScreenBase(_Base):
         ready: bool
         _shown_id: str | None
         _hot_id: str | None
+        # The figures of the turns of this run, by the id of the reply each produced.
+        turn_figures: dict[int, TurnReport]
 
         async def refresh_sessions(self) -> None: ...
         def _session_rows(self) -> list[SessionRow]: ...
@@ -45,6 +47,7 @@ class ScreenBase(_Base):
             self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
         ) -> Worker[None]: ...
         def run_turn(self, turn: ActiveTurn) -> Worker[None]: ...
+        async def _stored_id(self, view: MessageView) -> int | None: ...
 
     @property
     def kv_app(self) -> KvchatApp:

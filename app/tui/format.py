@@ -17,7 +17,7 @@ _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \
 
 
 def ago(stamp: str, now: datetime | None = None) -> str:
-    """ "just now", "5m ago", "3h ago", "yesterday", "4d ago" or the date."""
+    """ "now", "5m ago", "3h ago", "yesterday", "4d ago" or the date (short: a sidebar line)."""
     try:
         then = datetime.fromisoformat(stamp)
     except ValueError:
@@ -26,7 +26,7 @@ def ago(stamp: str, now: datetime | None = None) -> str:
         then = then.replace(tzinfo=UTC)
     seconds = ((now or datetime.now(UTC)) - then).total_seconds()
     if seconds < 60:
-        return "just now"
+        return "now"
     if seconds < 3600:
         return f"{int(seconds // 60)}m ago"
     if seconds < 86400:
@@ -60,13 +60,54 @@ def restore_phrase(result: RestoreResult) -> str:
 
 
 def saved_phrase(report: TurnReport) -> str:
-    """What happened to the turn's snapshot, e.g. "saved to disk (1.7 MB, 9 ms)"."""
+    """What the turn wrote to disk, e.g. "wrote 1.0 MiB to disk in 9 ms".
+
+    What was written (only new chunks), not the snapshot's size: a long session's
+    snapshot is large while a turn adds little to it.
+    """
     snap = report.snapshot
     if snap.error:
         return "not saved to disk (see the notice)"
+    if snap.written:
+        return f"wrote {human_bytes(snap.written)} to disk in {snap.ms:,.0f} ms"
     if snap.bytes:
-        return f"saved to disk ({human_bytes(snap.bytes)}, {snap.ms:,.0f} ms)"
+        return "saved: nothing new to write to disk"
     return "not saved yet"
+
+
+FINISH_PHRASES = {
+    "stop": "the model finished",
+    "length": "stopped at the token limit",
+    "cancelled": "stopped (Esc)",
+    "context": "stopped: the context was full",
+}
+
+
+def local_time(stamp: str) -> str:
+    """A stored UTC time as local time, e.g. "2025-06-01 14:03:05"."""
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    return then.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def turn_lines(report: TurnReport) -> list[str]:
+    """The figures of the turn that produced a reply, one per line."""
+    tokens = report.tokens
+    speed = f" at {report.tokens_per_s:,.1f} tok/s" if report.tokens_per_s else ""
+    lines = [f"Generated: {tokens.generated:,} tokens{speed}"]
+    if report.ttft_ms is not None:
+        lines.append(f"First token after: {report.ttft_ms:,.0f} ms")
+    lines.append(
+        f"Prompt: {tokens.prompt:,} tokens ({tokens.reused:,} reused, {tokens.decoded:,} decoded)"
+    )
+    lines.append(f"KV: {restore_phrase(report.restore)}")
+    lines.append(f"Saved: {saved_phrase(report)}")
+    lines.append(f"Ended: {FINISH_PHRASES.get(report.finish_reason, report.finish_reason)}")
+    return lines
 
 
 def hard_breaks(text: str) -> str:

@@ -46,7 +46,14 @@ KEYS: tuple[Key, ...] = (
     Key("ctrl+t", "Ctrl+T", "branch", "Branch a new session at the selected message (or the last)"),
     Key("f4", "F4", "edit_message", "Edit your selected (or last) message: new branch, new reply"),
     Key("ctrl+o", "Ctrl+O", "copy_message", "Copy the selected message (or the last reply)"),
-    Key("ctrl+b", "Ctrl+B", "copy_code", "Copy a code block (of the selected message, or any)"),
+    # Not Ctrl+B: it is tmux's prefix key. F5 is bound neither by tmux nor by Textual's inputs.
+    Key("f5", "F5", "copy_code", "Copy a code block (of the selected message, or any)"),
+    Key(
+        "f3",
+        "F3",
+        "message_details",
+        "Time and figures of the selected message (or the last reply)",
+    ),
     Key("ctrl+l", "Ctrl+L", "focus_sessions", "Go to the sessions list (Enter opens a session)"),
     Key(
         "",
@@ -57,9 +64,16 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "",
-        "c / b (on a message)",
+        "↑ / ↓ (on a message)",
         None,
-        "Copy that message / one of its code blocks",
+        "Previous / next message (↓ past the last one: the input)",
+        palette=False,
+    ),
+    Key(
+        "",
+        "c / b / i (on a message)",
+        None,
+        "Copy that message / a code block of it / show its details",
         palette=False,
     ),
     Key(

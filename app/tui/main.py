@@ -9,14 +9,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
@@ -25,6 +27,7 @@ from kvchat.tui.actions import SessionActions
 from kvchat.tui.branches import BranchActions
 from kvchat.tui.format import restore_phrase, saved_phrase
 from kvchat.tui.keys import bindings
+from kvchat.tui.messages import MessageActions
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
@@ -59,7 +62,7 @@ class ActiveTurn:
     started: float = field(default_factory=time.perf_counter)
 
 
-class MainScreen(SessionActions, BranchActions, Screen[None]):
+class MainScreen(SessionActions, BranchActions, MessageActions, Screen[None]):
     """Sessions sidebar, conversation, input and status bar; every key of the key table."""
 
     BINDINGS: ClassVar[list[BindingType]] = [*bindings()]
@@ -77,6 +80,8 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
         self.last_report: TurnReport | None = None
         self.last_restore: RestoreResult | None = None
         self.last_switch_ms: float | None = None
+        self.last_jump_ms: float | None = None
+        self.turn_figures: dict[int, TurnReport] = {}
         self._flusher: Timer | None = None
 
     def compose(self) -> ComposeResult:
@@ -144,7 +149,14 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
 
     async def refresh_sessions(self) -> None:
         rows = await self.on_store(self._session_rows)
-        await self.sessions.show(rows, self.session_id)
+        await self.sessions.show(self._with_context(rows), self.session_id)
+
+    def _with_context(self, rows: list[SessionRow]) -> list[SessionRow]:
+        """The open session's row with the context gauge's figure: one number for both."""
+        if self._hot_id is None or self._hot_id != self.session_id:
+            return rows
+        used = self.status.used
+        return [replace(r, context=used) if r.id == self._hot_id else r for r in rows]
 
     def _session_rows(self) -> list[SessionRow]:
         service = self.service
@@ -192,17 +204,35 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             self.status.set_turn("")
         self.session_id = session_id
         self.sessions.highlight(session_id)
-        if session_id != self._shown_id or highlight is not None:
+        started = time.perf_counter()
+        shown = session_id == self._shown_id
+        if not shown or (highlight is not None and self.conversation.find(highlight) is None):
             self._shown_id = None
             messages: list[Message] = await self.on_store(self.service.messages, session_id)
-            await self.conversation.show(messages, include=highlight)
+            # One batch for the new messages and the scroll to the hit: no frame between.
+            with self.app.batch_update():
+                await self.conversation.show(messages, around=highlight)
+                if highlight is not None:
+                    self._jump_to(highlight)
             self._shown_id = session_id
-        if highlight is not None:
+        elif highlight is not None:
             self._jump_to(highlight)
+        if highlight is not None:
+            self.last_jump_ms = (time.perf_counter() - started) * 1000
         elif focus_prompt:
             self.prompt.focus()
         if self.ready and session_id != self._hot_id:
             await self._make_hot(session_id)
+
+    async def show_latest(self, focus_last: bool = False) -> None:
+        """Show the session's latest messages again (after a jump left them out)."""
+        if self.session_id is None:
+            return
+        messages = await self.on_store(self.service.messages, self.session_id)
+        await self.conversation.show(messages)
+        last = self.conversation.last_view
+        if focus_last and last is not None:
+            last.focus()
 
     def _jump_to(self, message_id: int) -> None:
         view = self.conversation.find(message_id)
@@ -213,7 +243,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
         self.conversation.anchor(False)
         self.conversation.scroll_to(y=0, animate=False, force=True, immediate=True)
         self.conversation.scroll_to_widget(view, animate=False, top=True, immediate=True)
-        view.focus(scroll_visible=False)
+        self.set_focus(view, scroll_visible=False)  # now, not after a refresh: one frame
         view.add_class("-hit")
         self.set_timer(4, lambda: view.remove_class("-hit"))
 
@@ -257,6 +287,8 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
                 turn.session_id = self.session_id = await self._new_session_id()
                 self._shown_id = turn.session_id
                 self.request_refresh()
+            if conversation.later:  # a jump left the latest messages out: back to them
+                await self.show_latest()
             if turn.kind == "send":
                 assert turn.text is not None
                 await conversation.add(MessageView("user", turn.text))
@@ -318,7 +350,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             return
         turn.pieces += len(chunks)
         if not turn.cancel.is_set():
-            self.status.set_turn(f"generating · {turn.pieces} tokens  (Esc stops)", "busy")
+            self.status.set_turn(f"generating · {turn.pieces:,} tokens  (Esc stops)", "busy")
         await turn.view.write("".join(chunks))
 
     async def _finish_turn(self, turn: ActiveTurn, report: TurnReport, used: int) -> None:
@@ -332,6 +364,7 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             if report.finish_reason == "cancelled":
                 self.notify("Stopped before the first token: no reply to keep")
         else:
+            self.turn_figures[report.message_id] = report
             await view.finish(
                 text=report.reply, message_id=report.message_id, partial=report.partial
             )
@@ -365,6 +398,18 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             self.action_copy_code(event.view)
         elif event.view.text:
             self._copy(event.view.text, "message")
+
+    @on(MessageView.DetailsRequested)
+    def _details_requested(self, event: MessageView.DetailsRequested) -> None:
+        self.action_message_details(event.view)
+
+    @on(Conversation.LatestRequested)
+    async def _latest_requested(self) -> None:
+        await self.show_latest(focus_last=True)
+
+    @on(Conversation.LeaveRequested)
+    def _leave_requested(self) -> None:
+        self.prompt.focus()
 
     @on(MessageView.BranchRequested)
     def _branch_requested(self, event: MessageView.BranchRequested) -> None:
@@ -400,6 +445,16 @@ class MainScreen(SessionActions, BranchActions, Screen[None]):
             )
 
     # --- other ----------------------------------------------------------------------------
+
+    @property
+    def focus_chain(self) -> list[Widget]:
+        """Tab stops: the messages count as one (see Conversation.tab_stop); ↑/↓ move in them."""
+        chain = super().focus_chain
+        try:
+            stop = self.conversation.tab_stop()
+        except NoMatches:  # not composed yet, or being torn down
+            return chain
+        return [w for w in chain if not isinstance(w, MessageView) or w is stop]
 
     def action_focus_sessions(self) -> None:
         self.sessions.focus()

@@ -13,13 +13,24 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, RadioButton, RadioSet, TextArea
+from textual.widgets import (
+    Button,
+    Input,
+    Label,
+    OptionList,
+    RadioButton,
+    RadioSet,
+    Select,
+    TextArea,
+)
 from textual.widgets.option_list import Option
 
+from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.tui.format import shorten
 from kvchat.tui.widgets.prompt import PromptInput
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
+INTEGER_SETTINGS = frozenset({"max_tokens", "seed"})
 
 
 class Dialog(ModalScreen[Any]):
@@ -124,14 +135,27 @@ class EditDialog(Dialog):
 class ExportRequest:
     fmt: str
     path: Path
+    replace: bool = False  # the user agreed to replace an existing file
+
+
+def free_path(path: Path) -> Path:
+    """``path`` if no file has that name, else the first free ``stem-2``, ``stem-3``…"""
+    if not path.exists():
+        return path
+    n = 2
+    while (candidate := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
 
 
 class ExportDialog(Dialog):
-    """Choose a format and a path; the file name follows the format until edited."""
+    """Choose a format and a path. The default is a free name in ``default_dir`` that follows
+    the format; an existing file is replaced only after asking."""
 
     def __init__(self, default_dir: Path, stem: str) -> None:
         super().__init__(classes="dialog-screen")
         self.default_dir, self.stem = default_dir, stem
+        self._auto = str(free_path(default_dir / f"{stem}.md"))
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -140,13 +164,16 @@ class ExportDialog(Dialog):
                 for i, fmt in enumerate(FORMAT_NAMES):
                     yield RadioButton(FORMAT_NAMES[fmt], value=i == 0, name=fmt)
             yield Label("Save to:", classes="dialog-detail")
-            yield Input(str(self.default_dir / f"{self.stem}.md"), id="path")
+            # Not select-all on focus: a typed key edits the path instead of replacing it.
+            yield Input(self._auto, id="path", select_on_focus=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Export", variant="primary", id="export")
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one("#path", Input).focus()
+        path_input = self.query_one("#path", Input)
+        path_input.focus()
+        path_input.cursor_position = len(path_input.value)
 
     @property
     def fmt(self) -> str:
@@ -156,6 +183,10 @@ class ExportDialog(Dialog):
     @on(RadioSet.Changed)
     def _format_changed(self) -> None:
         path_input = self.query_one("#path", Input)
+        if path_input.value == self._auto:  # not edited: the default name for this format
+            self._auto = str(free_path(self.default_dir / f"{self.stem}.{self.fmt}"))
+            path_input.value = self._auto
+            return
         path = Path(path_input.value)
         if path.suffix.lstrip(".") in FORMAT_NAMES:
             path_input.value = str(path.with_suffix("." + self.fmt))
@@ -167,7 +198,28 @@ class ExportDialog(Dialog):
         if not value:
             self.notify("Choose a file to write", severity="warning")
             return
-        self.dismiss(ExportRequest(self.fmt, Path(value).expanduser()))
+        path = Path(value).expanduser()
+        if path.is_dir():
+            self.notify(f"{path} is a folder: add a file name", severity="warning", markup=False)
+            return
+        if not path.exists():
+            self.dismiss(ExportRequest(self.fmt, path))
+            return
+
+        def answered(replace: bool | None) -> None:
+            if replace:
+                self.dismiss(ExportRequest(self.fmt, path, replace=True))
+            else:
+                self.query_one("#path", Input).focus()
+
+        self.app.push_screen(
+            ConfirmDialog(
+                f"Replace {shorten(path.name, 40)}?",
+                f"{path} exists. Replace it with this export?",
+                yes="Replace",
+            ),
+            answered,
+        )
 
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
@@ -181,35 +233,63 @@ class SessionSettings:
 
 
 class SettingsDialog(Dialog):
-    """The session's system prompt and sampling overrides; an empty field means the default."""
+    """The session's system prompt (typed, or from a preset) and sampling overrides; an
+    empty field means the default. Values outside kvchat.limits' ranges are refused."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", show=False)]
 
     def __init__(
-        self, system_prompt: str, values: dict[str, Any], defaults: dict[str, Any]
+        self,
+        system_prompt: str,
+        values: dict[str, Any],
+        defaults: dict[str, Any],
+        *,
+        n_ctx: int | None = None,
+        presets: dict[str, str] | None = None,
     ) -> None:
-        """``defaults``: the app-wide value of every setting a session may override."""
+        """``defaults``: the app-wide value of every setting a session may override;
+        ``n_ctx``: the context length (bounds max_tokens); ``presets``: name → prompt."""
         super().__init__(classes="dialog-screen")
         self.system_prompt, self.values, self.defaults = system_prompt, values, defaults
         self.keys = tuple(defaults)
+        self.n_ctx = n_ctx
+        self.presets = presets or {}
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog -wide", id="settings-dialog"):
             yield Label("Session settings", classes="dialog-title")
-            yield Label("System prompt (empty: the app default)", classes="dialog-detail")
+            if self.presets:
+                current = next(
+                    (n for n, p in self.presets.items() if p == self.system_prompt.strip()),
+                    Select.NULL,
+                )
+                yield Select(
+                    [(name, name) for name in self.presets],
+                    prompt="Preset: pick a system prompt",
+                    value=current,
+                    id="preset",
+                    compact=True,
+                )
+            yield Label(
+                "System prompt (empty: the app default; add presets under [presets] in "
+                "the config file)",
+                classes="dialog-detail",
+            )
             yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
             with Grid(id="sampling"):
                 for key in self.keys:
                     value = self.values.get(key)
                     default = self.defaults.get(key)
+                    shown = "random" if default is None else default
                     yield Label(key.replace("_", " "))
                     yield Input(
                         "" if value is None else str(value),
-                        placeholder=f"default: {'random' if default is None else default}",
+                        placeholder=f"default {shown} · {RANGE_TEXT.get(key, '')}",
                         id=f"set-{key}",
-                        type="integer" if key in ("max_tokens", "seed") else "number",
+                        type="integer" if key in INTEGER_SETTINGS else "number",
                         compact=True,
                     )
+            yield Label("", id="settings-error", markup=False)
             yield Label("Ctrl+S saves · Esc cancels", classes="dialog-hint")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -218,6 +298,18 @@ class SettingsDialog(Dialog):
     def on_mount(self) -> None:
         self.query_one("#system-prompt", TextArea).focus()
 
+    @on(Select.Changed, "#preset")
+    def _preset_picked(self, event: Select.Changed) -> None:
+        if isinstance(event.value, str) and event.value in self.presets:
+            self.query_one("#system-prompt", TextArea).text = self.presets[event.value]
+
+    def _refuse(self, key: str, problem: str) -> None:
+        error = self.query_one("#settings-error", Label)
+        error.update(problem)
+        error.add_class("-shown")
+        self.notify(problem, severity="error", markup=False)
+        self.query_one(f"#set-{key}", Input).focus()
+
     def action_save(self) -> None:
         values: dict[str, Any] = {}
         for key in self.keys:
@@ -225,13 +317,13 @@ class SettingsDialog(Dialog):
             if not raw:
                 continue
             try:
-                value: float | int = int(raw) if key in ("max_tokens", "seed") else float(raw)
+                value: float | int = int(raw) if key in INTEGER_SETTINGS else float(raw)
             except ValueError:
-                self.notify(f"{key} must be a number", severity="error")
+                self._refuse(key, f"{key} must be a number ({RANGE_TEXT.get(key, '')})")
                 return
-            problem = _check(key, value)
+            problem = sampling_problem(key, value, self.n_ctx)
             if problem:
-                self.notify(problem, severity="error")
+                self._refuse(key, problem)
                 return
             values[key] = value
         prompt = self.query_one("#system-prompt", TextArea).text.strip()
@@ -244,18 +336,6 @@ class SettingsDialog(Dialog):
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
-
-
-def _check(key: str, value: float) -> str | None:
-    if key == "temperature" and value < 0:
-        return "temperature must be 0 or more (0: greedy)"
-    if key == "top_p" and not 0 < value <= 1:
-        return "top p must be in (0, 1]"
-    if key == "max_tokens" and value < 1:
-        return "max tokens must be at least 1"
-    if key == "seed" and value < 0:
-        return "seed must be 0 or more"
-    return None
 
 
 class CodePickerDialog(Dialog):
@@ -273,7 +353,7 @@ class CodePickerDialog(Dialog):
                     Option(
                         Content(
                             f"{i + 1}. {shorten(b.splitlines()[0] if b else '', 60)} "
-                            f"({len(b.splitlines())} lines)"
+                            f"({len(b.splitlines()):,} lines)"
                         ),
                         id=str(i),
                     )

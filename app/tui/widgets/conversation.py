@@ -11,6 +11,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
+from textual.widget import Widget
 from textual.widgets import Label, Markdown
 from textual.widgets._markdown import MarkdownStream
 
@@ -32,6 +33,10 @@ def message_parser() -> MarkdownIt:
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
 SHOWN = 60
+# A jump to a message shows this many before it and fills the rest of a window after it,
+# so that it costs the same in a session of any length.
+BEFORE_HIT = 2
+HIT_WINDOW = 12
 
 WELCOME = """\
 # Welcome to kvchat
@@ -47,16 +52,21 @@ The status bar shows where that memory came from on every turn.
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message. Focus it (click or Tab) to copy it with ``c`` or a code block with ``b``,
-    branch a new session from it with ``f``, or edit it (your messages) with ``e``."""
+    """One message, headed by its role and its number in the session (``#3``: what
+    ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
+    or a code block with ``b``, see its details with ``i``, branch a new session from it
+    with ``f``, or edit it (your messages) with ``e``."""
 
     BINDINGS = [
         Binding("c", "copy", "Copy message", show=False),
         Binding("b", "copy_code", "Copy code block", show=False),
+        Binding("i", "details", "Message details", show=False),
         Binding("f", "branch", "Branch from here", show=False),
         Binding("e", "edit", "Edit message", show=False),
+        Binding("up", "move(-1)", "Previous message", show=False),
+        Binding("down", "move(1)", "Next message", show=False),
     ]
-    OWN_KEYS = frozenset({"c", "b", "f", "e"})
+    OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
 
     @dataclass
     class CopyRequested(TextualMessage):
@@ -76,6 +86,12 @@ class MessageView(Vertical, can_focus=True):
         view: MessageView
 
     @dataclass
+    class DetailsRequested(TextualMessage):
+        """``i``: show this message's time and its turn's figures."""
+
+        view: MessageView
+
+    @dataclass
     class TypedAhead(TextualMessage):
         """A printable key that is not one of this widget's keys: it belongs in the input."""
 
@@ -89,6 +105,7 @@ class MessageView(Vertical, can_focus=True):
         message_id: int | None = None,
         partial: bool = False,
         streaming: bool = False,
+        number: int | None = None,
     ) -> None:
         super().__init__(classes=f"message -{role}" + (" -partial" if partial else ""))
         self.role = role
@@ -96,11 +113,18 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self.partial = partial
         self.streaming = streaming
+        self.number = number  # 1-based position in the session's messages
         self.stream: MarkdownStream | None = None
 
     @classmethod
-    def from_message(cls, message: Message) -> MessageView:
-        return cls(message.role, message.content, message_id=message.id, partial=message.partial)
+    def from_message(cls, message: Message, number: int | None = None) -> MessageView:
+        return cls(
+            message.role,
+            message.content,
+            message_id=message.id,
+            partial=message.partial,
+            number=number,
+        )
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-role", markup=False)
@@ -115,6 +139,8 @@ class MessageView(Vertical, can_focus=True):
 
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)
+        if self.number is not None:
+            name = f"{name} · #{self.number}"
         if self.streaming:
             return f"{name} ▍"
         if self.partial:
@@ -157,6 +183,17 @@ class MessageView(Vertical, can_focus=True):
             event.prevent_default()
             self.post_message(self.TypedAhead(event.character))
 
+    def on_focus(self) -> None:
+        if isinstance(self.parent, Conversation):
+            self.parent.cursor = self
+
+    def action_move(self, step: int) -> None:
+        if isinstance(self.parent, Conversation):
+            self.parent.move(self, step)
+
+    def action_details(self) -> None:
+        self.post_message(self.DetailsRequested(self))
+
     def action_copy(self) -> None:
         self.post_message(self.CopyRequested(self, code=False))
 
@@ -170,35 +207,100 @@ class MessageView(Vertical, can_focus=True):
         self.post_message(self.EditRequested(self))
 
 
-class Conversation(VerticalScroll):
-    """The messages of the open session; stays scrolled to the end while a reply streams."""
+class Conversation(VerticalScroll, can_focus=False):
+    """The messages of the open session; stays scrolled to the end while a reply streams.
 
-    async def show(self, messages: list[Message], include: int | None = None) -> None:
-        """Show the last ``SHOWN`` messages (from message ``include`` on, if it is older)."""
-        await self.remove_children()
-        start = max(0, len(messages) - SHOWN)
-        if include is not None:
-            start = min(start, next((i for i, m in enumerate(messages) if m.id == include), start))
+    It shows a contiguous run of the session's messages: the latest ``SHOWN``, or a short
+    window around a message jumped to (then later messages are left out until ↓ past the
+    last one, or a new turn, shows the latest again). The messages are one stop for Tab
+    (the one last focused, else the last); ↑/↓ move between them.
+    """
+
+    @dataclass
+    class LatestRequested(TextualMessage):
+        """↓ past the last shown message while later ones are left out."""
+
+    @dataclass
+    class LeaveRequested(TextualMessage):
+        """↓ past the last message of the session: on to the input."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.first = 0  # messages of the session before the first one shown
+        self.later = 0  # messages of the session after the last one shown
+        self.cursor: MessageView | None = None
+
+    async def show(self, messages: list[Message], around: int | None = None) -> None:
+        """Show the last ``SHOWN`` messages, or a window around the message id ``around``."""
+        index = next((i for i, m in enumerate(messages) if m.id == around), None)
+        if index is not None:
+            start = max(0, index - BEFORE_HIT)
+            end = min(len(messages), start + HIT_WINDOW)
+        else:
+            start, end = max(0, len(messages) - SHOWN), len(messages)
+        self.first, self.later, self.cursor = start, len(messages) - end, None
+        widgets: list[Widget] = []
         if start:
             plural = "s" if start != 1 else ""
-            note = f"{start} earlier message{plural} not shown (Ctrl+S exports them all)"
-            await self.mount(Label(note, id="earlier", markup=False))
-        if messages:
-            await self.mount_all(MessageView.from_message(m) for m in messages[start:])
-        else:
-            await self.mount(Markdown(WELCOME, id="welcome"))
-        self.anchor()
+            note = f"{start:,} earlier message{plural} not shown (Ctrl+S exports them all)"
+            widgets.append(Label(note, id="earlier", classes="not-shown", markup=False))
+        widgets += [
+            MessageView.from_message(m, start + k + 1) for k, m in enumerate(messages[start:end])
+        ]
+        if self.later:
+            plural = "s" if self.later != 1 else ""
+            note = f"{self.later:,} later message{plural} not shown (↓ on the last one shows the latest)"
+            widgets.append(Label(note, id="later", classes="not-shown", markup=False))
+        if not messages:
+            widgets.append(Markdown(WELCOME, id="welcome"))
+        # One batch: the old messages stay on screen until the new ones are in place.
+        with self.app.batch_update():
+            await self.remove_children()
+            await self.mount_all(widgets)
+            self.anchor()
 
     async def add(self, view: MessageView) -> MessageView:
+        """Append a message (the caller shows the latest first when later ones are left out)."""
         for welcome in self.query("#welcome"):
             await welcome.remove()
+        if view.number is None:
+            last = self.last_view
+            view.number = (last.number or 0) + 1 if last is not None else self.first + 1
         await self.mount(view)
         self.anchor()
         return view
 
     @property
     def views(self) -> list[MessageView]:
-        return list(self.query(MessageView))
+        return [child for child in self.children if isinstance(child, MessageView)]
+
+    @property
+    def last_view(self) -> MessageView | None:
+        return next((c for c in reversed(self.children) if isinstance(c, MessageView)), None)
 
     def find(self, message_id: int) -> MessageView | None:
         return next((v for v in self.views if v.message_id == message_id), None)
+
+    def tab_stop(self) -> MessageView | None:
+        """The one message in the focus chain: the focused or last focused one, else the last."""
+        cursor = self.cursor
+        if cursor is not None and cursor.parent is self:
+            return cursor
+        return self.last_view
+
+    def move(self, view: MessageView, step: int) -> None:
+        """Focus the message ``step`` places from ``view``, scrolling it into sight."""
+        views = self.views
+        if view not in views:
+            return
+        index = views.index(view) + step
+        if index < 0:
+            self.scroll_home(animate=False)
+            return
+        if index >= len(views):
+            self.post_message(self.LatestRequested() if self.later else self.LeaveRequested())
+            return
+        target = views[index]
+        self.anchor(False)
+        target.focus(scroll_visible=False)
+        self.scroll_to_widget(target, animate=False, immediate=True)

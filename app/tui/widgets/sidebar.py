@@ -20,10 +20,26 @@ if TYPE_CHECKING:
 class SessionRow:
     summary: SessionSummary
     kv: str  # hot / ram / disk / none
+    context: int | None = None  # tokens in the live context (the open, hot session only)
 
     @property
     def id(self) -> str:
         return self.summary.session.id
+
+    @property
+    def tokens(self) -> int:
+        """The session's size in tokens, the figure the context gauge shows for it: the live
+        context when it is open, else its saved KV, else its messages' count."""
+        if self.context is not None:
+            return self.context
+        return self.summary.snapshot_tokens or self.summary.tokens
+
+    @property
+    def badge(self) -> str:
+        """Where its KV lives; ``none`` for a session with nothing in it, even the hot one."""
+        if self.summary.messages == 0 or (self.kv == "hot" and self.tokens == 0):
+            return "none"
+        return self.kv
 
 
 class SessionItem(ListItem):
@@ -49,12 +65,14 @@ class SessionItem(ListItem):
         self.row = row
         s = row.summary
         self.query_one(".session-title", Label).update(visible(s.session.title))
-        info = f"{ago(s.session.updated)} · {s.tokens:,} tok"
+        # The figure first: a narrow sidebar cuts the time, not the number.
+        info = f"{row.tokens:,} tok · {ago(s.session.updated)}"
         self.query_one(".session-info", Label).update(info)
         badge = self.query_one(".kv-badge", Label)
-        badge.update(KV_LABELS.get(row.kv, row.kv))
+        kind = row.badge
+        badge.update(KV_LABELS.get(kind, kind))
         for kv in KV_LABELS:
-            badge.set_class(kv == row.kv, f"kv-{kv}")
+            badge.set_class(kv == kind, f"kv-{kv}")
 
 
 class SessionList(ListView):
