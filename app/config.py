@@ -17,6 +17,13 @@ from pydantic import Field, PrivateAttr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvchat.errors import KvchatError
+from kvchat.limits import (
+    MAX_TOKENS_MIN,
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+    TOP_P_MAX,
+    TOP_P_MIN,
+)
 
 KvType = Literal["f16", "q8_0", "q4_0"]
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,9 +154,9 @@ class Settings(BaseSettings):
     type_k: KvType = "f16"
     type_v: KvType = "f16"
     flash_attn: bool = False
-    temperature: float = Field(default=0.7, ge=0.0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=512, ge=1)
+    temperature: float = Field(default=0.7, ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)
+    top_p: float = Field(default=0.95, gt=TOP_P_MIN, le=TOP_P_MAX)
+    max_tokens: int = Field(default=512, ge=MAX_TOKENS_MIN)
     seed: int | None = Field(default=None, description="sampling seed; unset: a new one each turn")
     system_prompt: str | None = None
     ram_cache_mib: int = Field(default=1024, ge=0, description="warm tier: RAM for recent sessions' KV")

@@ -58,7 +58,7 @@ class Message:
 class SearchHit:
     message: Message
     session_title: str
-    snippet: str
+    snippet: str  # the matching words are between \x02 and \x03 (never in text itself)
 
 
 def pack_tokens(tokens: list[int]) -> bytes:

@@ -412,7 +412,7 @@ class Store:
         rows = self._rows(
             """
             SELECT m.*, s.title AS session_title,
-                   snippet(messages_fts, 0, '[', ']', '…', 12) AS snippet
+                   snippet(messages_fts, 0, char(2), char(3), '…', 12) AS snippet
             FROM messages_fts
             JOIN messages m ON m.id = messages_fts.rowid
             JOIN sessions s ON s.id = m.session_id
