@@ -75,9 +75,10 @@ class ChatService:
         """``home`` overrides the data directory (the benchmark uses a scratch one).
 
         ``engine``: an engine already loaded (by a test suite, to load a model once for many
-        services) to use instead of creating one. Its config must be the one these settings
-        plan (checked when it is first used); its context is emptied then, and
-        :meth:`close` leaves it open: whoever created it closes it.
+        services) to use instead of creating one. It must be on the settings' model file and
+        have every context setting they set explicitly (n_ctx, KV types, ...; a ValueError
+        when it is first used otherwise); its context is emptied then, and :meth:`close`
+        leaves it open: whoever created it closes it.
         """
         self.settings = settings
         directory = home or data_dir()
@@ -116,7 +117,7 @@ class ChatService:
             planned = self.plan.apply(self.settings)
             if self._given_engine is not None:
                 engine = self._given_engine
-                _check_config(engine, engine_config(planned, path))
+                _check_config(engine, engine_config(planned, path), self.settings.model_fields_set)
                 engine.clear()  # another service's KV is not this one's
             else:
                 engine = create_engine(planned, path)
@@ -612,13 +613,20 @@ class ChatService:
         return engine.settle(len(prompt), target)
 
 
-def _check_config(engine: Engine, wanted: Any) -> None:
-    """An engine handed to the service must be the one its settings would open."""
+def _check_config(engine: Engine, wanted: Any, explicit: set[str]) -> None:
+    """An engine handed to the service must be on the same model file and have every
+    context setting these settings set (flags, environment, config file, arguments).
+
+    What the settings leave to the planner is the engine's: a plan made now could differ
+    from the one the engine was opened with (on a GPU, the engine itself uses the memory
+    the planner measures).
+    """
     have = engine.config
     differ = [
         f"{f.name}={getattr(have, f.name)!r} (wanted {getattr(wanted, f.name)!r})"
         for f in fields(wanted)
-        if getattr(have, f.name) != getattr(wanted, f.name)
+        if (f.name == "model_path" or f.name in explicit)
+        and getattr(have, f.name) != getattr(wanted, f.name)
     ]
     if differ:
         raise ValueError(f"the engine given to ChatService has other settings: {', '.join(differ)}")

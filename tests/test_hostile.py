@@ -373,6 +373,29 @@ def test_a_new_session_without_a_reply_is_not_kept(
     assert service.list_sessions() == []
 
 
+@pytest.mark.e2e
+def test_a_reader_that_goes_away_does_not_lose_the_reply(kvhome: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env["KVCHAT_HOME"] = str(kvhome)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvchat", "ask", "Count to ten.", *FAST],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stdout.read(1)
+    proc.stdout.close()  # like `| head -c 1`
+    stderr = proc.stderr.read().decode() if proc.stderr else ""
+    assert proc.wait(300) == 0 and "Traceback" not in stderr, stderr
+    service = ChatService(Settings())
+    try:
+        (summary,) = service.list_sessions()
+        assert summary.messages == 2
+    finally:
+        service.close()
+
+
 def _run_on_a_tty(home: Path, *args: str) -> tuple[int, str]:
     """Run `kvchat ARGS` with stdout on a pseudo-terminal; its exit status and output."""
     master, slave = pty.openpty()

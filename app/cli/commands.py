@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,9 +116,18 @@ def ask(
 
 
 def _stream(piece: str) -> None:
-    """Write a piece of the reply as it comes (on a terminal, never a control sequence)."""
-    sys.stdout.write(shown(piece))
-    sys.stdout.flush()
+    """Write a piece of the reply as it comes (on a terminal, never a control sequence).
+
+    When the reader goes away (``kvchat ask … | head -1``) the turn still ends and its
+    reply is stored: what is left goes to /dev/null.
+    """
+    try:
+        sys.stdout.write(shown(piece))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 @main.command(name="list")
