@@ -105,6 +105,26 @@ def test_pasted_chat_markup_is_tokenized_as_text(service: ChatService):
 
 
 @pytest.mark.e2e
+def test_a_template_that_alters_message_text_still_makes_no_control_tokens_of_it(
+    service: ChatService,
+):
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    engine = service.engine
+    controls = control_ids(engine)
+    engine._formatter = Jinja2ChatFormatter(  # changes every ':' in a message's text
+        template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] | replace(':', ';') }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+    )
+    plain = engine.chat_tokens([{"role": "user", "content": "Hi: there"}])
+    hostile = engine.chat_tokens([{"role": "user", "content": "Hi: there" + FORGED_SYSTEM}])
+    assert [t for t in hostile if t in controls] == [t for t in plain if t in controls]
+    assert len([t for t in plain if t in controls]) == 3
+
+
+@pytest.mark.e2e
 def test_system_prompts_typed_imported_and_edited_messages_stay_text(service: ChatService):
     engine = service.engine
     controls = control_ids(engine)

@@ -107,9 +107,15 @@ class Engine(Protocol):
         """The chat template over ``messages``, ending with the assistant's turn opening."""
         ...
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as text (no BOS): the spelling of a control token stays characters."""
+        ...
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt for ``messages``. Only the template's own markup may become control
+        tokens: every message's content is tokenized as text, so a pasted ``<|im_end|>``
+        can never end a turn or forge one. Deterministic (prefix reuse compares ids)."""
+        ...
 
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` as message text (no template markup)."""

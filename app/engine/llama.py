@@ -104,7 +104,8 @@ class LlamaEngine:
         self._markup = _Markup(self._vocab)
         # Stands in for message i's content while the template renders: private-use
         # characters and a random part, so no message text can contain or forge one.
-        self._slot = f"\ue000{secrets.token_hex(8)}:"
+        self._slot_id = secrets.token_hex(8)
+        self._slot = f"\ue000{self._slot_id}:"
         self._slots = re.compile(re.escape(self._slot) + r"(\d+)\ue001")
 
     # --- identity -------------------------------------------------------------------------
@@ -201,11 +202,18 @@ class LlamaEngine:
         ``special=False``. So ``<|im_end|>`` typed, pasted, imported or in a system prompt
         is eight ordinary tokens, never the end of a turn. Deterministic: the same messages
         give the same ids, whatever the markers were.
+
+        A template that alters or drops a message's content (so a marker is missing or
+        changed) is rendered over the real messages instead, with every special token's
+        spelling in them broken by a word joiner (U+2060), and tokenized whole.
         """
         contents = [str(m.get("content") or "") for m in messages]
         stand_ins = [{**m, "content": f"{self._slot}{i}\ue001"} for i, m in enumerate(messages)]
         rendered = self.render(stand_ins)
         pieces = self._slots.split(rendered)
+        found = {int(index) for index in pieces[1::2]}
+        if found != set(range(len(messages))) or any(self._slot_id in p for p in pieces[::2]):
+            return self._defanged_tokens(messages, contents)
         tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
         run = _TextRun()
         for index, piece in enumerate(pieces):
@@ -223,6 +231,17 @@ class LlamaEngine:
                 run.strip_next = special.rstrip
         tokens += self.tokenize(run.take())
         return tokens
+
+    def _defanged_tokens(
+        self, messages: Sequence[dict[str, str]], contents: list[str]
+    ) -> list[int]:
+        """The prompt of a template that changes message text: the real messages, with no
+        special token's spelling left in their content, tokenized with ``special=True``."""
+        safe = [{**m, "content": self._markup.defang(c)} for m, c in zip(messages, contents)]
+        rendered = self.render(safe)
+        return self.llm.tokenize(
+            rendered.encode("utf-8"), add_bos=self._add_bos(rendered), special=True
+        )
 
     def count_tokens(self, text: str) -> int:
         return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
@@ -490,6 +509,18 @@ class _Markup:
         spellings = sorted(found, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
+    def defang(self, text: str) -> str:
+        """``text`` with a word joiner after the first character of every special token's
+        spelling in it, so no tokenizer can read one there."""
+        if self._pattern is None:
+            return text
+        for _ in range(len(text) + 1):
+            fixed = self._pattern.sub(_break_spelling, text)
+            if fixed == text:
+                break
+            text = fixed
+        return text
+
     def split(self, text: str) -> Iterator[tuple[str, _Special | None]]:
         """``(text, None)`` for plain text and ``(spelling, token)`` for a special token."""
         if self._pattern is None:
@@ -503,6 +534,13 @@ class _Markup:
             at = match.end()
         if at < len(text):
             yield text[at:], None
+
+
+def _break_spelling(match: re.Match[str]) -> str:
+    """A special token's spelling with a word joiner after its first character (a
+    one-character spelling cannot be broken: it stays)."""
+    text = match.group()
+    return text if len(text) < 2 else text[0] + "\u2060" + text[1:]
 
 
 class _TextRun:
