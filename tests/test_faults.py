@@ -17,6 +17,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,10 @@ def _kill_campaign(
 ) -> list[KillOutcome]:
     rng = random.Random(seed)
     home = tmp_path / "killed"
+    started = time.monotonic()
     first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
+    # Kill points spread over one whole turn's time on this machine, however fast it is.
+    turn_s = time.monotonic() - started
     session = first["session"]
     # A long session for forks: a fork copies every message.
     service = ChatService(Settings(), home=home)
@@ -133,7 +137,7 @@ def _kill_campaign(
     kinds = ["turn"] * n_turns + ["fork"] * n_forks + ["gc"] * n_gcs
     rng.shuffle(kinds)
     for i, kind in enumerate(kinds):
-        delay = rng.uniform(0.2, 4.0)
+        delay = rng.uniform(0.05, 0.95) * turn_s
         if kind == "turn":
             text = f"Question number {i}?"
             sent.append(text)
@@ -174,7 +178,7 @@ def _kill_campaign(
 def test_kills_during_turns_forks_and_gc(tmp_path: Path):
     outcomes = _kill_campaign(tmp_path, n_turns=14, n_forks=4, n_gcs=4, seed=9)
     assert len(outcomes) >= 20
-    assert sum(o.exited is None for o in outcomes) >= 10  # most were really killed mid-way
+    assert sum(o.exited is None for o in outcomes) >= len(outcomes) // 2  # most died mid-way
 
 
 @pytest.mark.stress
