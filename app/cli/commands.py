@@ -17,7 +17,7 @@ from kvchat.cli.models import models_group
 from kvchat.cli.transfer import export_bundle, import_cmd
 from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
-from kvchat.text import one_line
+from kvchat.text import check_text, one_line
 from kvchat.units import human_bytes
 
 
@@ -73,6 +73,11 @@ def ask(
         raise KvchatError("use either --session or --new, not both")
     if session_ref is not None and not session_ref.strip():
         raise KvchatError("--session needs a session id or title (see `kvchat list`)")
+    # Bytes of the command line that are not UTF-8 arrive as lone surrogates: refused here,
+    # before a session exists (paths elsewhere may hold such bytes; text may not).
+    check_text(message, "the message")
+    if system is not None:
+        check_text(system, "the system prompt")
     if not message.strip():
         raise KvchatError("the message is empty")
     settings = settings_from(ctx, **flags)
@@ -193,6 +198,9 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
 )
 @click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
 @click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
+@click.option(
+    "--ui", is_flag=True, help="The app's latencies instead: first paint, switch, jump, typing."
+)
 @model_options
 @click.pass_context
 def bench(
@@ -202,6 +210,7 @@ def bench(
     sizes: str,
     repeat: int,
     no_tiers: bool,
+    ui: bool,
     **flags: Any,
 ) -> None:
     """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
@@ -213,6 +222,15 @@ def bench(
         raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
     settings = settings_from(ctx, **flags)
     progress = None if as_json else (lambda line: click.echo(line, err=True))
+    if ui:
+        from kvchat.tui.bench import format_ui_report, run_ui_bench
+
+        ui_report = run_ui_bench(settings, targets, repeat=repeat, progress=progress)
+        shown = (
+            json.dumps(ui_report.to_json(), indent=2) if as_json else format_ui_report(ui_report)
+        )
+        click.echo(shown)
+        return
     report = run_bench(
         settings, targets, cold=cold, repeat=repeat, tiers=not no_tiers, progress=progress
     )

@@ -16,7 +16,7 @@ import click
 
 from kvchat.config import Settings, load_settings
 from kvchat.errors import KvchatError
-from kvchat.text import check_text, one_line, visible
+from kvchat.text import one_line, visible
 
 if TYPE_CHECKING:
     from kvchat.chat import ChatService
@@ -40,14 +40,6 @@ class KvchatGroup(click.Group):
     So do the operating system's and SQLite's errors that reach it (a full disk, a file
     that cannot be read): a fault is one clear line, never a traceback.
     """
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        for arg in args:
-            try:
-                check_text(arg, "an argument")
-            except KvchatError as exc:
-                fail(f"{exc} (the command line holds bytes that are not UTF-8)")
-        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
