@@ -104,11 +104,20 @@ def m004_kv_chunks(db: sqlite_utils.Database) -> None:
         snapshots.add_column("layout", str)
 
 
+def m005_window_checkpoints(db: sqlite_utils.Database) -> None:
+    """Sliding-window models: a snapshot lists its window checkpoints, ``[[position, key],
+    …]`` as JSON. A checkpoint's file and row are a chunk's (kv_chunks), keyed like one."""
+    snapshots = db["kv_snapshots"]
+    if "checkpoints" not in set(snapshots.columns_dict):
+        snapshots.add_column("checkpoints", str)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
     m003_kv_snapshots,
     m004_kv_chunks,
+    m005_window_checkpoints,
 ]
 
 

@@ -89,6 +89,8 @@ class SnapshotRow:
     layout: dict[str, Any] | None = None
     # Why this row cannot be trusted (set by from_row on a damaged row), else None.
     damage: str | None = None
+    # Sliding-window models: window checkpoints as [position, chunk key] (chunks only).
+    checkpoints: list[list[Any]] = field(default_factory=list)
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -112,6 +114,7 @@ class SnapshotRow:
             "format": self.format,
             "chunk_keys": json.dumps(self.chunk_keys) if self.format == "chunks" else None,
             "layout": json.dumps(self.layout) if self.layout is not None else None,
+            "checkpoints": json.dumps(self.checkpoints) if self.checkpoints else None,
         }
 
     @classmethod
@@ -145,6 +148,18 @@ class SnapshotRow:
             problems.append("chunk_keys is not a list of keys")
             chunk_keys = []
         layout = _json_column(row, "layout", dict, problems)
+        checkpoints = _json_column(row, "checkpoints", list, problems) or []
+        if not all(
+            isinstance(c, list)
+            and len(c) == 2
+            and isinstance(c[0], int)
+            and not isinstance(c[0], bool)
+            and c[0] > 0
+            and isinstance(c[1], str)
+            for c in checkpoints
+        ):
+            problems.append("checkpoints is not a list of [position, key]")
+            checkpoints = []
         return cls(
             session_id=str(row.get("session_id")),
             path=column("path", str, ""),
@@ -158,6 +173,7 @@ class SnapshotRow:
             format=row.get("format") if row.get("format") in ("blob", "chunks") else "?",
             chunk_keys=chunk_keys,
             layout=layout,
+            checkpoints=checkpoints,
             damage="; ".join(problems)
             if problems
             else (

@@ -485,7 +485,7 @@ class Store:
         return [ChunkRow(**r) for r in self._rows("SELECT * FROM kv_chunks")]
 
     def unreferenced_chunks(self) -> list[ChunkRow]:
-        """Chunks that no snapshot's chain uses any more."""
+        """Chunks that no snapshot's chain (or window checkpoint list) uses any more."""
         rows = self._rows(
             """
             SELECT c.* FROM kv_chunks c
@@ -494,6 +494,12 @@ class Store:
                     CASE WHEN json_valid(s.chunk_keys) THEN s.chunk_keys ELSE '[]' END
                 ) k
                 WHERE s.format = 'chunks' AND k.value = c.key
+            )
+            AND NOT EXISTS (
+                SELECT 1 FROM kv_snapshots s, json_each(
+                    CASE WHEN json_valid(s.checkpoints) THEN s.checkpoints ELSE '[]' END
+                ) k
+                WHERE s.format = 'chunks' AND json_extract(k.value, '$[1]') = c.key
             )
             """
         )
