@@ -10,6 +10,19 @@ the K rows of every cell; then V, either per layer as rows (``v_trans = 0``, fla
 attention on) or transposed: per layer, per V dimension, one element of every cell.
 A token range [a, b) therefore owns one contiguous run in the metadata, one per layer
 in K, and one per layer (rows) or per layer × dimension (transposed) in V.
+
+A model with sliding-window layers (Gemma 2/3: llama.cpp's interleaved cache,
+``llama_kv_cache_iswa``) writes two such sections after the leading u64: the **base**
+part (its full-attention layers, every cell) and then the **SWA** part (its sliding-window
+layers, only the cells the window still sees: the last ``n_swa`` positions). The base part
+is chunked like a unified cache; the SWA part is kept whole per position (a window
+checkpoint, :func:`parse_section`) and appended when a state is reassembled.
+
+What the parser checks against comes from the model (:class:`KvSpec`): which layers keep a
+cache, each layer's K and V width (they may differ per layer), and which layers slide. A
+cell's metadata is 12 bytes (pos, n_seq_id = 1, seq id), or 24 when llama.cpp stores the
+cell's extra fields (M-RoPE positions, per-layer-embedding token ids): both are tried, and
+only a reading where every size adds up exactly is accepted.
 """
 
 from __future__ import annotations
@@ -19,6 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from kvchat.engine.base import KvSpec
+
+__all__ = ["KvSpec", "LayoutError", "StateLayout", "parse", "parse_section"]
 
 
 class LayoutError(ValueError):
@@ -47,10 +64,16 @@ class StateLayout:
     k_layers: list[LayerData] = field(default_factory=list)
     v_layers: list[LayerData] = field(default_factory=list)
     total: int = 0
+    # Where this section starts (its u32 n_stream) and the position of its first cell.
+    offset: int = 8
+    first_pos: int = 0
+    # The sliding-window section that follows the base one (interleaved caches), or None.
+    swa: StateLayout | None = None
+    n_swa: int = 0
 
     def describe(self) -> dict[str, Any]:
         """The per-model constants, recorded with a chunk chain and checked on restore."""
-        return {
+        desc = {
             "magic": self.magic,
             "cell_meta_size": self.cell_meta_size,
             "v_trans": self.v_trans,
@@ -58,6 +81,17 @@ class StateLayout:
             "k": [[layer.type, layer.row_size] for layer in self.k_layers],
             "v": [[layer.type, layer.row_size, layer.n_dims] for layer in self.v_layers],
         }
+        if self.swa is not None:
+            swa = self.swa.describe()
+            del swa["magic"]
+            swa["n_swa"] = self.n_swa
+            desc["swa"] = swa
+        return desc
+
+    @property
+    def end(self) -> int:
+        """Where the base section ends (the SWA section, if any, starts here)."""
+        return self.swa.offset if self.swa is not None else self.total
 
     def per_cell_bytes(self) -> int:
         k = sum(layer.row_size for layer in self.k_layers)
@@ -89,47 +123,130 @@ class _Reader:
         return start
 
 
-def parse(data: memoryview | bytes, n_layer: int, k_width: int, v_width: int) -> StateLayout:
-    """Parse a single-stream, single-sequence seq state; ``*_width`` = n_embd_{k,v}_gqa."""
-    r = _Reader(memoryview(data).cast("B"))
+def parse(
+    data: memoryview | bytes,
+    n_layer: int | None = None,
+    k_width: int | None = None,
+    v_width: int | None = None,
+    *,
+    spec: KvSpec | None = None,
+) -> StateLayout:
+    """Parse a single-stream, single-sequence seq state; raise :class:`LayoutError` unless
+    every byte is accounted for.
+
+    Either ``spec`` (what the model keeps, per layer) or a uniform shape ``n_layer`` ×
+    ``k_width`` / ``v_width`` (n_embd_{k,v}_gqa). An interleaved spec expects the base
+    section then the sliding-window one, whose cells must be the last ``min(n, n_swa)``
+    positions of the base's ``n``.
+    """
+    if spec is None:
+        if n_layer is None or k_width is None or v_width is None:
+            raise TypeError("parse needs a spec or n_layer, k_width and v_width")
+        spec = KvSpec.uniform(n_layer, k_width, v_width)
+    view = memoryview(data).cast("B")
+    r = _Reader(view)
     (magic,) = r.take("<Q")
+    base = _section(r, *spec.part(False), first_pos=0)
+    base.magic = magic
+    if spec.interleaved:
+        window = min(base.n_cells, spec.n_swa)
+        swa = _section(r, *spec.part(True), first_pos=base.n_cells - window)
+        if swa.n_cells != window:
+            raise LayoutError(
+                f"the sliding-window part holds {swa.n_cells} cells, the window {window}"
+            )
+        base.swa = swa
+        base.n_swa = spec.n_swa
+    if r.pos != len(r.data):
+        raise LayoutError(f"{len(r.data) - r.pos} unexplained bytes after the last layer")
+    base.total = r.pos
+    return base
+
+
+def parse_section(
+    data: memoryview | bytes, spec: KvSpec, end_pos: int, *, header: bool = True
+) -> StateLayout:
+    """Parse a sliding-window section alone (a window checkpoint: llama.cpp's state with
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, whose leading u64 ``header`` is skipped) that
+    must hold the last ``min(end_pos, n_swa)`` positions before ``end_pos``."""
+    view = memoryview(data).cast("B")
+    r = _Reader(view)
+    if header:
+        r.take("<Q")
+    window = min(end_pos, spec.n_swa)
+    section = _section(r, *spec.part(True), first_pos=end_pos - window)
+    if section.n_cells != window:
+        raise LayoutError(f"the window checkpoint holds {section.n_cells} cells, not {window}")
+    if r.pos != len(r.data):
+        raise LayoutError(f"{len(r.data) - r.pos} unexplained bytes after the window")
+    section.total = r.pos
+    return section
+
+
+def _section(
+    r: _Reader, k_widths: list[int], v_widths: list[int], *, first_pos: int
+) -> StateLayout:
+    """One cache's part: tried with 12-byte cell metadata, then with the 24-byte form."""
+    start = r.pos
+    errors: list[str] = []
+    for ext in (False, True):
+        r.pos = start
+        try:
+            return _read_section(r, k_widths, v_widths, first_pos, ext)
+        except LayoutError as exc:
+            errors.append(str(exc))
+    r.pos = start
+    raise LayoutError(errors[0])
+
+
+def _read_section(
+    r: _Reader, k_widths: list[int], v_widths: list[int], first_pos: int, ext: bool
+) -> StateLayout:
+    offset = r.pos
     (n_stream,) = r.take("<I")
     if n_stream != 1:
         raise LayoutError(f"{n_stream} KV streams (only 1 is supported)")
     (n_cells,) = r.take("<I")
+    if n_cells == 0:
+        raise LayoutError("the state holds no cells")
     meta_offset = r.pos
-    expected_pos = 0
+    cell_meta_size = 24 if ext else 12
+    expected_pos = first_pos
     for _ in range(n_cells):
         pos, n_seq = r.take("<iI")
         if n_seq != 1:
             raise LayoutError(f"a cell belongs to {n_seq} sequences")
-        r.take("<i")
+        r.skip(cell_meta_size - 8)
         if pos != expected_pos:
-            raise LayoutError("cell positions are not 0, 1, 2, …")
+            raise LayoutError(f"cell positions are not {first_pos}, {first_pos + 1}, …")
         expected_pos += 1
     meta_size = r.pos - meta_offset
     v_trans, layers = r.take("<II")
-    if layers != n_layer:
-        raise LayoutError(f"state has {layers} layers, the model {n_layer}")
-    layout = StateLayout(n_cells, meta_offset, meta_size, 12, v_trans, layers, magic=magic)
-    for _ in range(layers):
+    if layers != len(k_widths):
+        raise LayoutError(f"state has {layers} layers, the model {len(k_widths)}")
+    layout = StateLayout(
+        n_cells, meta_offset, meta_size, cell_meta_size, v_trans, layers, offset=offset
+    )
+    layout.first_pos = first_pos
+    for width in k_widths:
         k_type, row_size = r.take("<iQ")
-        _check_row(k_type, row_size, k_width, "K")
+        _check_row(k_type, row_size, width, "K")
         layout.k_layers.append(LayerData(k_type, row_size, r.skip(row_size * n_cells)))
-    for _ in range(layers):
+    for width in v_widths:
+        if not width:
+            continue  # llama.cpp writes nothing for a layer without V
         if not v_trans:
             v_type, row_size = r.take("<iQ")
-            _check_row(v_type, row_size, v_width, "V")
+            _check_row(v_type, row_size, width, "V")
             layout.v_layers.append(LayerData(v_type, row_size, r.skip(row_size * n_cells)))
         else:
             v_type, el_size, n_dims = r.take("<iII")
-            if n_dims != v_width or el_size not in (2, 4):
-                raise LayoutError(f"transposed V of {n_dims} × {el_size} B, model width {v_width}")
+            sizes = _TYPE_SIZES.get(v_type)
+            if n_dims != width or sizes is None or sizes[1] != 1 or el_size != sizes[0]:
+                raise LayoutError(f"transposed V of {n_dims} × {el_size} B, model width {width}")
             layout.v_layers.append(
                 LayerData(v_type, el_size, r.skip(el_size * n_dims * n_cells), n_dims)
             )
-    if r.pos != len(r.data):
-        raise LayoutError(f"{len(r.data) - r.pos} unexplained bytes after the last layer")
     layout.total = r.pos
     return layout
 
@@ -137,8 +254,19 @@ def parse(data: memoryview | bytes, n_layer: int, k_width: int, v_width: int) ->
 # u64 magic, u32 n_stream, u32 cell_count: what precedes the cell metadata.
 _PREAMBLE = 16
 
-# Bytes per block and elements per block of the KV types kvchat uses (ggml type ids).
-_TYPE_SIZES = {1: (2, 1), 0: (4, 1), 8: (34, 32), 2: (18, 32)}  # f16, f32, q8_0, q4_0
+# Bytes per block and elements per block of the KV cache types llama.cpp can use (ggml
+# type ids): f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, bf16.
+_TYPE_SIZES = {
+    0: (4, 1),
+    1: (2, 1),
+    2: (18, 32),
+    3: (20, 32),
+    6: (22, 32),
+    7: (24, 32),
+    8: (34, 32),
+    20: (18, 32),
+    30: (2, 1),
+}
 
 
 def _check_row(type_id: int, row_size: int, width: int, what: str) -> None:
@@ -189,34 +317,77 @@ def _count(value: object, what: str, limit: int = 1 << 32) -> int:
 
 def check_desc(layout_desc: object) -> None:
     """Raise :class:`LayoutError` unless ``layout_desc`` is what :meth:`StateLayout.describe`
-    writes: counts where counts belong, a known type for every layer, one K and one V
-    entry per layer. A layout read back from the database is checked before it is used."""
+    writes: counts where counts belong, a known type for every layer, one K entry per
+    layer and at most one V entry per layer (a layer without V has none), and for an
+    interleaved cache a ``swa`` part of the same form with its window ``n_swa``. A layout
+    read back from the database is checked before it is used."""
     if not isinstance(layout_desc, dict):
         raise LayoutError("layout is not a JSON object")
-    for name in ("magic", "cell_meta_size", "v_trans", "n_layer", "k", "v"):
-        if name not in layout_desc:
-            raise LayoutError(f"layout has no {name!r}")
+    if "magic" not in layout_desc:
+        raise LayoutError("layout has no 'magic'")
     _count(layout_desc["magic"], "magic", 1 << 64)
-    _count(layout_desc["cell_meta_size"], "cell_meta_size")
-    n_layer = _count(layout_desc["n_layer"], "n_layer")
-    if _count(layout_desc["v_trans"], "v_trans") > 1:
-        raise LayoutError(f"layout field v_trans is {layout_desc['v_trans']!r}")
+    _check_part(layout_desc, "layout")
+    if "swa" in layout_desc:
+        swa = layout_desc["swa"]
+        if not isinstance(swa, dict):
+            raise LayoutError("layout 'swa' is not a JSON object")
+        _check_part(swa, "layout 'swa'")
+        if _count(swa.get("n_swa"), "n_swa") == 0:
+            raise LayoutError("layout 'swa' has no window")
+
+
+def _check_part(desc: dict[str, Any], what: str) -> None:
+    for name in ("cell_meta_size", "v_trans", "n_layer", "k", "v"):
+        if name not in desc:
+            raise LayoutError(f"{what} has no {name!r}")
+    if desc["cell_meta_size"] not in (12, 24) or isinstance(desc["cell_meta_size"], bool):
+        raise LayoutError(f"{what} field cell_meta_size is {desc['cell_meta_size']!r}")
+    n_layer = _count(desc["n_layer"], "n_layer")
+    if _count(desc["v_trans"], "v_trans") > 1:
+        raise LayoutError(f"{what} field v_trans is {desc['v_trans']!r}")
     for name, width in (("k", 2), ("v", 3)):
-        layers = layout_desc[name]
-        if not isinstance(layers, list) or len(layers) != n_layer:
-            raise LayoutError(f"layout {name!r} does not list {n_layer} layers")
+        layers = desc[name]
+        if not isinstance(layers, list) or not (
+            len(layers) == n_layer or (name == "v" and len(layers) < n_layer)
+        ):
+            raise LayoutError(f"{what} {name!r} does not list {n_layer} layers")
         for layer in layers:
             if not isinstance(layer, list) or len(layer) != width:
-                raise LayoutError(f"layout {name!r} has a malformed layer: {layer!r}")
+                raise LayoutError(f"{what} {name!r} has a malformed layer: {layer!r}")
             kind = layer[0]
             if isinstance(kind, bool) or not isinstance(kind, int) or kind not in _TYPE_SIZES:
-                raise LayoutError(f"layout {name!r} has a layer of unknown type {layer[0]!r}")
+                raise LayoutError(f"{what} {name!r} has a layer of unknown type {layer[0]!r}")
             for value in layer[1:]:
                 _count(value, f"{name} row size")
 
 
+def base_desc(layout_desc: dict[str, Any]) -> dict[str, Any]:
+    """The description without its sliding-window part (what the chunks hold)."""
+    return {key: value for key, value in layout_desc.items() if key != "swa"}
+
+
+def swa_spec(layout_desc: dict[str, Any]) -> KvSpec | None:
+    """The sliding-window part of a (checked) description as a spec for
+    :func:`parse_section`, with the widths its rows give; None without one."""
+    swa = layout_desc.get("swa")
+    if not isinstance(swa, dict):
+        return None
+    k_widths = [_width(t, size) for t, size in swa["k"]]
+    v_widths = [n_dims if swa["v_trans"] else _width(t, size) for t, size, n_dims in swa["v"]]
+    v_widths += [0] * (len(k_widths) - len(v_widths))
+    n = len(k_widths)
+    return KvSpec(tuple(k_widths), tuple(v_widths), (True,) * n, swa["n_swa"])
+
+
+def _width(type_id: int, row_size: int) -> int:
+    block_bytes, block_elems = _TYPE_SIZES[type_id]
+    return row_size // block_bytes * block_elems
+
+
 def layout_for(layout_desc: dict[str, Any], n_cells: int) -> StateLayout:
-    """The layout of a whole state of ``n_cells`` cells with these per-model constants.
+    """The layout of a whole state of ``n_cells`` cells with these per-model constants
+    (for an interleaved cache: its base section; the sliding-window section follows at
+    ``total``).
 
     Raises :class:`LayoutError` for a description :func:`check_desc` refuses.
     """
