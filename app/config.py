@@ -159,6 +159,11 @@ class Settings(BaseSettings):
     max_tokens: int = Field(default=512, ge=MAX_TOKENS_MIN)
     seed: int | None = Field(default=None, description="sampling seed; unset: a new one each turn")
     system_prompt: str | None = None
+    chat_template: str | None = Field(
+        default=None,
+        description="chat template: chatml, gemma, llama3, mistral, phi3 or a Jinja file; "
+        "default: the model's own (its GGUF's, else the catalog's, else ChatML with a notice)",
+    )
     ram_cache_mib: int = Field(default=1024, ge=0, description="warm tier: RAM for recent sessions' KV")
     disk_cache_gib: float = Field(default=20.0, ge=0, description="cold tier: disk for KV snapshots")
     chunk_tokens: int = Field(default=256, ge=16, description="tokens per KV snapshot chunk")

@@ -105,6 +105,13 @@ def model_options(func: F) -> F:
             type=str,
             help="GPU memory to plan for, e.g. 6GiB (default: NVML's free memory).",
         ),
+        click.option(
+            "--chat-template",
+            "chat_template",
+            type=str,
+            help="Chat template: chatml, gemma, llama3, mistral, phi3 or a Jinja file "
+            "(default: the model's own).",
+        ),
     ]
     for option in reversed(options):
         func = option(func)

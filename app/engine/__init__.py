@@ -11,6 +11,7 @@ from kvchat.engine.base import (
     EngineConfig,
     GenerationParams,
     GenerationStats,
+    KvSpec,
     PrefillResult,
     common_prefix,
 )
@@ -27,5 +28,6 @@ __all__ = [
     "engine_config",
     "GenerationParams",
     "GenerationStats",
+    "KvSpec",
     "PrefillResult",
 ]

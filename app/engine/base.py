@@ -30,6 +30,43 @@ class EngineConfig:
     type_v: str = "f16"
     flash_attn: bool = False
     seed: int = 0
+    # A built-in template name or a Jinja file (kvchat.engine.templates); None: the GGUF's.
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """The KV cache a model keeps, as its seq state must show it.
+
+    One entry per layer that keeps a cache, in layer order: the K width and V width in
+    elements (``n_head_kv × head_dim``; V 0 when the layer keeps no V) and whether the
+    layer uses the sliding window. ``n_swa`` is the window in tokens (0: none).
+    """
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+    swa: tuple[bool, ...] = ()
+    n_swa: int = 0
+
+    @classmethod
+    def uniform(cls, n_layer: int, k_width: int, v_width: int) -> KvSpec:
+        return cls((k_width,) * n_layer, (v_width,) * n_layer, (False,) * n_layer)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.k_widths)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether llama.cpp keeps two caches (full-attention layers, sliding-window layers)."""
+        return self.n_swa > 0 and any(self.swa)
+
+    def part(self, swa: bool) -> tuple[list[int], list[int]]:
+        """(K widths, V widths) of the base (``swa`` False) or sliding-window layers."""
+        pick = [i for i in range(self.n_layer) if bool(self.swa and self.swa[i]) == swa]
+        if not self.interleaved:
+            pick = [] if swa else list(range(self.n_layer))
+        return [self.k_widths[i] for i in pick], [self.v_widths[i] for i in pick]
 
 
 @dataclass(frozen=True)
@@ -100,6 +137,14 @@ class Engine(Protocol):
     def kv_shape(self) -> tuple[int, int, int] | None:
         """(layers, K width, V width) per token and layer, or None when not uniform."""
         ...
+
+    # Optional (kvchat.kvcache looks them up with getattr; a minimal engine may lack them):
+    #   kv_spec() -> KvSpec | None          per-layer KV widths and sliding-window layers
+    #   chunk_problem() -> str | None       why the state is always stored whole
+    #   reuse_point(held, prompt) -> int    where prefill starts decoding
+    #   restore_floor(n_tokens) -> int      lowest cut after restoring n_tokens
+    #   window_floor -> int                 lowest cut of the context now
+    #   take_checkpoints() -> list[(position, partial state bytes)]
 
     # --- tokens ---------------------------------------------------------------------------
 

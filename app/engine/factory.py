@@ -17,7 +17,16 @@ ENGINES: dict[str, str] = {
     "llama.cpp": "kvchat.engine.llama:LlamaEngine",
 }
 # EngineConfig fields that the settings hold under the same names.
-_FROM_SETTINGS = ("n_ctx", "n_batch", "n_threads", "n_gpu_layers", "type_k", "type_v", "flash_attn")
+_FROM_SETTINGS = (
+    "n_ctx",
+    "n_batch",
+    "n_threads",
+    "n_gpu_layers",
+    "type_k",
+    "type_v",
+    "flash_attn",
+    "chat_template",
+)
 
 
 def engine_config(settings: Settings, model_path: Path) -> EngineConfig:

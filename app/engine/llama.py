@@ -28,9 +28,11 @@ from kvchat.engine.base import (
     EngineConfig,
     GenerationParams,
     GenerationStats,
+    KvSpec,
     PrefillResult,
     common_prefix,
 )
+from kvchat.engine.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 from kvchat.errors import KvchatError
 
 SEQ_ID = 0
@@ -54,12 +56,20 @@ _SPECIAL_ATTRS = (
 # What C's isspace() strips next to a token with the LSTRIP/RSTRIP attribute.
 _C_SPACE = " \t\n\v\f\r"
 
-# Used when a GGUF carries no chat template: ChatML, which most small instruct models speak.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# Used when a GGUF carries no chat template and nothing else chooses one (see
+# kvchat.engine.templates): ChatML, which most small instruct models speak.
+CHATML_TEMPLATE = CHATML
+
+# Weight types llama.cpp's CPU backend repacks (ggml-cpu/repack.cpp). Their matrix products
+# take a batch's rows four at a time and the remaining ones singly, with other rounding:
+# a token's KV then depends on where in its batch it falls. Batches that start on
+# multiples of four make every token but a batch's tail land where a full prefill puts it.
+REPACKED_TYPES = frozenset(
+    {"Q1_0", "Q2_K", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "MXFP4"}
 )
+REPACK_ROWS = 4
+# Window checkpoints (sliding-window models) kept in memory until the next save.
+MAX_PENDING_CHECKPOINTS = 4
 
 
 class LlamaEngine:
@@ -84,6 +94,9 @@ class LlamaEngine:
                 type_k=GGML_TYPES[config.type_k],
                 type_v=GGML_TYPES[config.type_v],
                 flash_attn=config.flash_attn,
+                # Sliding-window layers keep every cell in the context (llama.cpp's default,
+                # said here because kvchat relies on it: prefix reuse cuts the context back).
+                swa_full=True,
                 seed=config.seed,
                 verbose=False,
             )
@@ -93,14 +106,37 @@ class LlamaEngine:
         self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
         self.metadata: dict[str, str] = dict(self.llm.metadata)
         self._vocab = self.llm._model.vocab
-        template = self.metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
-        self._formatter = Jinja2ChatFormatter(
-            template=template,
-            eos_token=self._piece(self.llm.token_eos()),
-            bos_token=self._piece(self.llm.token_bos()),
-            add_generation_prompt=True,
-        )
+        try:
+            self.template: ChosenTemplate = choose_template(
+                config.chat_template,
+                self.metadata.get("tokenizer.chat_template"),
+                catalog_template(config.model_path),
+            )
+            self._formatter = Jinja2ChatFormatter(
+                template=self.template.text,
+                eos_token=self._piece(self.llm.token_eos()),
+                bos_token=self._piece(self.llm.token_bos()),
+                add_generation_prompt=True,
+            )
+        except KvchatError:
+            self.llm.close()
+            raise
+        except Exception as exc:  # jinja2's TemplateSyntaxError and friends
+            self.llm.close()
+            raise KvchatError(
+                f"the chat template {self.template.name} is not valid: {exc}"
+            ) from exc
         self._state_buffer: ctypes.Array[ctypes.c_uint8] | None = None
+        model = self.llm._model.model
+        self.n_swa = int(llama_cpp.llama_model_n_swa(model))
+        self._spec: KvSpec | None = None
+        self._spec_problem: str | None = None
+        self._read_spec()
+        # Sliding-window models: the first position whose window KV the context really
+        # holds (a restored state keeps only the window's cells), and window checkpoints
+        # taken at message boundaries, by position, until the next save takes them.
+        self._swa_from = 0
+        self._pending: dict[int, bytes] = {}
         self._markup = _Markup(self._vocab)
         # Stands in for message i's content while the template renders: private-use
         # characters and a random part, so no message text can contain or forge one.
@@ -162,6 +198,62 @@ class LlamaEngine:
         k_dim = number("attention.key_length") or n_embd // n_head
         v_dim = number("attention.value_length") or n_embd // n_head
         return n_layer, n_head_kv * k_dim, n_head_kv * v_dim
+
+    def _read_spec(self) -> None:
+        """What the model's KV cache holds per layer, from its GGUF metadata (the same
+        reading as the memory planner's), or why its state cannot be cut into chunks."""
+        model = self.llm._model.model
+        self.batch_align = 1
+        if llama_cpp.llama_model_is_recurrent(model):
+            self._spec_problem = "a recurrent model keeps a fixed-size state, not per-token KV"
+            return
+        if llama_cpp.llama_model_is_hybrid(model):
+            self._spec_problem = (
+                "a hybrid model (attention and recurrent layers) keeps a recurrent state "
+                "besides its per-token KV"
+            )
+            return
+        from kvchat.planner.gguf_info import read_gguf
+
+        try:
+            info = read_gguf(self.config.model_path)
+        except KvchatError as exc:
+            self._spec_problem = f"its GGUF metadata could not be read ({exc})"
+            return
+        if REPACKED_TYPES.intersection(info.weight_types):
+            self.batch_align = REPACK_ROWS
+        k_widths: list[int] = []
+        v_widths: list[int] = []
+        swa: list[bool] = []
+        for il in range(info.n_layer):
+            kv_heads = info.n_head_kv[il]
+            if not kv_heads:
+                continue  # the layer reuses another layer's cache
+            d_k, d_v = info.head_dims(il)
+            k_widths.append(kv_heads * d_k)
+            v_widths.append(kv_heads * d_v)
+            swa.append(info.swa_layers[il])
+        n_swa = self.n_swa if any(swa) else 0
+        if any(swa) and n_swa != info.sliding_window:
+            self._spec_problem = (
+                f"llama.cpp's sliding window ({self.n_swa}) is not the GGUF's "
+                f"({info.sliding_window})"
+            )
+            return
+        self._spec = KvSpec(tuple(k_widths), tuple(v_widths), tuple(swa), n_swa)
+
+    def kv_spec(self) -> KvSpec | None:
+        """What the seq state must hold per layer (for the chunk parser), or None."""
+        return self._spec
+
+    def chunk_problem(self) -> str | None:
+        """Why this model's state is always stored whole, or None when it can be chunked."""
+        return self._spec_problem
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the cache has sliding-window layers (llama.cpp's interleaved cache)."""
+        return self._spec is not None and self._spec.interleaved
 
     # --- tokens ---------------------------------------------------------------------------
 
@@ -261,6 +353,40 @@ class LlamaEngine:
         """Empty the context (the KV of sequence 0 and the token list)."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, -1, -1)
         self.llm.n_tokens = 0
+        self._swa_from = 0
+        self._pending.clear()
+
+    # --- where the context can be cut --------------------------------------------------------
+
+    def reuse_point(self, held: Sequence[int], prompt: Sequence[int]) -> int:
+        """Where :meth:`prefill` starts decoding ``prompt`` over a context holding ``held``.
+
+        The common prefix, less enough that at least :data:`MIN_BATCH` tokens are decoded
+        (a one-token batch computes other KV than a full prefill), rounded down to
+        :attr:`batch_align` (repacked weights: see :data:`REPACKED_TYPES`).
+        """
+        reused = common_prefix(held, prompt)
+        reused = max(0, min(reused, len(prompt) - MIN_BATCH))
+        return reused - reused % self.batch_align
+
+    def restore_floor(self, n_tokens: int) -> int:
+        """The lowest position a context restored with ``n_tokens`` tokens can be cut to.
+
+        A sliding-window model's state keeps only the last ``n_swa`` cells of its window
+        layers: the token at position p attends to positions above p - n_swa, so a cut
+        below ``n_tokens - 1`` would leave the next token's window short. 0 when the state
+        holds every cell (no window, or fewer tokens than the window).
+        """
+        if not self.interleaved or n_tokens <= self.n_swa:
+            return 0
+        return n_tokens - 1
+
+    @property
+    def window_floor(self) -> int:
+        """The lowest position the context can be cut to now (see :meth:`restore_floor`)."""
+        if not self._swa_from:
+            return 0
+        return self._swa_from + self.n_swa - 1
 
     def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
         """Bring ``prompt`` into the context, decoding only what follows the common prefix.
@@ -268,17 +394,31 @@ class LlamaEngine:
         Never decodes a batch of one token: llama.cpp's single-token path computes slightly
         different KV than its batched path, and the batched bytes are what a full prefill
         produces. So a one-token suffix (e.g. a regenerate, which must decode the last
-        prompt token again for its logits) backs off one more token.
+        prompt token again for its logits) backs off one more token; see
+        :meth:`reuse_point`. A context whose sliding window cannot be cut back that far
+        is decoded from the start. A sliding-window model keeps a window checkpoint where
+        a regenerate of this prompt would start (see :meth:`take_checkpoints`).
         """
+        marks = {self.reuse_point(prompt, prompt)} if self.interleaved else set()
+        return self._prefill(prompt, marks, cancel)
+
+    def _prefill(
+        self, prompt: Sequence[int], marks: set[int], cancel: CancelCheck | None = None
+    ) -> PrefillResult:
         if len(prompt) >= self.n_ctx:
             raise KvchatError(f"the prompt ({len(prompt)} tokens) does not fit n_ctx={self.n_ctx}")
-        reused = common_prefix(self.tokens, prompt)
-        reused = max(0, min(reused, len(prompt) - MIN_BATCH))
+        reused = self.reuse_point(self.tokens, prompt)
+        if reused < self.window_floor:
+            reused = 0  # the window lacks cells the next token attends to
         self.truncate(reused)
-        for batch in _batches(list(prompt[reused:]), PREFILL_SLICE):
+        if reused in marks:
+            self._capture()
+        for start, end in _cuts(reused, len(prompt), marks, PREFILL_SLICE):
             if cancel is not None and cancel():
                 break
-            self.llm.eval(batch)
+            self.llm.eval(list(prompt[start:end]))
+            if end in marks:
+                self._capture()
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=self.n_tokens - reused)
 
     def settle(self, keep: int, tokens: Sequence[int]) -> int:
@@ -286,15 +426,46 @@ class LlamaEngine:
 
         Generation decodes one token at a time; re-decoding the reply in batches makes the
         context's KV bit-identical to a full prefill of the same tokens, so a greedy
-        continuation after a restore equals one after a full prefill. Returns tokens decoded.
+        continuation after a restore equals one after a full prefill. A sliding-window
+        model keeps a window checkpoint where the next turn's prefill will start. Returns
+        tokens decoded.
         """
         self.truncate(min(keep, self.n_tokens))
-        return self.prefill(tokens).decoded
+        marks = {self.reuse_point(tokens, [*tokens, 0, 0])} if self.interleaved else set()
+        return self._prefill(tokens, marks).decoded
 
     def truncate(self, n_keep: int) -> None:
         """Drop the KV of every token from position ``n_keep`` on."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, n_keep, -1)
         self.llm.n_tokens = n_keep
+        if n_keep == 0:
+            self._swa_from = 0
+        for pos in [pos for pos in self._pending if pos > n_keep]:
+            del self._pending[pos]
+
+    # --- window checkpoints (sliding-window models) -------------------------------------
+
+    def _capture(self) -> None:
+        """Keep the window's cells at the current position (llama.cpp's partial state: the
+        sliding-window cache alone), if the context really holds all of them."""
+        n = self.n_tokens
+        if not n or (self._swa_from and n < self._swa_from + self.n_swa) or n in self._pending:
+            return
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, SEQ_ID, flags))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        if llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size:
+            return
+        self._pending[n] = bytes(buf)[:size]
+        while len(self._pending) > MAX_PENDING_CHECKPOINTS:
+            del self._pending[min(self._pending)]
+
+    def take_checkpoints(self) -> list[tuple[int, bytes]]:
+        """Window checkpoints taken since the last call, as (position, partial state) with
+        the context still holding the tokens before each position; then forgotten."""
+        taken = sorted((pos, data) for pos, data in self._pending.items() if pos <= self.n_tokens)
+        self._pending.clear()
+        return taken
 
     def can_shift(self) -> bool:
         """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
@@ -445,6 +616,8 @@ class LlamaEngine:
         n = len(tokens)
         self.llm.input_ids[:n] = tokens
         self.llm.n_tokens = n
+        # A state keeps only the window's cells of its sliding-window layers.
+        self._swa_from = max(0, n - self.n_swa) if self.interleaved else 0
         return True
 
     def state_save_file(self, path: Path) -> int:
@@ -567,12 +740,17 @@ class _TextRun:
         return text
 
 
-def _batches(tokens: list[int], size: int) -> Iterator[list[int]]:
-    """Slices of at most ``size`` tokens, none of exactly one token (unless only one exists)."""
-    start = 0
-    while start < len(tokens):
-        end = min(start + size, len(tokens))
-        if len(tokens) - end == 1:
-            end -= 1
-        yield tokens[start:end]
-        start = end
+def _cuts(start: int, end: int, marks: set[int], size: int) -> list[tuple[int, int]]:
+    """The batches decoding positions [start, end): slices of ``size`` from ``start``, also
+    cut at ``marks``; a lone last token joins the batch before it (never a batch of one,
+    unless only one token is decoded). Every batch but the last starts and ends on
+    multiples of ``size``'s factors, so aligned starts keep aligned batches."""
+    points = sorted({m for m in marks if start < m < end} | set(range(start + size, end, size)))
+    batches: list[tuple[int, int]] = []
+    at = start
+    for point in [*points, end]:
+        if point <= at or (point < end and end - point == 1):
+            continue
+        batches.append((at, point))
+        at = point
+    return batches
