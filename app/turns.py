@@ -143,6 +143,8 @@ class TurnReport:
                 "written": self.snapshot.written,
                 "chunks_written": self.snapshot.chunks_written,
                 "chunks_shared": self.snapshot.chunks_shared,
+                "checkpoints_written": self.snapshot.checkpoints_written,
+                "whole_reason": self.snapshot.whole_reason,
                 "ms": round(self.snapshot.ms, 2),
                 "error": self.snapshot.error,
             },
@@ -171,6 +173,8 @@ class TurnReport:
             parts.append(f"{self.dropped_messages} old messages left the window")
         if self.window_note:
             parts.append(self.window_note)
+        if self.snapshot.whole_reason:
+            parts.append(f"KV saved whole: {self.snapshot.whole_reason}")
         if self.finish_reason == "cancelled":
             parts.append("cancelled")
         return " · ".join(parts)

@@ -52,6 +52,15 @@ def chain_keys(fingerprint: dict[str, Any], tokens: list[int], ends: list[int]) 
     return keys
 
 
+def checkpoint_key(fingerprint: dict[str, Any], tokens: list[int], position: int) -> str:
+    """The key of a window checkpoint at ``position``: xxh3-128 of the fingerprint, the
+    token ids [0, position) and the position, marked apart from chunk keys."""
+    h = xxhash.xxh3_128(json.dumps(fingerprint, sort_keys=True).encode())
+    h.update(token_bytes(tokens)[: position * 4])
+    h.update(b"window" + struct.pack("<q", position))
+    return h.hexdigest()
+
+
 def chunk_plan(
     fingerprint: Fingerprint, tokens: list[int], base: list[int], chunk_tokens: int
 ) -> list[tuple[int, int, str]]:

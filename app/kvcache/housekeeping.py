@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunking import verify_chain
+from kvchat.kvcache.chunking import checkpoint_key, verify_chain
 from kvchat.kvcache.errors import SnapshotRejected
 from kvchat.kvcache.files import dir_problem, entries, regular_file, remove_file, temp_writer_alive
 from kvchat.kvcache.fingerprint import fingerprint_problem
@@ -43,6 +43,13 @@ def _count(value: object) -> int:
 
 def gib(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.3g} GiB"
+
+
+def window_keys(row: SnapshotRow) -> list[str]:
+    """The keys of a snapshot's window checkpoints (sliding-window models)."""
+    if row.format != "chunks":
+        return []
+    return [key for _, key in row.checkpoints if isinstance(key, str)]
 
 
 def chunk_row_problem(chunk: ChunkRow) -> str | None:
@@ -92,8 +99,9 @@ class Housekeeper:
         if row.format == "blob":
             path = self.blob_path(row)
             return [path] if path is not None else []
-        index = self.store.get_chunks(row.chunk_keys)
-        paths = [self.chunk_path(key) for key in row.chunk_keys if key in index]
+        keys = row.chunk_keys + window_keys(row)
+        index = self.store.get_chunks(keys)
+        paths = [self.chunk_path(key) for key in keys if key in index]
         return [path for path in paths if path is not None]
 
     def _remove(self, path: Path | None) -> bool:
@@ -139,7 +147,7 @@ class Housekeeper:
             key
             for row in self.store.snapshots()
             if row.format == "chunks"
-            for key in row.chunk_keys
+            for key in row.chunk_keys + window_keys(row)
         }
         return [c for c in chunks if c.key not in used]
 
@@ -189,6 +197,13 @@ class Housekeeper:
             verify_chain(row, index or self.store.get_chunks(row.chunk_keys), row.n_tokens)
         except SnapshotRejected as rejected:
             return rejected.reason
+        for position, key in row.checkpoints:
+            if (
+                not fmt.valid_key(key)
+                or position > row.n_tokens
+                or key != checkpoint_key(row.fingerprint, row.token_ids, position)
+            ):
+                return "the snapshot's window checkpoint keys do not match its tokens"
         return None
 
     def drop_damaged(self) -> dict[str, str]:
@@ -256,8 +271,9 @@ class Housekeeper:
         """Bytes on disk of one snapshot alone (a chain's chunks, shared or not)."""
         if row.format == "blob":
             return _count(row.n_bytes)
-        index = self.store.get_chunks(row.chunk_keys)
-        return sum(_count(index[key].n_bytes) for key in set(row.chunk_keys) if key in index)
+        keys = set(row.chunk_keys) | set(window_keys(row))
+        index = self.store.get_chunks(list(keys))
+        return sum(_count(index[key].n_bytes) for key in keys if key in index)
 
     def enforce_budget(self, budget_bytes: int | None, keep: str | None = None) -> list[str]:
         """Evict least recently used snapshots (never ``keep``) until ``budget_bytes`` holds.

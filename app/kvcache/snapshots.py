@@ -27,12 +27,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from kvchat.engine import Engine
-from kvchat.kvcache import chunking
+from kvchat.kvcache import chunking, windows
 from kvchat.kvcache import files as kvfiles
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
@@ -90,6 +90,9 @@ class SaveResult:
     evicted: list[str] = field(default_factory=list)
     # Set when the snapshots on disk still exceed the budget (see over_budget_note).
     over_budget: str | None = None
+    # Why the state was stored whole (one blob) instead of in chunks, or None.
+    whole_reason: str | None = None
+    checkpoints_written: int = 0
 
 
 class SnapshotStore:
@@ -131,11 +134,19 @@ class SnapshotStore:
         tokens = engine.tokens
         state = engine.state_get()
         previous = self.store.get_snapshot(session_id)
-        layout = self._parse(engine, state) if self.chunked else None
+        taker = getattr(engine, "take_checkpoints", None)
+        pending = taker() if taker is not None else []
+        if self.chunked:
+            layout, why = self._parse(engine, state)
+        else:
+            layout, why = None, "chunked snapshots are off (snapshot_chunks = false)"
         if layout is not None:
-            result = self._save_chunks(session_id, tokens, state, layout, fingerprint)
+            result = self._save_chunks(
+                session_id, tokens, state, layout, fingerprint, engine, pending
+            )
         else:
             result = self._save_blob(session_id, tokens, state, fingerprint)
+            result.whole_reason = why
         self._housekeeper.clear_gone(session_id)
         if previous is not None and previous.path != result.row.path:
             self._housekeeper.remove_blob(previous)
@@ -146,14 +157,24 @@ class SnapshotStore:
         return result
 
     @staticmethod
-    def _parse(engine: Engine, state: memoryview) -> kvlayout.StateLayout | None:
-        shape = engine.kv_shape()
-        if shape is None:
-            return None
+    def _parse(engine: Engine, state: memoryview) -> tuple[kvlayout.StateLayout | None, str]:
+        """The state's layout, or None and why it is stored whole."""
+        problem = getattr(engine, "chunk_problem", None)
+        why = problem() if problem is not None else None
+        if why:
+            return None, why
+        spec_of = getattr(engine, "kv_spec", None)
+        spec = spec_of() if spec_of is not None else None
+        shape = engine.kv_shape() if spec is None else None
+        if spec is None and shape is None:
+            return None, "the model's layers keep KV of different sizes and no spec says which"
         try:
-            return kvlayout.parse(state, *shape)
-        except kvlayout.LayoutError:
-            return None
+            if spec is not None:
+                return kvlayout.parse(state, spec=spec), ""
+            assert shape is not None
+            return kvlayout.parse(state, *shape), ""
+        except kvlayout.LayoutError as exc:
+            return None, f"llama.cpp's state is not a layout kvchat can cut ({exc})"
 
     def _save_blob(
         self, session_id: str, tokens: list[int], state: memoryview, fingerprint: Fingerprint
@@ -192,6 +213,8 @@ class SnapshotStore:
         state: memoryview,
         layout: kvlayout.StateLayout,
         fingerprint: Fingerprint,
+        engine: Engine | None = None,
+        pending: list[tuple[int, bytes]] | None = None,
     ) -> SaveResult:
         data = np.frombuffer(state, dtype=np.uint8)
         base = chunking.base_ends(self.store, session_id, tokens, fingerprint, max(len(tokens), 1))
@@ -225,6 +248,16 @@ class SnapshotStore:
             written += kvfiles.write_atomically(path, parts)
             new_rows.append(ChunkRow(key, name, start, end - start, len(chunk), digest))
         keys = [key for _, _, key in plan]
+        checkpoints: list[list[object]] = []
+        written_windows = 0
+        if layout.swa is not None:
+            assert engine is not None
+            checkpoints, window_rows, window_bytes = self._save_windows(
+                session_id, tokens, data, layout, fingerprint, engine, pending or [], known
+            )
+            new_rows += window_rows
+            written += window_bytes
+            written_windows = len(window_rows)
         row = SnapshotRow(
             session_id=session_id,
             path="",
@@ -236,9 +269,108 @@ class SnapshotStore:
             format="chunks",
             chunk_keys=keys,
             layout=layout.describe(),
+            checkpoints=checkpoints,
         )
         self.store.put_snapshot(row, new_rows)
-        return SaveResult(row, written, chunks_written=len(new_rows), chunks_shared=shared)
+        return SaveResult(
+            row,
+            written,
+            chunks_written=len(new_rows) - written_windows,
+            chunks_shared=shared,
+            checkpoints_written=written_windows,
+        )
+
+    def _save_windows(
+        self,
+        session_id: str,
+        tokens: list[int],
+        data: np.ndarray,
+        layout: kvlayout.StateLayout,
+        fingerprint: Fingerprint,
+        engine: Engine,
+        pending: list[tuple[int, bytes]],
+        known: dict[str, ChunkRow],
+    ) -> tuple[list[list[object]], list[ChunkRow], int]:
+        """Write the window checkpoints of a sliding-window state: the end of the state
+        (when a continuation could start there), those the engine took while decoding,
+        and keep those of the chain this one continues. Returns the row's checkpoint list,
+        the new chunk rows and the bytes written."""
+        fp = fingerprint.to_dict()
+        assert layout.swa is not None
+        spec = kvlayout.swa_spec(layout.describe())
+        assert spec is not None
+        sections: dict[int, np.ndarray] = {}
+        n = len(tokens)
+        end_point = windows.reuse_point(engine, tokens, windows.continuation(tokens))
+        if end_point >= windows.restore_floor(engine, n):
+            sections[n] = data[layout.swa.offset : layout.total]
+        for position, partial in pending:
+            if position > n or position in sections:
+                continue
+            try:
+                kvlayout.parse_section(partial, spec, position)
+            except kvlayout.LayoutError:
+                continue  # not the window this state's layout has: leave it out
+            sections[position] = np.frombuffer(partial, dtype=np.uint8)[8:]
+        kept = dict(self._inherited_windows(session_id, tokens, fingerprint))
+        for position in sections:
+            kept[position] = chunking.checkpoint_key(fp, tokens, position)
+        chosen = sorted(kept.items())[-windows.MAX_CHECKPOINTS :]
+        new_rows: list[ChunkRow] = []
+        written = 0
+        wanted = [key for position, key in chosen if position in sections]
+        present = self.store.get_chunks(wanted)
+        for position, key in chosen:
+            if position not in sections:
+                continue
+            path = self.chunk_dir / fmt.chunk_name(key)
+            existing = present.get(key) or known.get(key)
+            if (
+                existing is not None
+                and chunk_row_problem(existing) is None
+                and kvfiles.regular_file(path) is not None
+            ):
+                continue
+            problem = kvfiles.prepare_dir(path.parent)
+            if problem is None and os.path.lexists(path) and kvfiles.regular_file(path) is None:
+                problem = f"{path} is in the way (not a file kvchat wrote)"
+            if problem is not None:
+                raise SnapshotsUnavailable(f"cannot write window checkpoints: {problem}")
+            section = sections[position]
+            cells = min(position, layout.n_swa)
+            parts, digest = fmt.chunk_parts(key, position - cells, position, section)
+            written += kvfiles.write_atomically(path, parts)
+            new_rows.append(
+                ChunkRow(key, fmt.chunk_name(key), position - cells, cells, len(section), digest)
+            )
+        return [[position, key] for position, key in chosen], new_rows, written
+
+    def _inherited_windows(
+        self, session_id: str, tokens: list[int], fingerprint: Fingerprint
+    ) -> list[tuple[int, str]]:
+        """Checkpoints of the chain this state continues (its own previous snapshot, else
+        the donor it was restored from) that lie within the shared prefix and are stored."""
+        fp = fingerprint.to_dict()
+        row = self.store.get_snapshot(session_id)
+        if row is None or row.damage or row.format != "chunks" or row.fingerprint != fp:
+            donor = chunking.best_donor(self.store, session_id, fingerprint, tokens, len(tokens))
+            row = donor[0] if donor else None
+        if row is None or not row.checkpoints:
+            return []
+        shared = chunking.common_prefix(row.token_ids, tokens)
+        candidates = [
+            (position, key)
+            for position, key in row.checkpoints
+            if position <= shared
+            and fmt.valid_key(key)
+            and key == chunking.checkpoint_key(fp, tokens, position)
+        ]
+        index = self.store.get_chunks([key for _, key in candidates])
+        return [
+            (position, key)
+            for position, key in candidates
+            if key in index and chunk_row_problem(index[key]) is None
+        ]
 
     # --- restore --------------------------------------------------------------------------
 
@@ -259,7 +391,10 @@ class SnapshotStore:
             if self.disabled is not None:
                 raise SnapshotRejected(f"snapshots are disabled: {self.disabled}")
             row, keep = self._pick(session_id, fingerprint, prompt, engine.n_ctx)
-            self._load(row, engine, keep)
+            window = self._window_point(row, keep, prompt, engine)
+            if window is not None:
+                keep = window.tokens
+            self._load(row, engine, keep, window)
         except (SnapshotRejected, OSError) as exc:
             engine.clear()
             self.store.bump_counters(restore_misses=1)
@@ -299,9 +434,32 @@ class SnapshotStore:
             raise SnapshotRejected(f"snapshot holds {keep} tokens but n_ctx is {n_ctx}")
         return row, keep
 
-    def _load(self, row: SnapshotRow, engine: Engine, keep: int) -> None:
+    @staticmethod
+    def _window_point(
+        row: SnapshotRow, keep: int, prompt: list[int] | None, engine: Engine
+    ) -> windows.WindowPoint | None:
+        """For a sliding-window chain: the checkpoint to restore at (see
+        :func:`windows.choose`). A whole-state snapshot must fit the prompt as it is: its
+        window can't be cut back. Raises :class:`SnapshotRejected` saying why not."""
+        if row.format == "chunks" and isinstance(row.layout, dict) and "swa" in row.layout:
+            windows.check_keys(row)
+            return windows.choose(row, keep, prompt, engine)
+        if row.format == "blob" and keep == row.n_tokens:
+            target = prompt if prompt is not None else windows.continuation(row.token_ids)
+            start = windows.reuse_point(engine, row.token_ids, target)
+            floor = windows.restore_floor(engine, row.n_tokens)
+            if start < floor:
+                raise SnapshotRejected(
+                    f"sliding-window model: the snapshot is stored whole ({row.n_tokens:,} "
+                    f"tokens) and its window cannot be cut back to token {start:,}"
+                )
+        return None
+
+    def _load(
+        self, row: SnapshotRow, engine: Engine, keep: int, window: windows.WindowPoint | None
+    ) -> None:
         if row.format == "chunks":
-            self._load_chunks(row, engine, keep)
+            self._load_chunks(row, engine, keep, window)
         else:
             self._load_blob(row, engine)
 
@@ -322,8 +480,11 @@ class SnapshotStore:
             finally:
                 del state
 
-    def _load_chunks(self, row: SnapshotRow, engine: Engine, keep: int) -> None:
-        """Verify the chain's chunks covering the first ``keep`` tokens, reassemble, load."""
+    def _load_chunks(
+        self, row: SnapshotRow, engine: Engine, keep: int, window: windows.WindowPoint | None
+    ) -> None:
+        """Verify the chain's chunks covering the first ``keep`` tokens, reassemble, load
+        (with the window checkpoint ``window`` appended, for a sliding-window chain)."""
         if row.layout is None:
             raise SnapshotRejected("chunked snapshot has no layout")
         if row.checksum != fmt.chain_checksum(row.chunk_keys):
@@ -352,8 +513,60 @@ class SnapshotStore:
         if file_bytes < row_bytes:
             self._find_bad_chunk(needed)
             raise SnapshotRejected("snapshot chunk files do not match their index rows")
-        out = engine.state_buffer(target.total)
-        view = np.frombuffer(out, dtype=np.uint8)
+        with _ChunkSet() as sections:
+            section = self._window_section(row, keep, window, sections)
+            extra = len(section) if section is not None else 0
+            out = engine.state_buffer(target.total + extra)
+            view = np.frombuffer(out, dtype=np.uint8)
+            if section is not None:
+                view[target.total : target.total + extra] = section
+            del section
+            self._assemble(row, engine, keep, needed, out, view, extra)
+
+    def _window_section(
+        self,
+        row: SnapshotRow,
+        keep: int,
+        window: windows.WindowPoint | None,
+        sections: _ChunkSet,
+    ) -> np.ndarray | None:
+        """The verified window part of the state to restore (None: not a sliding-window
+        chain)."""
+        if window is None:
+            return None
+        assert row.layout is not None
+        entry = self.store.get_chunks([window.key]).get(window.key)
+        if entry is None or chunk_row_problem(entry) is not None:
+            raise SnapshotRejected(
+                f"the window checkpoint at token {window.position:,} is missing from the index"
+            )
+        cells = min(window.position, windows.window_size(row))
+        if (entry.start, entry.n_tokens) != (window.position - cells, cells):
+            raise SnapshotRejected(
+                f"the window checkpoint at token {window.position:,} says it covers other cells"
+            )
+        path = self.chunk_dir / fmt.chunk_name(window.key)
+        try:
+            data = sections.open(path, entry, entry.start)
+        except SnapshotRejected:
+            self._housekeeper.forget_chunks([entry])
+            raise
+        parsed = windows.verify_section(data, row.layout, window.position)
+        return windows.cut_section(data, parsed, keep) if keep != window.position else data
+
+    def _assemble(
+        self,
+        row: SnapshotRow,
+        engine: Engine,
+        keep: int,
+        needed: list[tuple[ChunkRow, int]],
+        out: Any,
+        view: np.ndarray,
+        extra: int,
+    ) -> None:
+        """Place the chain's chunks in ``out`` (the window part, ``extra`` bytes, is there
+        already) and load the state."""
+        assert row.layout is not None
         try:
             assembler = kvlayout.Assembler(view, row.layout, keep)
             with _ChunkSet() as chunks:
@@ -381,7 +594,7 @@ class SnapshotStore:
                 # sharing them; any other chain using them falls back the same way.
                 self._housekeeper.forget_chunks([entry for entry, _ in bad])
                 raise bad[0][1]
-            size = assembler.finish(placed)
+            size = assembler.finish(placed) + extra
         except kvlayout.LayoutError as exc:
             raise SnapshotRejected(f"snapshot chunks do not fit together: {exc}") from None
         finally:

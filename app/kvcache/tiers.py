@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.engine import Engine
 from kvchat.errors import KvchatError
-from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
+from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore, windows
 from kvchat.kvcache.warm import WarmTier
 from kvchat.store import SnapshotRow, Store
 from kvchat.store.store import DamagedDatabase, StoreFull
@@ -47,6 +47,10 @@ class SnapshotWrite:
     written: int = 0  # bytes written to disk for it (only new chunks)
     chunks_written: int = 0
     chunks_shared: int = 0
+    # Why the KV was stored whole (one blob, no shared prefix), or None when chunked.
+    whole_reason: str | None = None
+    # Window checkpoints written (sliding-window models).
+    checkpoints_written: int = 0
 
 
 @dataclass
@@ -144,7 +148,9 @@ class KVTiers:
             engine.clear()
             return RestoreResult("none", reason="full prefill requested (--no-restore)")
         if session_id == self._hot:
-            return RestoreResult("hot", tokens=engine.n_tokens)
+            if prompt is None or self._can_cut(engine, engine.tokens, prompt, hot=True):
+                return RestoreResult("hot", tokens=engine.n_tokens)
+            # A sliding-window context cannot be cut back there: a checkpoint on disk can.
         self.spill()
         if not engine.capabilities.seq_state:
             engine.clear()
@@ -153,6 +159,8 @@ class KVTiers:
             prompt = history()
         started = time.perf_counter()
         entry = self.warm.get(session_id, fingerprint.model_id)
+        if entry is not None and not self._can_cut(engine, entry.tokens, prompt):
+            entry = None  # its window can't be cut back to the prompt: try the disk
         if entry is not None and len(entry.tokens) <= engine.n_ctx:
             if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
                 self._hot = session_id
@@ -173,6 +181,19 @@ class KVTiers:
             result = RestoreResult("none", reason=f"{exc}: full prefill")
         self._hot = session_id
         return result
+
+    @staticmethod
+    def _can_cut(
+        engine: Engine, held: list[int], prompt: list[int] | None, hot: bool = False
+    ) -> bool:
+        """Whether a context holding ``held`` can be cut where the prompt's prefill starts
+        (a sliding-window state keeps only its window's cells: see
+        :mod:`kvchat.kvcache.windows`)."""
+        target = prompt if prompt is not None else windows.continuation(held)
+        floor = (
+            getattr(engine, "window_floor", 0) if hot else windows.restore_floor(engine, len(held))
+        )
+        return windows.reuse_point(engine, held, target) >= floor
 
     def _count(self, **deltas: int) -> None:
         """Bump the persistent counters; figures are not worth failing a turn for."""
@@ -215,6 +236,8 @@ class KVTiers:
             written=saved.bytes_written,
             chunks_written=saved.chunks_written,
             chunks_shared=saved.chunks_shared,
+            whole_reason=saved.whole_reason,
+            checkpoints_written=saved.checkpoints_written,
         )
 
     def forget(self, session_id: str) -> None:
