@@ -95,8 +95,9 @@ def nvml_budget() -> GpuBudget | None:
         name = pynvml.nvmlDeviceGetName(handle)
         if isinstance(name, bytes):
             name = name.decode("utf-8", errors="replace")
-        return GpuBudget("nvml", int(memory.free), name=str(name),
-                         total_bytes=int(memory.total), count=count)
+        return GpuBudget(
+            "nvml", int(memory.free), name=str(name), total_bytes=int(memory.total), count=count
+        )
     except Exception:
         return None
     finally:
@@ -138,6 +139,9 @@ class DefaultsChoice:
     vram_total: int | None = None  # the plan's VRAM figure for these settings
     warnings: list[str] = field(default_factory=list)
     reason: str | None = None  # why the CPU defaults (no budget found)
+    # Which chat template the model gets when it is not its GGUF's own (see
+    # kvchat.engine.templates), e.g. the GGUF has none: shown wherever the plan is.
+    template_note: str | None = None
 
     @property
     def values(self) -> dict[str, Any]:
@@ -168,7 +172,8 @@ class DefaultsChoice:
         explicit = [n for n in PLANNED_FIELDS if self.sources.get(n) not in ("plan", "default")]
         tail = f"; set by you: {', '.join(explicit)}" if explicit else ""
         warn = "".join(f" — {w}" for w in self.warnings)
-        return f"{head}: {settings}{tail}{warn}"
+        template = f" — {self.template_note}" if self.template_note else ""
+        return f"{head}: {settings}{tail}{warn}{template}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -179,6 +184,7 @@ class DefaultsChoice:
             "vram_total": self.vram_total,
             "warnings": list(self.warnings),
             "reason": self.reason,
+            "template_note": self.template_note,
             "note": self.note,
         }
 
@@ -194,7 +200,37 @@ def plan_defaults(
     """Choose the context settings for ``settings`` and the model at ``model_path``.
 
     ``budget`` (True: find it), ``info`` and ``offload`` can be given, for tests.
+    With ``model_path``, the choice carries a note when the model's chat template is not
+    its GGUF's own (:func:`template_note`).
     """
+    choice = _plan_defaults(settings, model_path, info=info, budget=budget, offload=offload)
+    if model_path is not None:
+        choice.template_note = template_note(settings.chat_template, model_path)
+    return choice
+
+
+def template_note(setting: str | None, model_path: Path) -> str | None:
+    """What the user should know about the chat template ``model_path`` gets: None when
+    it is the GGUF's own; else which one and why (the GGUF has none: a guess, or the
+    catalog's; the chat_template setting), or why the setting is unusable."""
+    from kvchat.engine.templates import catalog_template, choose_template
+    from kvchat.planner.gguf_info import has_chat_template
+
+    try:
+        own = "" if not has_chat_template(model_path) else "(the GGUF's)"
+        return choose_template(setting, own or None, catalog_template(model_path)).note
+    except KvchatError as exc:
+        return str(exc)
+
+
+def _plan_defaults(
+    settings: Settings,
+    model_path: Path | None = None,
+    *,
+    info: ModelInfo | None = None,
+    budget: GpuBudget | None | bool = True,
+    offload: bool | None = None,
+) -> DefaultsChoice:
     sources = settings.sources()
     explicit = set(settings.model_fields_set)
     current = {name: getattr(settings, name) for name in PLANNED_FIELDS}
@@ -203,14 +239,21 @@ def plan_defaults(
         budget = find_budget(settings, sources)
     gpu = budget if isinstance(budget, GpuBudget) else None
 
-    def cpu(warnings: list[str] | None = None, ngl: int | None = None,
-            reason: str | None = None) -> DefaultsChoice:
+    def cpu(
+        warnings: list[str] | None = None, ngl: int | None = None, reason: str | None = None
+    ) -> DefaultsChoice:
         values = dict(current)
         if ngl is not None and "n_gpu_layers" not in explicit:
             values["n_gpu_layers"] = ngl
             planned_sources["n_gpu_layers"] = "plan"
-        return DefaultsChoice(**values, device="cpu", sources=dict(planned_sources),
-                              budget=gpu, warnings=warnings or [], reason=reason)
+        return DefaultsChoice(
+            **values,
+            device="cpu",
+            sources=dict(planned_sources),
+            budget=gpu,
+            warnings=warnings or [],
+            reason=reason,
+        )
 
     if gpu is None:
         if not settings.detect_gpu:
@@ -221,8 +264,12 @@ def plan_defaults(
     if offload is None:
         offload = gpu_offload_supported()
     if not offload:
-        return cpu([f"a GPU budget was found ({gpu.describe()}) but this llama-cpp-python "
-                    f"build cannot offload to a GPU; for CUDA: {CUDA_INSTALL}"])
+        return cpu(
+            [
+                f"a GPU budget was found ({gpu.describe()}) but this llama-cpp-python "
+                f"build cannot offload to a GPU; for CUDA: {CUDA_INSTALL}"
+            ]
+        )
     if info is None:
         if model_path is None:
             model_path = settings.model_path()
@@ -232,8 +279,15 @@ def plan_defaults(
     return _gpu_plan(settings, info, gpu, explicit, current, planned_sources, cpu)
 
 
-def _gpu_plan(settings: Settings, info: ModelInfo, gpu: GpuBudget, explicit: set[str],
-              current: dict[str, Any], sources: dict[str, str], cpu: Any) -> DefaultsChoice:
+def _gpu_plan(
+    settings: Settings,
+    info: ModelInfo,
+    gpu: GpuBudget,
+    explicit: set[str],
+    current: dict[str, Any],
+    sources: dict[str, str],
+    cpu: Any,
+) -> DefaultsChoice:
     trained = info.context_length or current["n_ctx"]
     if "n_ctx" in explicit:
         target = current["n_ctx"]
@@ -247,20 +301,28 @@ def _gpu_plan(settings: Settings, info: ModelInfo, gpu: GpuBudget, explicit: set
     else:
         candidates = [("f16", "f16")]
     if candidates[0][1] != "f16" and not flash:
-        raise KvchatError(f"a quantized V cache (type_v={candidates[0][1]}) needs flash "
-                          "attention: set flash_attn = true or keep type_v = f16")
+        raise KvchatError(
+            f"a quantized V cache (type_v={candidates[0][1]}) needs flash "
+            "attention: set flash_attn = true or keep type_v = f16"
+        )
     full_ngl = info.n_layer + 1
     ngl = current["n_gpu_layers"] if "n_gpu_layers" in explicit else full_ngl
 
     def config(kv: tuple[str, str]) -> PlanConfig:
-        return PlanConfig(vram_bytes=gpu.vram_bytes, type_k=kv[0], type_v=kv[1],
-                          flash_attn=flash, n_ubatch=settings.n_batch)
+        return PlanConfig(
+            vram_bytes=gpu.vram_bytes,
+            type_k=kv[0],
+            type_v=kv[1],
+            flash_attn=flash,
+            n_ubatch=settings.n_batch,
+        )
 
     reach = [(kv, max_context(info, ngl, config(kv), limit=target)) for kv in candidates]
     # 4-bit K/V costs quality: only when q8_0 falls short of GOOD_CTX (below), or when set.
     chosen: tuple[tuple[str, str], int] | None = next(
-        ((kv, ctx) for kv, ctx in reach
-         if ctx >= target and (kv[0] != "q4_0" or len(reach) == 1)), None)
+        ((kv, ctx) for kv, ctx in reach if ctx >= target and (kv[0] != "q4_0" or len(reach) == 1)),
+        None,
+    )
     if chosen is None and "n_ctx" not in explicit:
         by_type = dict(reach)
         if by_type.get(("q8_0", "q8_0"), 0) >= GOOD_CTX:
@@ -280,8 +342,10 @@ def _gpu_plan(settings: Settings, info: ModelInfo, gpu: GpuBudget, explicit: set
         kv = candidates[1] if len(candidates) > 1 else candidates[0]
         n_ctx = target if "n_ctx" in explicit else min(target, PARTIAL_CTX)
         if "n_gpu_layers" in explicit:
-            warnings.append(f"n_ctx {n_ctx:,} with n_gpu_layers={ngl} does not fit "
-                            f"{gpu.describe()}; llama.cpp may fail to allocate")
+            warnings.append(
+                f"n_ctx {n_ctx:,} with n_gpu_layers={ngl} does not fit "
+                f"{gpu.describe()}; llama.cpp may fail to allocate"
+            )
         else:
             ngl = 0
             for k in range(info.n_layer, 0, -1):
@@ -291,17 +355,29 @@ def _gpu_plan(settings: Settings, info: ModelInfo, gpu: GpuBudget, explicit: set
             if ngl == 0:
                 return cpu(ngl=0)
     values = dict(current)
-    choice = {"n_ctx": n_ctx, "type_k": kv[0], "type_v": kv[1], "flash_attn": flash,
-              "n_gpu_layers": -1 if ngl >= full_ngl else ngl}
+    choice = {
+        "n_ctx": n_ctx,
+        "type_k": kv[0],
+        "type_v": kv[1],
+        "flash_attn": flash,
+        "n_gpu_layers": -1 if ngl >= full_ngl else ngl,
+    }
     for name, value in choice.items():
         if name not in explicit:
             values[name] = value
             sources[name] = "plan"
     used = memory_at(info, values["n_ctx"], values["n_gpu_layers"], config(kv))["total"]
-    device = "gpu" if values["n_gpu_layers"] < 0 or values["n_gpu_layers"] >= full_ngl \
-        else "partial"
-    return DefaultsChoice(**values, device=device, sources=dict(sources), budget=gpu,
-                          vram_total=used, warnings=warnings)
+    device = (
+        "gpu" if values["n_gpu_layers"] < 0 or values["n_gpu_layers"] >= full_ngl else "partial"
+    )
+    return DefaultsChoice(
+        **values,
+        device=device,
+        sources=dict(sources),
+        budget=gpu,
+        vram_total=used,
+        warnings=warnings,
+    )
 
 
 __all__ = [
@@ -312,4 +388,5 @@ __all__ = [
     "gpu_offload_supported",
     "nvml_budget",
     "plan_defaults",
+    "template_note",
 ]

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from importlib import resources
 import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,18 @@ DEFAULT_SWA_BY_ARCH: dict[str, int] = {"gemma2": 4096}
 # Bits per weight of the token-embedding / output matrices in common llama.cpp quantizations,
 # used only to estimate where a catalog model's bytes sit (llama.cpp quantizes an untied
 # token_embd with the file's base type and the output matrix, or a tied token_embd, as Q6_K).
-_EMBD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K_S": 4.5, "Q4_K_M": 4.5, "Q5_K_S": 5.5,
-              "Q5_K_M": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0}
+_EMBD_BITS = {
+    "Q4_0": 4.5,
+    "Q4_1": 5.0,
+    "Q4_K_S": 4.5,
+    "Q4_K_M": 4.5,
+    "Q5_K_S": 5.5,
+    "Q5_K_M": 5.5,
+    "Q6_K": 6.5625,
+    "Q8_0": 8.5,
+    "F16": 16.0,
+    "BF16": 16.0,
+}
 _OUTPUT_BITS_DEFAULT = 6.5625
 
 
@@ -71,6 +81,10 @@ class ModelInfo:
     path: str | None = None
     quantization: str | None = None
     notes: tuple[str, ...] = field(default=())
+    # ggml type names of the repeating layers' weights (GGUF files only).
+    weight_types: tuple[str, ...] = field(default=())
+    # Whether the GGUF carries a chat template (None: unknown, a catalog entry).
+    has_chat_template: bool | None = None
 
     @property
     def n_head_kv_max(self) -> int:
@@ -141,7 +155,7 @@ def _metadata_reader(path: Path) -> Any:
                 swapped = {"little": "big", "big": "little"}[sys.byteorder]
                 order = swapped if self.byte_order == "S" else sys.byteorder
                 for _ in range(count):
-                    offs += 8 + int.from_bytes(buf[offs:offs + 8], order)
+                    offs += 8 + int.from_bytes(buf[offs : offs + 8], order)
                 return offs - orig_offs, [raw_itype, alen], [], [array, string]
             return super()._get_field_parts(orig_offs, raw_type)
 
@@ -210,8 +224,9 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
         raise KvchatError(f"{path}: {arch}.attention.head_count is missing")
     n_head = _per_layer(head_raw, n_layer, f"{arch}.attention.head_count")
     kv_raw = key("attention.head_count_kv")
-    n_head_kv = _per_layer(kv_raw if kv_raw is not None else head_raw, n_layer,
-                           f"{arch}.attention.head_count_kv")
+    n_head_kv = _per_layer(
+        kv_raw if kv_raw is not None else head_raw, n_layer, f"{arch}.attention.head_count_kv"
+    )
 
     head_max = max(n_head) if n_head else 0
     default_dim = n_embd // head_max if head_max else 0
@@ -231,22 +246,26 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
     if isinstance(pattern, list):
         swa = tuple(bool(v) for v in pattern)
         if len(swa) != n_layer:
-            raise KvchatError(f"{path}: sliding_window_pattern has {len(swa)} entries "
-                              f"for {n_layer} layers")
+            raise KvchatError(
+                f"{path}: sliding_window_pattern has {len(swa)} entries for {n_layer} layers"
+            )
     elif pattern is not None and window:
         swa = swa_pattern(n_layer, int(pattern))
     elif arch in SWA_PERIOD_BY_ARCH and window:
         swa = swa_pattern(n_layer, SWA_PERIOD_BY_ARCH[arch])
     else:
         if window:
-            notes.append(f"{arch}.attention.sliding_window = {window} is not applied by "
-                         "llama.cpp for this architecture: every layer keeps the full context")
+            notes.append(
+                f"{arch}.attention.sliding_window = {window} is not applied by "
+                "llama.cpp for this architecture: every layer keeps the full context"
+            )
         swa = (False,) * n_layer
         window = 0
     if not any(swa):
         window = 0
 
     layer_bytes = [0] * n_layer
+    weight_types: set[str] = set()
     input_bytes = output_bytes = 0
     has_output = False
     embd_bytes = 0
@@ -255,6 +274,8 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
         match = _BLOCK.match(tensor.name)
         if match and int(match.group(1)) < n_layer:
             layer_bytes[int(match.group(1))] += size
+            if len(tensor.shape) >= 2:
+                weight_types.add(tensor.tensor_type.name)
         elif tensor.name.startswith("output"):
             output_bytes += size
             has_output = has_output or tensor.name == "output.weight"
@@ -275,15 +296,41 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
     quant = _FILE_TYPES.get(_field(reader, "general.file_type"))
     label = name or _field(reader, "general.name") or path.stem
     return ModelInfo(
-        name=str(label), architecture=arch, n_layer=n_layer, n_head=n_head,
-        n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
-        head_dim_k_swa=head_dim_k_swa, head_dim_v_swa=head_dim_v_swa, n_embd=n_embd,
-        n_ff=_first_int(key("feed_forward_length"), 4 * n_embd), n_vocab=int(n_vocab),
-        context_length=int(key("context_length") or 0), sliding_window=window,
-        swa_layers=swa, weight_bytes=weight_bytes, layer_bytes=tuple(layer_bytes),
-        input_bytes=input_bytes, output_bytes=output_bytes, tied_embeddings=not has_output,
-        source="gguf", path=str(path), quantization=quant, notes=tuple(notes),
+        name=str(label),
+        architecture=arch,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        head_dim_k_swa=head_dim_k_swa,
+        head_dim_v_swa=head_dim_v_swa,
+        n_embd=n_embd,
+        n_ff=_first_int(key("feed_forward_length"), 4 * n_embd),
+        n_vocab=int(n_vocab),
+        context_length=int(key("context_length") or 0),
+        sliding_window=window,
+        swa_layers=swa,
+        weight_bytes=weight_bytes,
+        layer_bytes=tuple(layer_bytes),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        tied_embeddings=not has_output,
+        source="gguf",
+        path=str(path),
+        quantization=quant,
+        notes=tuple(notes),
+        weight_types=tuple(sorted(weight_types)),
+        has_chat_template=bool(_field(reader, "tokenizer.chat_template")),
     )
+
+
+def has_chat_template(path: str | os.PathLike[str]) -> bool:
+    """Whether a GGUF file carries ``tokenizer.chat_template`` (False when unreadable)."""
+    try:
+        return bool(_field(_metadata_reader(Path(path)), "tokenizer.chat_template"))
+    except Exception:  # the gguf package raises ValueError/struct errors on junk
+        return False
 
 
 def _first_int(value: Any, default: int) -> int:
@@ -293,18 +340,50 @@ def _first_int(value: Any, default: int) -> int:
 
 
 # general.file_type (llama_ftype) → quantization name, for display only.
-_FILE_TYPES: dict[Any, str] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0",
-                               9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L",
-                               14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M",
-                               18: "Q6_K", 30: "IQ4_XS", 32: "BF16"}
+_FILE_TYPES: dict[Any, str] = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    30: "IQ4_XS",
+    32: "BF16",
+}
 
 
 # --------------------------------------------------------------------------- the catalog
 
-REQUIRED_CATALOG_KEYS = ("name", "title", "file", "quantization", "size_bytes", "architecture",
-                         "layers", "heads", "kv_heads", "head_dim", "embedding_length",
-                         "feed_forward_length", "vocab_size", "tied_embeddings",
-                         "context_length", "attention", "license", "source_model")
+REQUIRED_CATALOG_KEYS = (
+    "name",
+    "title",
+    "file",
+    "quantization",
+    "size_bytes",
+    "architecture",
+    "layers",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "embedding_length",
+    "feed_forward_length",
+    "vocab_size",
+    "tied_embeddings",
+    "context_length",
+    "attention",
+    "license",
+    "source_model",
+)
 
 
 @dataclass(frozen=True)
@@ -334,6 +413,8 @@ class CatalogEntry:
     sliding_window_pattern: int = 0
     bundled: bool = False
     notes: str = ""
+    # A built-in chat template (kvchat.engine.templates) for a GGUF that carries none.
+    chat_template: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -367,8 +448,9 @@ def load_catalog(path: str | os.PathLike[str] | None = None) -> list[CatalogEntr
             raise KvchatError(f"{path}: model #{i + 1} lacks {', '.join(missing)}")
         unknown = set(row) - known
         if unknown:
-            raise KvchatError(f"{path}: model {row['name']!r} has unknown keys "
-                              f"{', '.join(sorted(unknown))}")
+            raise KvchatError(
+                f"{path}: model {row['name']!r} has unknown keys {', '.join(sorted(unknown))}"
+            )
         entries.append(CatalogEntry(**row))
     names = [e.name for e in entries]
     dupes = {n for n in names if names.count(n) > 1}
@@ -411,16 +493,28 @@ def info_from_catalog(entry: CatalogEntry) -> ModelInfo:
         body = entry.size_bytes - input_bytes - output_bytes
     per_layer = max(body, 0) // n
     return ModelInfo(
-        name=entry.name, architecture=entry.architecture, n_layer=n,
-        n_head=(entry.heads,) * n, n_head_kv=(entry.kv_heads,) * n,
-        head_dim_k=entry.head_dim, head_dim_v=entry.head_dim,
-        head_dim_k_swa=entry.head_dim, head_dim_v_swa=entry.head_dim,
-        n_embd=entry.embedding_length, n_ff=entry.feed_forward_length,
-        n_vocab=entry.vocab_size, context_length=entry.context_length,
-        sliding_window=entry.sliding_window if any(swa) else 0, swa_layers=swa,
-        weight_bytes=entry.size_bytes, layer_bytes=(per_layer,) * n,
-        input_bytes=input_bytes, output_bytes=output_bytes,
-        tied_embeddings=entry.tied_embeddings, source="catalog", path=None,
+        name=entry.name,
+        architecture=entry.architecture,
+        n_layer=n,
+        n_head=(entry.heads,) * n,
+        n_head_kv=(entry.kv_heads,) * n,
+        head_dim_k=entry.head_dim,
+        head_dim_v=entry.head_dim,
+        head_dim_k_swa=entry.head_dim,
+        head_dim_v_swa=entry.head_dim,
+        n_embd=entry.embedding_length,
+        n_ff=entry.feed_forward_length,
+        n_vocab=entry.vocab_size,
+        context_length=entry.context_length,
+        sliding_window=entry.sliding_window if any(swa) else 0,
+        swa_layers=swa,
+        weight_bytes=entry.size_bytes,
+        layer_bytes=(per_layer,) * n,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        tied_embeddings=entry.tied_embeddings,
+        source="catalog",
+        path=None,
         quantization=entry.quantization,
         notes=("weights per layer estimated from the catalog's file size",),
     )

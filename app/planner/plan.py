@@ -50,8 +50,15 @@ CTX_STEP = 256  # llama.cpp pads n_ctx to a multiple of 256
 
 # ggml type → (elements per block, bytes per block)
 KV_TYPES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
-    "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18),
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "iq4_nl": (32, 18),
 }
 CLI_KV_TYPES = ("f16", "q8_0", "q4_0")
 
@@ -61,11 +68,14 @@ def row_bytes(n_elems: int, kv_type: str) -> int:
     try:
         block, size = KV_TYPES[kv_type]
     except KeyError:
-        raise KvchatError(f"unknown KV cache type {kv_type!r}: use one of "
-                          f"{', '.join(CLI_KV_TYPES)}") from None
+        raise KvchatError(
+            f"unknown KV cache type {kv_type!r}: use one of {', '.join(CLI_KV_TYPES)}"
+        ) from None
     if n_elems % block:
-        raise KvchatError(f"a {kv_type} KV cache needs rows that are a multiple of {block} "
-                          f"elements; this model's rows have {n_elems}")
+        raise KvchatError(
+            f"a {kv_type} KV cache needs rows that are a multiple of {block} "
+            f"elements; this model's rows have {n_elems}"
+        )
     return n_elems // block * size
 
 
@@ -83,8 +93,44 @@ class KvPerToken:
         return self.full + self.swa
 
 
-def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str | None = None
-                       ) -> KvPerToken:
+# Bytes of llama.cpp's per-cell metadata in a seq state (pos, n_seq_id, one seq id).
+CELL_META_BYTES = 12
+
+
+def state_bytes_per_token(info: ModelInfo, kv: KvPerToken) -> int:
+    """How much llama.cpp's seq state (a kvchat snapshot) grows per token: every layer's
+    KV rows plus the cell metadata, except that sliding-window layers keep only their
+    window's cells, so past the window only the full-attention layers grow."""
+    if info.sliding_window and kv.swa:
+        return kv.full + CELL_META_BYTES
+    return kv.total + CELL_META_BYTES
+
+
+def state_window_bytes(info: ModelInfo, kv: KvPerToken) -> int:
+    """The fixed part of a sliding-window model's seq state once the window is full: its
+    sliding-window layers' cells (plus their metadata) for ``window`` positions. 0 without
+    sliding-window layers."""
+    if not (info.sliding_window and kv.swa):
+        return 0
+    return info.sliding_window * (kv.swa + CELL_META_BYTES)
+
+
+def attention_summary(info: ModelInfo) -> str:
+    """The attention kind in words, e.g. "GQA 9/3" or "MQA 4/1, sliding window 512 on 15
+    of 18 layers"."""
+    pairs = [(h, kv) for h, kv in zip(info.n_head, info.n_head_kv) if kv]
+    heads = "/".join(sorted({f"{h}/{kv}" for h, kv in pairs})) if pairs else "no KV"
+    text = f"{info.attention_kind} {heads}"
+    n_swa = sum(1 for il in range(info.n_layer) if info.swa_layers[il] and info.n_head_kv[il])
+    if info.sliding_window and n_swa:
+        with_kv = sum(1 for kv in info.n_head_kv if kv)
+        text += f", sliding window {info.sliding_window:,} on {n_swa} of {with_kv} layers"
+    return text
+
+
+def kv_bytes_per_token(
+    info: ModelInfo, type_k: str = "f16", type_v: str | None = None
+) -> KvPerToken:
     """Per-token KV bytes: Σ layers row(n_kv·d_k, type_k) + row(n_kv·d_v, type_v)."""
     type_v = type_v or type_k
     full = swa = 0
@@ -92,8 +138,9 @@ def kv_bytes_per_token(info: ModelInfo, type_k: str = "f16", type_v: str | None 
     for il in range(info.n_layer):
         kv_heads = info.n_head_kv[il]
         d_k, d_v = info.head_dims(il)
-        size = (row_bytes(kv_heads * d_k, type_k) + row_bytes(kv_heads * d_v, type_v)
-                if kv_heads else 0)
+        size = (
+            row_bytes(kv_heads * d_k, type_k) + row_bytes(kv_heads * d_v, type_v) if kv_heads else 0
+        )
         per_layer.append(size)
         if info.swa_layers[il]:
             swa += size
@@ -134,8 +181,9 @@ def gpu_layers(info: ModelInfo, n_gpu_layers: int) -> tuple[list[bool], bool]:
     return [il >= start for il in range(n)], k > 0 and n >= start
 
 
-def compute_bytes(info: ModelInfo, n_ctx: int, cfg: PlanConfig, output_on_gpu: bool = True
-                  ) -> dict[str, int]:
+def compute_bytes(
+    info: ModelInfo, n_ctx: int, cfg: PlanConfig, output_on_gpu: bool = True
+) -> dict[str, int]:
     """The documented compute-buffer estimate (see the module docstring)."""
     ub = cfg.n_ubatch
     n_kv = pad(n_ctx)
@@ -149,16 +197,28 @@ def compute_bytes(info: ModelInfo, n_ctx: int, cfg: PlanConfig, output_on_gpu: b
     mask = n_kv * ub * 4
     dequant = 0
     if cfg.flash_attn and (cfg.type_k not in ("f16", "bf16") or cfg.type_v not in ("f16", "bf16")):
-        widest = max((kv * (info.head_dims(il)[0] + info.head_dims(il)[1])
-                      for il, kv in enumerate(info.n_head_kv)), default=0)
+        widest = max(
+            (
+                kv * (info.head_dims(il)[0] + info.head_dims(il)[1])
+                for il, kv in enumerate(info.n_head_kv)
+            ),
+            default=0,
+        )
         dequant = n_kv * widest * 2
     total = max(logits, ffn, attention) + mask + dequant
-    return {"logits": logits, "ffn": ffn, "attention": attention, "mask": mask,
-            "dequant": dequant, "total": total}
+    return {
+        "logits": logits,
+        "ffn": ffn,
+        "attention": attention,
+        "mask": mask,
+        "dequant": dequant,
+        "total": total,
+    }
 
 
-def memory_at(info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig,
-              kv: KvPerToken | None = None) -> dict[str, int]:
+def memory_at(
+    info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig, kv: KvPerToken | None = None
+) -> dict[str, int]:
     """VRAM and host-RAM bytes for ``n_ctx`` tokens with ``n_gpu_layers`` offloaded."""
     kv = kv or kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
     on_gpu, out_gpu = gpu_layers(info, n_gpu_layers)
@@ -184,13 +244,25 @@ def memory_at(info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig,
     any_gpu = any(on_gpu) or out_gpu
     compute = compute_bytes(info, n_ctx, cfg, out_gpu)["total"] if any_gpu else 0
     reserve = cfg.reserve_bytes if any_gpu else 0
-    return {"n_ctx": full_cells, "weights": gpu_w, "kv": gpu_kv, "compute": compute,
-            "reserve": reserve, "total": gpu_w + gpu_kv + compute + reserve,
-            "host_weights": host_w, "host_kv": host_kv}
+    return {
+        "n_ctx": full_cells,
+        "weights": gpu_w,
+        "kv": gpu_kv,
+        "compute": compute,
+        "reserve": reserve,
+        "total": gpu_w + gpu_kv + compute + reserve,
+        "host_weights": host_w,
+        "host_kv": host_kv,
+    }
 
 
-def max_context(info: ModelInfo, n_gpu_layers: int, cfg: PlanConfig, limit: int | None = None,
-                kv: KvPerToken | None = None) -> int:
+def max_context(
+    info: ModelInfo,
+    n_gpu_layers: int,
+    cfg: PlanConfig,
+    limit: int | None = None,
+    kv: KvPerToken | None = None,
+) -> int:
     """Largest n_ctx (a multiple of 256, ≤ ``limit``) whose VRAM total fits; 0 if none."""
     limit = limit or info.context_length or 131072
     kv = kv or kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
@@ -240,14 +312,20 @@ class Plan:
         return {
             "model": self.info.to_dict(),
             "config": asdict(self.config),
+            "attention": attention_summary(self.info),
+            "state_bytes_per_token": state_bytes_per_token(self.info, self.kv),
+            "state_window_bytes": state_window_bytes(self.info, self.kv),
             "kv_bytes_per_token": self.kv.total,
-            "kv_bytes_per_token_by_kind": {"full_attention": self.kv.full,
-                                           "sliding_window": self.kv.swa},
+            "kv_bytes_per_token_by_kind": {
+                "full_attention": self.kv.full,
+                "sliding_window": self.kv.swa,
+            },
             "kv_bytes_per_token_per_layer": list(self.kv.per_layer),
             "weight_bytes": self.info.weight_bytes,
             "gpu_weight_bytes_full_offload": self.full.gpu_weight_bytes,
-            "compute_buffer_estimate": compute_bytes(self.info, max(self.full.max_ctx, 1),
-                                                     self.config),
+            "compute_buffer_estimate": compute_bytes(
+                self.info, max(self.full.max_ctx, 1), self.config
+            ),
             "full_offload": asdict(self.full),
             "partial_offload": [asdict(row) for row in self.partial],
             "target_ctx": self.target_ctx,
@@ -260,12 +338,19 @@ def _row(info: ModelInfo, ngl: int, cfg: PlanConfig, kv: KvPerToken, limit: int)
     ctx = max_context(info, ngl, cfg, limit, kv)
     mem = memory_at(info, ctx or CTX_STEP, ngl, cfg, kv)
     on_gpu, out_gpu = gpu_layers(info, ngl)
-    return OffloadRow(n_gpu_layers=ngl, gpu_layers=sum(on_gpu), output_on_gpu=out_gpu,
-                      gpu_weight_bytes=mem["weights"], max_ctx=ctx, memory=mem)
+    return OffloadRow(
+        n_gpu_layers=ngl,
+        gpu_layers=sum(on_gpu),
+        output_on_gpu=out_gpu,
+        gpu_weight_bytes=mem["weights"],
+        max_ctx=ctx,
+        memory=mem,
+    )
 
 
-def make_plan(info: ModelInfo, cfg: PlanConfig | None = None, target_ctx: int | None = None
-              ) -> Plan:
+def make_plan(
+    info: ModelInfo, cfg: PlanConfig | None = None, target_ctx: int | None = None
+) -> Plan:
     """Full offload, a few partial-offload splits, and the best split for ``target_ctx``."""
     cfg = cfg or PlanConfig()
     kv = kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
@@ -283,22 +368,48 @@ def make_plan(info: ModelInfo, cfg: PlanConfig | None = None, target_ctx: int | 
             break
     notes = list(info.notes)
     if info.sliding_window and cfg.swa_full:
-        notes.append(f"sliding-window layers keep every token (swa_full, llama-cpp-python's "
-                     f"default and what prefix reuse needs); with swa_full off they would "
-                     f"keep only ~{pad(info.sliding_window + cfg.n_ubatch)} cells")
+        notes.append(
+            f"sliding-window layers keep every token (swa_full, llama-cpp-python's "
+            f"default and what prefix reuse needs); with swa_full off they would "
+            f"keep only ~{pad(info.sliding_window + cfg.n_ubatch)} cells"
+        )
     if info.attention_kind == "MHA":
-        notes.append("multi-head attention (one KV head per query head): the KV cache is "
-                     "large per token; a GQA model of the same size fits far more context")
-    return Plan(info=info, config=cfg, kv=kv, full=full, partial=partial, target_ctx=target,
-                best_split=best, notes=notes)
+        notes.append(
+            "multi-head attention (one KV head per query head): the KV cache is "
+            "large per token; a GQA model of the same size fits far more context"
+        )
+    return Plan(
+        info=info,
+        config=cfg,
+        kv=kv,
+        full=full,
+        partial=partial,
+        target_ctx=target,
+        best_split=best,
+        notes=notes,
+    )
 
 
 # --------------------------------------------------------------------------- text
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": GiB, "b": 1, "k": KiB, "kib": KiB, "kb": 1000, "m": MiB, "mib": MiB, "mb": 10**6,
-          "g": GiB, "gib": GiB, "gb": 10**9, "t": 1024**4, "tib": 1024**4, "tb": 10**12}
+_UNITS = {
+    "": GiB,
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "kb": 1000,
+    "m": MiB,
+    "mib": MiB,
+    "mb": 10**6,
+    "g": GiB,
+    "gib": GiB,
+    "gb": 10**9,
+    "t": 1024**4,
+    "tib": 1024**4,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:
@@ -347,8 +458,25 @@ def format_plan(plan: Plan) -> str:
     n_swa = sum(1 for il in range(info.n_layer) if info.swa_layers[il] and info.n_head_kv[il])
     lines.append(f"  full-attention layers: {n_full}, {kv.full:,} bytes/token")
     if n_swa:
-        lines.append(f"  sliding-window layers: {n_swa} (window {info.sliding_window:,}), "
-                     f"{kv.swa:,} bytes/token")
+        lines.append(
+            f"  sliding-window layers: {n_swa} (window {info.sliding_window:,}), "
+            f"{kv.swa:,} bytes/token"
+        )
+    growth = state_bytes_per_token(info, kv)
+    window = state_window_bytes(info, kv)
+    if window:
+        lines.append(
+            f"snapshot (llama.cpp's seq state): {growth:,} bytes/token (full-attention "
+            f"layers + {CELL_META_BYTES} B cell metadata) + the window, "
+            f"{fmt_bytes(window)} ({info.sliding_window:,} cells × "
+            f"{kv.swa + CELL_META_BYTES:,} B) once full; chunked, with a window "
+            "checkpoint at each message boundary"
+        )
+    else:
+        lines.append(
+            f"snapshot (llama.cpp's seq state): {growth:,} bytes/token (KV + "
+            f"{CELL_META_BYTES} B cell metadata), chunked"
+        )
     comp = compute_bytes(info, max(plan.full.max_ctx, CTX_STEP), cfg)
     lines += [
         f"budget: {fmt_bytes(cfg.vram_bytes)} VRAM, of which {fmt_bytes(cfg.reserve_bytes)} "
@@ -361,19 +489,25 @@ def format_plan(plan: Plan) -> str:
     ]
     mem = plan.full.memory
     if plan.full.max_ctx:
-        lines.append(f"  VRAM then: weights {fmt_bytes(mem['weights'])} + KV "
-                     f"{fmt_bytes(mem['kv'])} + compute {fmt_bytes(mem['compute'])} + reserve "
-                     f"{fmt_bytes(mem['reserve'])} = {fmt_bytes(mem['total'])}")
+        lines.append(
+            f"  VRAM then: weights {fmt_bytes(mem['weights'])} + KV "
+            f"{fmt_bytes(mem['kv'])} + compute {fmt_bytes(mem['compute'])} + reserve "
+            f"{fmt_bytes(mem['reserve'])} = {fmt_bytes(mem['total'])}"
+        )
     lines.append("partial offload (the rest of the layers and their KV stay in host RAM):")
     lines.append(f"  {'n_gpu_layers':>12}  {'weights on GPU':>14}  max context")
     for row in plan.partial:
-        lines.append(f"  {row.n_gpu_layers:>12}  {fmt_bytes(row.gpu_weight_bytes):>14}  "
-                     f"{fmt_ctx(row, limit)}")
+        lines.append(
+            f"  {row.n_gpu_layers:>12}  {fmt_bytes(row.gpu_weight_bytes):>14}  "
+            f"{fmt_ctx(row, limit)}"
+        )
     if plan.best_split:
         b = plan.best_split
-        lines.append(f"best split for {plan.target_ctx:,} tokens: n_gpu_layers={b.n_gpu_layers} "
-                     f"(VRAM {fmt_bytes(b.memory['total'])}, host RAM "
-                     f"{fmt_bytes(b.memory['host_weights'] + b.memory['host_kv'])})")
+        lines.append(
+            f"best split for {plan.target_ctx:,} tokens: n_gpu_layers={b.n_gpu_layers} "
+            f"(VRAM {fmt_bytes(b.memory['total'])}, host RAM "
+            f"{fmt_bytes(b.memory['host_weights'] + b.memory['host_kv'])})"
+        )
     else:
         lines.append(f"{plan.target_ctx:,} tokens do not fit even with one layer on the GPU")
     lines += [f"note: {n}" for n in plan.notes]
