@@ -64,6 +64,12 @@ def own_snapshot(snapshots: SnapshotStore, session_id: str) -> SnapshotRow:
             kvlayout.check_desc(row.layout)
         except kvlayout.LayoutError as exc:
             raise SnapshotRejected(f"the session's snapshot layout is damaged: {exc}") from None
+        if "swa" in row.layout:
+            # Its window checkpoints are not carried by bundles (yet): text only.
+            raise SnapshotRejected(
+                "a sliding-window model's KV (chunks and window checkpoints) is not put in "
+                "bundles yet"
+            )
     return row
 
 
