@@ -139,7 +139,7 @@ class SnapshotStore:
         if self.chunked:
             layout, why = self._parse(engine, state)
         else:
-            layout, why = None, "chunked snapshots are off (snapshot_chunks = false)"
+            layout, why = None, None  # whole by the user's choice (snapshot_chunks = false)
         if layout is not None:
             result = self._save_chunks(
                 session_id, tokens, state, layout, fingerprint, engine, pending
@@ -157,7 +157,7 @@ class SnapshotStore:
         return result
 
     @staticmethod
-    def _parse(engine: Engine, state: memoryview) -> tuple[kvlayout.StateLayout | None, str]:
+    def _parse(engine: Engine, state: memoryview) -> tuple[kvlayout.StateLayout | None, str | None]:
         """The state's layout, or None and why it is stored whole."""
         problem = getattr(engine, "chunk_problem", None)
         why = problem() if problem is not None else None
