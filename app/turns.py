@@ -15,6 +15,7 @@ from kvchat.engine import GenerationParams, GenerationStats, PrefillResult
 from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.kvcache.tiers import SnapshotWrite
+from kvchat.limits import sampling_problem
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -42,6 +43,10 @@ def generation_params(
 
     An unset seed is a new random one, so "no seed" means a different reply each time.
     """
+    for name, value in overrides.items():
+        problem = None if value is None else sampling_problem(name, value)
+        if problem:
+            raise KvchatError(problem)
     values: dict[str, Any] = {key: getattr(settings, key) for key in SESSION_SETTINGS}
     values.update({k: v for k, v in session.items() if k in SESSION_SETTINGS})
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -11,7 +11,7 @@ from kvchat.units import human_bytes
 
 
 @click.group(name="cache", cls=KvchatGroup, invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.pass_context
 def cache(ctx: click.Context, as_json: bool) -> None:
     """The KV tiers: RAM (in the running app) and disk, with their counters."""

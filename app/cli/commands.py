@@ -17,6 +17,7 @@ from kvchat.cli.models import models_group
 from kvchat.cli.transfer import export_bundle, import_cmd
 from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
+from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.text import check_text, one_line
 from kvchat.units import human_bytes
 
@@ -26,7 +27,11 @@ from kvchat.units import human_bytes
 @click.version_option(package_name="kvchat")
 @click.pass_context
 def main(ctx: click.Context, **flags: Any) -> None:
-    """kvchat: chat with local GGUF models; conversations resume without re-reading."""
+    """kvchat: chat with local GGUF models; conversations resume without re-reading.
+
+    Run `kvchat` with no command to open the terminal app; the commands below work
+    from the shell and none of them opens the app.
+    """
     ctx.obj = {k: v for k, v in flags.items() if v is not None}
     if ctx.invoked_subcommand is None:
         settings = settings_from(ctx)
@@ -44,9 +49,12 @@ def main(ctx: click.Context, **flags: Any) -> None:
 @click.option("--session", "session_ref", help="Continue this session (id or unique title prefix).")
 @click.option("--new", "new", is_flag=True, help="Start a new session.")
 @click.option("--system", "system", help="System prompt (for a new session, or replacing it).")
-@click.option("--max-tokens", type=int, help="Most tokens to generate.")
-@click.option("--temperature", type=float, help="0 for greedy (deterministic) decoding.")
-@click.option("--seed", type=int, help="Sampling seed.")
+@click.option("--max-tokens", type=int, help="Most tokens to generate (1 or more).")
+@click.option(
+    "--temperature", type=float, help=f"{RANGE_TEXT['temperature']}; 0 for greedy decoding."
+)
+@click.option("--top-p", "top_p", type=float, help=f"Nucleus sampling, {RANGE_TEXT['top_p']}.")
+@click.option("--seed", type=int, help="Sampling seed (0 or more).")
 @click.option("--no-restore", is_flag=True, help="Ignore saved KV: full prefill (the baseline).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @model_options
@@ -59,15 +67,17 @@ def ask(
     system: str | None,
     max_tokens: int | None,
     temperature: float | None,
+    top_p: float | None,
     seed: int | None,
     no_restore: bool,
     as_json: bool,
     **flags: Any,
 ) -> None:
-    """One turn: send MESSAGE, stream the reply to stdout.
+    """One turn: send MESSAGE (- reads it from stdin), stream the reply to stdout.
 
     Without --session or --new, a new session is started; a new session that gets no
-    reply (an error, an interrupted turn) is not kept.
+    reply (an error, an interrupted turn) is not kept. Invalid settings or an empty
+    message are refused before anything is stored.
     """
     if session_ref is not None and new:
         raise KvchatError("use either --session or --new, not both")
@@ -75,6 +85,20 @@ def ask(
         raise KvchatError("--session needs a session id or title (see `kvchat list`)")
     # Bytes of the command line that are not UTF-8 arrive as lone surrogates: refused here,
     # before a session exists (paths elsewhere may hold such bytes; text may not).
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+        "seed": seed,
+    }
+    n_ctx = flags.get("n_ctx") or (ctx.obj or {}).get("n_ctx")
+    for name, value in sampling.items():
+        problem = None if value is None else sampling_problem(name, value, n_ctx)
+        if problem:
+            raise KvchatError(problem)
+    if message == "-":
+        # Bytes that are not UTF-8 become lone surrogates, refused by check_text below.
+        message = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
     check_text(message, "the message")
     if system is not None:
         check_text(system, "the system prompt")
@@ -85,9 +109,7 @@ def ask(
     turn: dict[str, Any] = dict(
         on_token=None if as_json else _stream,
         no_restore=no_restore,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
+        **sampling,
     )
     with service(settings) as chat:
         if session_ref is not None:
@@ -284,7 +306,7 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
 @main.command()
 @click.argument("session_ref")
 @click.option("--at", "at_message", type=int, help="Last message id to keep (default: all).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the new session as one JSON object.")
 @click.pass_context
 def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: bool) -> None:
     """Branch a session; the shared history's KV is reused, not copied."""

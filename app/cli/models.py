@@ -356,7 +356,8 @@ def pull_model(
         import huggingface_hub as hub
     except ImportError:
         raise KvchatError(
-            "downloading models needs huggingface_hub: pip install huggingface-hub"
+            "downloading models needs huggingface-hub, an optional extra: "
+            "pip install 'kvchat[pull]'"
         ) from None
 
     dest = models_dir()
