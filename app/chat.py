@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 DEFAULT_TITLE = "New chat"
+# What a fork adds to its parent's title: " (fork)", " (fork 2)", …
+_FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 LAST_SESSION_KEY = "last_session"
 # How long a turn waits for another process's turn on the same session before giving up.
 LOCK_WAIT_S = 3.0
@@ -282,10 +285,37 @@ class ChatService:
         self, session_id: str, upto: int | None, then: tuple[str, str, int] | None = None
     ) -> Session:
         """Copy a session's messages up to ``upto`` (and ``then``) in one transaction."""
-        title = f"{self.store.get_session(session_id).title} (fork)"
+        title = self._fork_title(self.store.get_session(session_id).title)
         branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
         self._remember(branch.id)
         return branch
+
+    def _fork_title(self, parent_title: str) -> str:
+        """ "Title (fork)", then "Title (fork 2)", "Title (fork 3)"…: never "(fork) (fork)".
+
+        A fork of a fork is numbered among the forks of the same original title.
+        """
+        base = _FORK_SUFFIX.sub("", parent_title) or parent_title
+        taken = 0
+        for summary in self.store.list_sessions():
+            title = summary.session.title
+            if title.startswith(base):
+                match = _FORK_SUFFIX.fullmatch(title[len(base) :])
+                if match:
+                    taken = max(taken, int(match.group(1) or 1))
+        return f"{base} (fork)" if taken == 0 else f"{base} (fork {taken + 1})"
+
+    def message_at(self, session_id: str, number: int) -> Message:
+        """The session's message #``number`` (1-based, in order: what the app shows)."""
+        history = self.store.messages(session_id)
+        if not 1 <= number <= len(history):
+            raise KvchatError(
+                f"session {session_id} has no message #{number} "
+                f"(it has {len(history)}: #1 to #{len(history)})"
+                if history
+                else f"session {session_id} has no messages"
+            )
+        return history[number - 1]
 
     def _remember(self, session_id: str) -> None:
         """Note the session to open next time: a convenience, so a full disk is no error."""

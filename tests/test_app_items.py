@@ -106,3 +106,30 @@ def test_ask_dash_reads_the_message_from_stdin(kvhome: Path) -> None:
     session = __import__("json").loads(proc.stdout)["session"]
     md = run_cli(kvhome, "export", session, "--format", "json").json
     assert md["messages"][0]["content"] == "What is 2+2? [piped]"
+
+
+# --- item 6: fork --at N (the message's number) and numbered fork titles ----------------------
+
+
+def test_fork_at_takes_the_message_number_and_numbers_titles(one_turn_home, copy_home) -> None:
+    source, turn = one_turn_home
+    home = copy_home(source, "fork-home")
+    session = turn["session"]
+    first = run_cli(home, "fork", session, "--at", "1", "--json").json
+    assert first["messages"] == 1
+    exported = run_cli(home, "export", first["session"], "--format", "json").json
+    assert [m["role"] for m in exported["messages"]] == ["user"]
+    parent_title = run_cli(home, "export", session, "--format", "json").json["session"]["title"]
+    assert first["title"] == f"{parent_title} (fork)"
+    second = run_cli(home, "fork", session, "--json").json
+    assert second["title"] == f"{parent_title} (fork 2)" and second["messages"] == 2
+    # A fork of a fork is numbered among the forks of the original title.
+    third = run_cli(home, "fork", first["session"], "--json").json
+    assert third["title"] == f"{parent_title} (fork 3)"
+    assert "(fork) (fork)" not in third["title"]
+    # Numbers out of range are one line, exit 2; nothing is made.
+    for bad in ("0", "3"):
+        result = run_cli(home, "fork", session, "--at", bad, check=False)
+        assert result.returncode == 2 and "no message #" in result.stderr, result.stderr
+    assert len(run_cli(home, "list", "--json").json) == 4
+    assert "--at N" in run_cli(home, "fork", "--help").stdout

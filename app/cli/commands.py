@@ -305,13 +305,23 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
 
 @main.command()
 @click.argument("session_ref")
-@click.option("--at", "at_message", type=int, help="Last message id to keep (default: all).")
+@click.option(
+    "--at",
+    "at_number",
+    type=int,
+    help="Keep messages #1 to #N (#N as the app shows it, not an id; default: all).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the new session as one JSON object.")
 @click.pass_context
-def fork(ctx: click.Context, session_ref: str, at_message: int | None, as_json: bool) -> None:
-    """Branch a session; the shared history's KV is reused, not copied."""
+def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: bool) -> None:
+    """Branch a session; the shared history's KV is reused, not copied.
+
+    --at N keeps the first N messages: N is the message's number in the session (#N in the
+    app), not a database id. Forks are titled "TITLE (fork)", "TITLE (fork 2)", …
+    """
     with service(settings_from(ctx)) as chat:
         parent = chat.resolve(session_ref)
+        at_message = None if at_number is None else chat.message_at(parent.id, at_number).id
         child = chat.fork(parent.id, at_message)
         messages = len(chat.messages(child.id))
     if as_json:
