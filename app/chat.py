@@ -63,6 +63,8 @@ DEFAULT_TITLE = "New chat"
 # What a fork adds to its parent's title: " (fork)", " (fork 2)", …
 _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 LAST_SESSION_KEY = "last_session"
+# The session the app had open last (set by the app alone: a CLI `ask` never moves it).
+OPEN_SESSION_KEY = "app_open_session"
 # How long a turn waits for another process's turn on the same session before giving up.
 LOCK_WAIT_S = 3.0
 # Free space below which a disk counts as full (SQLite needs a few pages to open a file).
@@ -191,6 +193,28 @@ class ChatService:
                 pass
         sessions = self.store.list_sessions()
         return sessions[0].session if sessions else None
+
+    def remember_open(self, session_id: str) -> None:
+        """Note that the app opened this session: the next launch opens it again.
+
+        Kept apart from the last session used (which a CLI ``ask`` or a new fork moves),
+        so a relaunch returns to where the user was. A full disk is no error.
+        """
+        try:
+            self.store.set_meta(OPEN_SESSION_KEY, session_id)
+        except StoreFull:
+            pass
+
+    def last_open_session(self) -> Session | None:
+        """The session the app had open when it quit, if it still exists; else, for a
+        first launch, :meth:`last_session`."""
+        session_id = self.store.get_meta(OPEN_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        return self.last_session()
 
     def messages(self, session_id: str) -> list[Message]:
         return self.store.messages(session_id)

@@ -133,3 +133,32 @@ def test_fork_at_takes_the_message_number_and_numbers_titles(one_turn_home, copy
         assert result.returncode == 2 and "no message #" in result.stderr, result.stderr
     assert len(run_cli(home, "list", "--json").json) == 4
     assert "--at N" in run_cli(home, "fork", "--help").stdout
+
+
+# --- item 2: relaunch opens the session the app had open ---------------------------------------
+
+
+def test_relaunch_opens_the_session_the_app_had_open(kvhome: Path) -> None:
+    from kvchat.chat import ChatService
+    from kvchat.config import load_settings
+
+    service = ChatService(load_settings())
+    try:
+        assert service.last_open_session() is None
+        a = service.new_session("A")
+        b = service.new_session("B")
+        assert service.last_open_session().id == b.id  # never opened: the last one made
+        service.remember_open(a.id)
+        service.new_session("made by a CLI ask")
+        service.fork(b.id)
+        assert service.last_open_session().id == a.id
+    finally:
+        service.close()
+    # A new process (a relaunch) reads the same.
+    service = ChatService(load_settings())
+    try:
+        assert service.last_open_session().id == a.id
+        service.delete(a.id)
+        assert service.last_open_session() is not None  # gone: the fallback, no error
+    finally:
+        service.close()
