@@ -14,8 +14,9 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
+import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,40 @@ def test_layout_descriptions_with_a_window_part_are_checked() -> None:
     for bad in ({**window, "n_swa": 0}, {**window, "k": [[99, 32]]}, "x"):
         with pytest.raises(kvlayout.LayoutError):
             kvlayout.check_desc(base | {"swa": bad})
+
+
+class RecurrentEngine:
+    """Just enough of an engine whose state is not per-token KV (a recurrent model)."""
+
+    n_ctx = 1024
+    tokens = [5, 6, 7]
+
+    def state_get(self) -> memoryview:
+        return memoryview(bytes(64))
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        return (1, 16, 16)
+
+    def chunk_problem(self) -> str | None:
+        return "a recurrent model keeps a fixed-size state, not per-token KV"
+
+
+def test_a_state_that_cannot_be_chunked_is_stored_whole_with_the_reason(tmp_path: Path) -> None:
+    from kvchat.kvcache import Fingerprint, SnapshotStore
+    from kvchat.store import Store
+
+    store = Store(tmp_path / "kv.db")
+    session = store.create_session("t").id
+    snapshots = SnapshotStore(tmp_path / "snapshots", store)
+    fingerprint = Fingerprint("m", "m.gguf", "0", "f16", "f16", False, 1e4, 1.0, 0, 1)
+    saved = snapshots.save(session, RecurrentEngine(), fingerprint)  # type: ignore[arg-type]
+    assert saved.row.format == "blob" and "recurrent" in (saved.whole_reason or "")
+    unknown = RecurrentEngine()
+    unknown.chunk_problem = lambda: None  # type: ignore[method-assign]
+    saved = snapshots.save(session, unknown, fingerprint)  # type: ignore[arg-type]
+    assert saved.row.format == "blob" and "not a layout" in (saved.whole_reason or "")
+    off = SnapshotStore(tmp_path / "snapshots", store, chunked=False)
+    assert off.save(session, unknown, fingerprint).whole_reason is None  # the user's choice
 
 
 # ------------------------------------------------------------------- layouts and bytes
@@ -352,6 +387,15 @@ LONG_FIRST = (
 )
 
 
+def snapshot_size(home: Path, session: str) -> tuple[int, int]:
+    """(tokens, state bytes) of a session's snapshot row."""
+    with closing(sqlite3.connect(home / "kvchat.db")) as db:
+        row = db.execute(
+            "SELECT n_tokens, n_bytes FROM kv_snapshots WHERE session_id=?", (session,)
+        ).fetchone()
+    return int(row[0]), int(row[1])
+
+
 @pytest.mark.e2e
 def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
     gemma3_270m: Path, kvhome: Path, tmp_path: Path
@@ -377,6 +421,12 @@ def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
     assert 0 < resumed["tokens"]["decoded"] < 64
     assert resumed["reply"] == full["reply"]
+
+    # Past the window, the state grows by the full-attention layers' bytes only.
+    info = read_gguf(gemma3_270m)
+    (t1, b1), (t2, b2) = snapshot_size(kvhome, session), snapshot_size(resumed_home, session)
+    assert 512 < t1 < t2
+    assert (b2 - b1) / (t2 - t1) == state_bytes_per_token(info, kv_bytes_per_token(info)) == 3084
 
     extra = {"chat_template": "gemma", "n_ctx": 2048}
     restored, baseline = both_ways(
