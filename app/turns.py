@@ -182,6 +182,8 @@ class TurnReport:
             parts.append(f"KV saved whole: {self.snapshot.whole_reason}")
         if self.finish_reason == "cancelled":
             parts.append("cancelled")
+        elif self.finish_reason == "length":
+            parts.append("stopped at the token limit (continue: `kvchat ask --continue`)")
         return " · ".join(parts)
 
 

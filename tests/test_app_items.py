@@ -162,3 +162,57 @@ def test_relaunch_opens_the_session_the_app_had_open(kvhome: Path) -> None:
         assert service.last_open_session() is not None  # gone: the fallback, no error
     finally:
         service.close()
+
+
+# --- item 4: cut replies: never a broken character; "stopped at the token limit"; continue -----
+
+EMOJI_PROMPT = "Reply with five flower emoji and nothing else."
+
+
+@pytest.mark.e2e
+def test_a_reply_cut_mid_character_stores_no_replacement_character(kvhome: Path) -> None:
+    from kvchat.chat import ChatService
+    from kvchat.config import load_settings
+
+    service = ChatService(load_settings(n_ctx=1024))
+    try:
+        replies: dict[int, str] = {}
+        sessions: dict[int, str] = {}
+        for n in range(26, 32):  # the bundled model's emoji take several tokens each
+            report = service.start(EMOJI_PROMPT, temperature=0, max_tokens=n)
+            stored = service.messages(report.session_id)[-1].content
+            assert "\ufffd" not in report.reply and "\ufffd" not in stored, (n, stored)
+            assert "\ufffd" not in service.export(report.session_id, "md")
+            assert report.finish_reason == "length"
+            assert "stopped at the token limit" in report.summary()
+            replies[n] = report.reply
+            sessions[n] = report.session_id
+        # Some limits did cut inside a character (a token that ended nothing added no text).
+        assert any(replies[n] == replies[n - 1] for n in range(27, 32))
+        cut = next(n for n in range(27, 32) if replies[n] == replies[n - 1])
+        session = service.store.get_session(sessions[cut])
+        before = service.messages(session.id)[-1]
+        assert before.content == replies[cut]
+        # Continue: more text appended to the same stored reply, from the hot KV.
+        report = service.continue_reply(session.id, temperature=0, max_tokens=8)
+        after = service.messages(session.id)
+        assert [m.id for m in after][-1] == before.id and len(after) == 2
+        assert after[-1].content == before.content + report.reply
+        assert report.reply and "\ufffd" not in after[-1].content
+        assert after[-1].content.count("\U0001f333") > before.content.count("\U0001f333")
+    finally:
+        service.close()
+
+
+def test_ask_continue_appends_to_the_last_reply(one_turn_home, copy_home) -> None:
+    source, turn = one_turn_home
+    home = copy_home(source, "continue-home")
+    session = turn["session"]
+    before = run_cli(home, "export", session, "--format", "json").json["messages"]
+    result = run_cli(home, "ask", "--continue", "--session", session, "--json", *FAST)
+    more = result.json["reply"]
+    after = run_cli(home, "export", session, "--format", "json").json["messages"]
+    assert len(after) == len(before)
+    assert after[-1]["content"] == before[-1]["content"] + more
+    bad = run_cli(home, "ask", "--continue", "Hi", check=False)
+    assert bad.returncode == 2 and "--session" in bad.stderr

@@ -45,9 +45,15 @@ def main(ctx: click.Context, **flags: Any) -> None:
 
 
 @main.command()
-@click.argument("message")
+@click.argument("message", required=False)
 @click.option("--session", "session_ref", help="Continue this session (id or unique title prefix).")
 @click.option("--new", "new", is_flag=True, help="Start a new session.")
+@click.option(
+    "--continue",
+    "continue_reply",
+    is_flag=True,
+    help="Go on with the session's last reply (one stopped at the token limit); needs --session.",
+)
 @click.option("--system", "system", help="System prompt (for a new session, or replacing it).")
 @click.option("--max-tokens", type=int, help="Most tokens to generate (1 or more).")
 @click.option(
@@ -61,9 +67,10 @@ def main(ctx: click.Context, **flags: Any) -> None:
 @click.pass_context
 def ask(
     ctx: click.Context,
-    message: str,
+    message: str | None,
     session_ref: str | None,
     new: bool,
+    continue_reply: bool,
     system: str | None,
     max_tokens: int | None,
     temperature: float | None,
@@ -96,14 +103,20 @@ def ask(
         problem = None if value is None else sampling_problem(name, value, n_ctx)
         if problem:
             raise KvchatError(problem)
+    if continue_reply:
+        if session_ref is None or message is not None or new:
+            raise KvchatError("--continue goes on with a session's last reply: --session S alone")
+    elif message is None:
+        raise KvchatError("no message: give MESSAGE, or - to read it from stdin")
     if message == "-":
         # Bytes that are not UTF-8 become lone surrogates, refused by check_text below.
         message = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
-    check_text(message, "the message")
+    if message is not None:
+        check_text(message, "the message")
+        if not message.strip():
+            raise KvchatError("the message is empty")
     if system is not None:
         check_text(system, "the system prompt")
-    if not message.strip():
-        raise KvchatError("the message is empty")
     settings = settings_from(ctx, **flags)
     settings.model_path()
     turn: dict[str, Any] = dict(
@@ -116,8 +129,13 @@ def ask(
             session = chat.resolve(session_ref)
             if system is not None:
                 chat.configure(session.id, system_prompt=system)
-            report = chat.send(session.id, message, **turn)
+            if continue_reply:
+                report = chat.continue_reply(session.id, **turn)
+            else:
+                assert message is not None
+                report = chat.send(session.id, message, **turn)
         else:
+            assert message is not None
             report = chat.start(message, system_prompt=system, **turn)
     if as_json:
         click.echo(to_json(report.to_json()))
@@ -132,7 +150,9 @@ def ask(
     if chat.plan_note:
         click.echo(f"plan: {chat.plan_note}", err=True)
     click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
-    if report.message_id is None:
+    if report.message_id is None and continue_reply:
+        click.echo("kvchat: the model added nothing to the reply", err=True)
+    elif report.message_id is None:
         click.echo(
             f"kvchat: the model gave no reply; your message is saved in session "
             f"{report.session_id} without one",

@@ -554,9 +554,8 @@ class LlamaEngine:
                 self.llm.eval([token])
                 if piece:
                     yield piece
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield tail
+            # Bytes still held are the start of a character the last token cut (max_tokens,
+            # a full context, cancel): dropped, never flushed as U+FFFD into the reply.
         finally:
             elapsed = time.perf_counter() - generation_started
             if stats.generated and elapsed > 0:

@@ -637,3 +637,24 @@ class Store:
                 (json.dumps([session_id for session_id, _ in results]), file_key),
             )
         return results
+
+    def update_message(
+        self, message_id: int, content: str, partial: bool, *, token_count: int | None = None
+    ) -> Message:
+        """Replace a message's text and partial mark (a reply saved as it streams, then
+        finished or continued), committed; the search index follows by its triggers."""
+        stamp = now()
+        with self._tx() as conn:
+            cursor = conn.execute(
+                "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count)"
+                " WHERE id=?",
+                (content, int(partial), token_count, message_id),
+            )
+            if cursor.rowcount == 0:
+                raise KvchatError(f"no message with id {message_id}")
+            conn.execute(
+                "UPDATE sessions SET updated=? WHERE id=(SELECT session_id FROM messages"
+                " WHERE id=?)",
+                (stamp, message_id),
+            )
+        return self.get_message(message_id)
