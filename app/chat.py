@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -65,6 +66,8 @@ _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 LAST_SESSION_KEY = "last_session"
 # The session the app had open last (set by the app alone: a CLI `ask` never moves it).
 OPEN_SESSION_KEY = "app_open_session"
+# A streaming reply is stored (partial) after this long, then updated this often.
+STREAM_SAVE_EVERY_S = 1.0
 # How long a turn waits for another process's turn on the same session before giving up.
 LOCK_WAIT_S = 3.0
 # Free space below which a disk counts as full (SQLite needs a few pages to open a file).
@@ -641,6 +644,11 @@ class ChatService:
         prefill = engine.prefill(prompt, cancel)
         self.tiers.mark_dirty()
         pieces: list[str] = []
+        # A new reply is kept as it streams (a regenerated one is not: the old reply stays
+        # until the new one is whole), so a killed process leaves the partial text.
+        saver = (
+            _StreamSaver(self.store, session_id, STREAM_SAVE_EVERY_S) if replaces is None else None
+        )
         if prefill.reused + prefill.decoded < len(prompt):
             stats.finish_reason = "cancelled"
         else:
@@ -648,7 +656,10 @@ class ChatService:
                 pieces.append(piece)
                 if on_token is not None:
                     on_token(piece)
+                if saver is not None:
+                    saver.tick(pieces, stats.generated)
         reply = "".join(pieces)
+        streamed = saver.message_id if saver is not None else None
         report = TurnReport.of_run(
             session_id,
             reply,
@@ -663,17 +674,27 @@ class ChatService:
         # From here on the reply exists: whatever fails is reported, never raised.
         if reply.strip():
             try:
-                message = self.store.add_message(
-                    session_id,
-                    "assistant",
-                    reply,
-                    token_count=stats.generated,
-                    partial=report.partial,
-                )
+                if streamed is not None:  # the final commit replaces the streamed text
+                    message = self.store.update_message(
+                        streamed, reply, report.partial, token_count=stats.generated
+                    )
+                else:
+                    message = self.store.add_message(
+                        session_id,
+                        "assistant",
+                        reply,
+                        token_count=stats.generated,
+                        partial=report.partial,
+                    )
             except KvchatError as exc:
                 report.reply_error = f"the reply could not be saved: {exc}"
             else:
                 report.message_id = message.id
+        elif streamed is not None:
+            try:
+                self.store.delete_message(streamed)
+            except KvchatError:
+                pass
         if replaces is not None and report.message_id is not None:
             try:
                 self.store.delete_message(replaces)
@@ -733,6 +754,35 @@ class ChatService:
         chat = self._system_head(session) + [m.as_chat() for m in messages]
         target = settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
         return engine.settle(len(prompt), target)
+
+
+class _StreamSaver:
+    """Stores a streaming reply as a partial message after its first second, then updates it
+    every second (a convenience: a store that refuses is skipped, the final commit retries)."""
+
+    def __init__(self, store: Store, session_id: str, every_s: float = STREAM_SAVE_EVERY_S):
+        self.store = store
+        self.session_id = session_id
+        self.every_s = every_s
+        self.message_id: int | None = None
+        self._next = time.monotonic() + every_s
+
+    def tick(self, pieces: list[str], generated: int) -> None:
+        if time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.every_s
+        text = "".join(pieces)
+        if not text.strip():
+            return
+        try:
+            if self.message_id is None:
+                self.message_id = self.store.add_message(
+                    self.session_id, "assistant", text, token_count=generated, partial=True
+                ).id
+            else:
+                self.store.update_message(self.message_id, text, True, token_count=generated)
+        except KvchatError:
+            pass
 
 
 def _check_config(engine: Engine, wanted: Any, explicit: set[str]) -> None:

@@ -183,7 +183,7 @@ class TurnReport:
         if self.finish_reason == "cancelled":
             parts.append("cancelled")
         elif self.finish_reason == "length":
-            parts.append("stopped at the token limit (continue: `kvchat ask --continue`)")
+            parts.append("stopped at the token limit")
         return " · ".join(parts)
 
 

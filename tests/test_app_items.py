@@ -216,3 +216,69 @@ def test_ask_continue_appends_to_the_last_reply(one_turn_home, copy_home) -> Non
     assert after[-1]["content"] == before[-1]["content"] + more
     bad = run_cli(home, "ask", "--continue", "Hi", check=False)
     assert bad.returncode == 2 and "--session" in bad.stderr
+
+
+# --- item 5: a partial reply is kept as it streams ---------------------------------------------
+
+
+def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvchat", "ask", "--new"]
+        + ["Write the numbers from 1 to 500 separated by commas."]
+        + ["--temperature", "0", "--max-tokens", "1500", "--n-ctx", "4096"],
+        cwd=REPO,
+        env=_env(kvhome),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.read(1)  # the reply has begun streaming
+        assert first, "no reply streamed"
+        time.sleep(3.0)
+        assert proc.poll() is None, "the reply ended before the kill: make it longer"
+        os.kill(proc.pid, signal.SIGKILL)
+        streamed = first + proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    sessions = run_cli(kvhome, "list", "--json").json
+    assert len(sessions) == 1
+    session = sessions[0]["id"]
+    messages = run_cli(kvhome, "export", session, "--format", "json").json["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    reply = messages[1]
+    assert reply.get("partial") is True
+    assert len(reply["content"]) > 20 and "," in reply["content"]
+    assert streamed.decode("utf-8").startswith(reply["content"])
+
+
+def test_the_final_commit_replaces_the_streamed_partial(kvhome: Path, monkeypatch) -> None:
+    from kvchat import chat as chat_module
+    from kvchat.chat import ChatService
+    from kvchat.config import load_settings
+
+    monkeypatch.setattr(chat_module, "STREAM_SAVE_EVERY_S", 0.0)  # save after every piece
+    service = ChatService(load_settings(n_ctx=1024))
+    saved: list[tuple[str, bool]] = []
+    try:
+        store = service.store
+        original = store.update_message
+
+        def spy(message_id, content, partial, **kw):
+            saved.append((content, partial))
+            return original(message_id, content, partial, **kw)
+
+        monkeypatch.setattr(store, "update_message", spy)
+        report = service.start("Count from 1 to 20.", temperature=0, max_tokens=24)
+        messages = service.messages(report.session_id)
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert messages[-1].id == report.message_id
+        assert messages[-1].content == report.reply and not messages[-1].partial
+        assert any(partial for _, partial in saved)  # it was partial while streaming
+        assert saved[-1] == (report.reply, False)
+    finally:
+        service.close()

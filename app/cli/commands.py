@@ -150,6 +150,10 @@ def ask(
     if chat.plan_note:
         click.echo(f"plan: {chat.plan_note}", err=True)
     click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
+    if report.finish_reason == "length" and report.message_id is not None:
+        click.echo(
+            f"kvchat: to go on: kvchat ask --continue --session {report.session_id}", err=True
+        )
     if report.message_id is None and continue_reply:
         click.echo("kvchat: the model added nothing to the reply", err=True)
     elif report.message_id is None:
