@@ -742,8 +742,9 @@ class _TextRun:
 def _cuts(start: int, end: int, marks: set[int], size: int) -> list[tuple[int, int]]:
     """The batches decoding positions [start, end): slices of ``size`` from ``start``, also
     cut at ``marks``; a lone last token joins the batch before it (never a batch of one,
-    unless only one token is decoded). Every batch but the last starts and ends on
-    multiples of ``size``'s factors, so aligned starts keep aligned batches."""
+    unless only one token is decoded). With ``start``, ``marks`` and ``size`` multiples of
+    four, every batch but the last starts and ends on a multiple of four (see
+    :data:`REPACKED_TYPES`)."""
     points = sorted({m for m in marks if start < m < end} | set(range(start + size, end, size)))
     batches: list[tuple[int, int]] = []
     at = start
