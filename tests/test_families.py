@@ -37,7 +37,8 @@ from tests.tiny_models import FAMILIES, write_tiny
 
 SLIDING = {name for name, spec in FAMILIES.items() if spec.sliding_window}
 GENERATE = 32
-FLAGS = ["--temperature", "0", "--max-tokens", str(GENERATE)]
+# One thread: on a busy 2-core machine llama.cpp's threads wait for each other a long time.
+FLAGS = ["--temperature", "0", "--max-tokens", str(GENERATE), "--threads", "1"]
 FIRST = (
     "Here is a long question about rivers, salt, wool and cider, the trade of old towns, "
     "and how their markets worked every autumn. Tell me a short story about it."
@@ -184,7 +185,7 @@ def test_state_layout_and_bytes_per_token_match_llama_cpp(
     info = read_gguf(path)
     kv = kv_bytes_per_token(info)
     with kv_log() as lines:
-        engine = LlamaEngine(EngineConfig(path, n_ctx=4096, n_threads=2))
+        engine = LlamaEngine(EngineConfig(path, n_ctx=4096, n_threads=1))
     try:
         # What llama.cpp allocates (swa_full: sliding-window layers hold every cell too).
         allocated = sum(float(m.group(1)) for m in map(KV_LOG.search, lines) if m) * 2**20
@@ -223,7 +224,12 @@ def test_state_layout_and_bytes_per_token_match_llama_cpp(
 
 
 def service(home: Path, model: Path, **extra: Any) -> ChatService:
-    values: dict[str, Any] = {"n_ctx": 1024, "temperature": 0.0, "max_tokens": GENERATE}
+    values: dict[str, Any] = {
+        "n_ctx": 1024,
+        "temperature": 0.0,
+        "max_tokens": GENERATE,
+        "n_threads": 1,
+    }
     return ChatService(load_settings(model=str(model), **(values | extra)), home=home)
 
 
