@@ -256,6 +256,7 @@ def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
     assert streamed.decode("utf-8").startswith(reply["content"])
 
 
+@pytest.mark.e2e
 def test_the_final_commit_replaces_the_streamed_partial(kvhome: Path, monkeypatch) -> None:
     from kvchat import chat as chat_module
     from kvchat.chat import ChatService
