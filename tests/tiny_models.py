@@ -36,10 +36,18 @@ class TinySpec:
     fused_qkv: bool = False  # phi3: one attn_qkv tensor, one ffn_up for gate and up
     sliding_window: int = 0
     softcap: bool = False
+    # KV heads per layer when they differ (a GGUF array): rows of different sizes per layer.
+    kv_heads_per_layer: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def kv_heads(self, layer: int) -> int:
+        return self.kv_heads_per_layer[layer] if self.kv_heads_per_layer else self.n_head_kv
 
     @property
     def attention(self) -> str:
+        if self.kv_heads_per_layer:
+            heads = ",".join(map(str, self.kv_heads_per_layer))
+            return f"{self.n_head} heads, KV heads per layer {heads}"
         if self.n_head_kv == 1:
             kind = "MQA"
         elif self.n_head_kv == self.n_head:
@@ -62,6 +70,9 @@ FAMILIES: dict[str, TinySpec] = {
         # Gemma 3: five sliding-window layers, then a full one; one KV head (like 270M).
         TinySpec("gemma3", "gemma3", n_layer=6, n_head=4, n_head_kv=1, sliding_window=32),
         TinySpec("phi3", "phi3", n_head=4, n_head_kv=4, fused_qkv=True),
+        # Nemotron-NAS style (llama.cpp's "deci"): another KV head count in each layer, so K
+        # and V rows differ in size per layer, and a layer without attention KV at all.
+        TinySpec("deci", "deci", n_layer=4, n_head=4, kv_heads_per_layer=(2, 0, 1, 4)),
     ]
 }
 
@@ -103,7 +114,7 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
     writer.add_block_count(spec.n_layer)
     writer.add_feed_forward_length(ff)
     writer.add_head_count(nh)
-    writer.add_head_count_kv(nkv)
+    writer.add_head_count_kv(list(spec.kv_heads_per_layer) or nkv)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_key_length(hd)
@@ -140,19 +151,23 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
         writer.add_tensor("output.weight", weight(n_vocab, e))
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
+        nkv = spec.kv_heads(i)
         writer.add_tensor(f"{blk}.attn_norm.weight", norm(e))
-        if spec.fused_qkv:
+        if not nkv:  # a linear layer in place of attention: no Q, K, V, no KV cache
+            writer.add_tensor(f"{blk}.attn_output.weight", weight(e, e))
+        elif spec.fused_qkv:
             writer.add_tensor(f"{blk}.attn_qkv.weight", weight(nh * hd + 2 * nkv * hd, e))
         else:
             writer.add_tensor(f"{blk}.attn_q.weight", weight(nh * hd, e))
             writer.add_tensor(f"{blk}.attn_k.weight", weight(nkv * hd, e))
             writer.add_tensor(f"{blk}.attn_v.weight", weight(nkv * hd, e))
-        if spec.qkv_bias:
+        if spec.qkv_bias and nkv:
             for name, n in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
                 writer.add_tensor(
                     f"{blk}.{name}.bias", (rng.standard_normal(n) * 0.02).astype(np.float32)
                 )
-        writer.add_tensor(f"{blk}.attn_output.weight", weight(e, nh * hd))
+        if nkv:
+            writer.add_tensor(f"{blk}.attn_output.weight", weight(e, nh * hd))
         if arch in ("gemma2", "gemma3"):
             writer.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
             writer.add_tensor(f"{blk}.post_ffw_norm.weight", norm(e))
@@ -176,4 +191,4 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
 
 def kv_bytes_per_token(spec: TinySpec) -> int:
     """What f16 K and V cost per token over all layers (sliding-window layers included)."""
-    return spec.n_layer * spec.n_head_kv * spec.head_dim * 2 * 2
+    return sum(spec.kv_heads(il) for il in range(spec.n_layer)) * spec.head_dim * 2 * 2

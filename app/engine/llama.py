@@ -225,10 +225,12 @@ class LlamaEngine:
         k_widths: list[int] = []
         v_widths: list[int] = []
         swa: list[bool] = []
+        arch = info.architecture
+        shared = int(self.metadata.get(f"{arch}.attention.shared_kv_layers", 0) or 0)
         for il in range(info.n_layer):
-            kv_heads = info.n_head_kv[il]
-            if not kv_heads:
-                continue  # the layer reuses another layer's cache
+            if il >= info.n_layer - shared:
+                continue  # the layer reuses another layer's cache (Gemma 3n style)
+            kv_heads = info.n_head_kv[il]  # 0: the layer keeps zero-width rows (DeciLM)
             d_k, d_v = info.head_dims(il)
             k_widths.append(kv_heads * d_k)
             v_widths.append(kv_heads * d_v)

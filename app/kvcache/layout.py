@@ -186,13 +186,18 @@ def parse_section(
 def _section(
     r: _Reader, k_widths: list[int], v_widths: list[int], *, first_pos: int
 ) -> StateLayout:
-    """One cache's part: tried with 12-byte cell metadata, then with the 24-byte form."""
+    """One cache's part: tried with 12-byte cell metadata, then with the 24-byte form; and
+    with a V entry for every layer, then (a model whose zero-width layers keep no V tensor)
+    without the zero-width ones. Only a reading where every size adds up is taken."""
     start = r.pos
     errors: list[str] = []
-    for ext in (False, True):
+    tries = [(False, False), (True, False)]
+    if 0 in v_widths:
+        tries += [(False, True), (True, True)]
+    for ext, no_empty_v in tries:
         r.pos = start
         try:
-            return _read_section(r, k_widths, v_widths, first_pos, ext)
+            return _read_section(r, k_widths, v_widths, first_pos, ext, no_empty_v)
         except LayoutError as exc:
             errors.append(str(exc))
     r.pos = start
@@ -200,7 +205,12 @@ def _section(
 
 
 def _read_section(
-    r: _Reader, k_widths: list[int], v_widths: list[int], first_pos: int, ext: bool
+    r: _Reader,
+    k_widths: list[int],
+    v_widths: list[int],
+    first_pos: int,
+    ext: bool,
+    no_empty_v: bool = False,
 ) -> StateLayout:
     offset = r.pos
     (n_stream,) = r.take("<I")
@@ -233,8 +243,8 @@ def _read_section(
         _check_row(k_type, row_size, width, "K")
         layout.k_layers.append(LayerData(k_type, row_size, r.skip(row_size * n_cells)))
     for width in v_widths:
-        if not width:
-            continue  # llama.cpp writes nothing for a layer without V
+        if not width and no_empty_v:
+            continue  # llama.cpp writes nothing for a layer without a V tensor
         if not v_trans:
             v_type, row_size = r.take("<iQ")
             _check_row(v_type, row_size, width, "V")

@@ -85,6 +85,8 @@ class ModelInfo:
     weight_types: tuple[str, ...] = field(default=())
     # Whether the GGUF carries a chat template (None: unknown, a catalog entry).
     has_chat_template: bool | None = None
+    # The last layers reuse earlier layers' KV (Gemma 3n): they keep no cache of their own.
+    shared_kv_layers: int = 0
 
     @property
     def n_head_kv_max(self) -> int:
@@ -322,6 +324,7 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
         notes=tuple(notes),
         weight_types=tuple(sorted(weight_types)),
         has_chat_template=bool(_field(reader, "tokenizer.chat_template")),
+        shared_kv_layers=shared,
     )
 
 

@@ -216,11 +216,32 @@ def compute_bytes(
     }
 
 
+def allocated_per_layer(info: ModelInfo, cfg: PlanConfig, kv: KvPerToken) -> tuple[int, ...]:
+    """Bytes per cell llama.cpp allocates for each layer's cache: the KV rows, except that
+    without flash attention (V stored transposed) a model whose layers' V widths differ
+    gets every layer's V padded to the widest (llama.cpp's [TAG_V_CACHE_VARIABLE]), even a
+    layer of width 0 (DeciLM's attention-free layers). Layers sharing another's cache
+    (Gemma 3n) hold none."""
+    own = [il < info.n_layer - info.shared_kv_layers for il in range(info.n_layer)]
+    v_widths = [info.n_head_kv[il] * info.head_dims(il)[1] for il in range(info.n_layer)]
+    variable = len({w for w, has in zip(v_widths, own) if has}) > 1
+    if cfg.flash_attn or not variable:
+        return kv.per_layer
+    widest = max(v_widths)
+    sizes = []
+    for il in range(info.n_layer):
+        k_width = info.n_head_kv[il] * info.head_dims(il)[0]
+        has = own[il]
+        sizes.append(row_bytes(k_width, cfg.type_k) + row_bytes(widest, cfg.type_v) if has else 0)
+    return tuple(sizes)
+
+
 def memory_at(
     info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig, kv: KvPerToken | None = None
 ) -> dict[str, int]:
     """VRAM and host-RAM bytes for ``n_ctx`` tokens with ``n_gpu_layers`` offloaded."""
     kv = kv or kv_bytes_per_token(info, cfg.type_k, cfg.type_v)
+    per_layer = allocated_per_layer(info, cfg, kv)
     on_gpu, out_gpu = gpu_layers(info, n_gpu_layers)
     full_cells = pad(n_ctx)
     swa_cells = full_cells
@@ -229,7 +250,7 @@ def memory_at(
     gpu_w = host_w = gpu_kv = host_kv = 0
     for il in range(info.n_layer):
         cells = swa_cells if info.swa_layers[il] else full_cells
-        layer_kv = kv.per_layer[il] * cells
+        layer_kv = per_layer[il] * cells
         if on_gpu[il]:
             gpu_w += info.layer_bytes[il]
             gpu_kv += layer_kv
