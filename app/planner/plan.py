@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvchat.errors import KvchatError
@@ -113,6 +114,16 @@ def state_window_bytes(info: ModelInfo, kv: KvPerToken) -> int:
     if not (info.sliding_window and kv.swa):
         return 0
     return info.sliding_window * (kv.swa + CELL_META_BYTES)
+
+
+def attention_of(path: str | Path) -> str:
+    """:func:`attention_summary` of a GGUF file, or "attention unknown" when unreadable."""
+    from kvchat.planner.gguf_info import read_gguf
+
+    try:
+        return attention_summary(read_gguf(path))
+    except KvchatError:
+        return "attention unknown"
 
 
 def attention_summary(info: ModelInfo) -> str:
