@@ -410,8 +410,13 @@ class LlamaEngine:
         if len(prompt) >= self.n_ctx:
             raise KvchatError(f"the prompt ({len(prompt)} tokens) does not fit n_ctx={self.n_ctx}")
         reused = self.reuse_point(self.tokens, prompt)
-        if reused < self.window_floor:
-            reused = 0  # the window lacks cells the next token attends to
+        floor = self.window_floor
+        if reused < floor:
+            # Not aligned then (a whole state restored off a multiple of four: its last
+            # tokens' KV may differ from a full prefill's by rounding), else from the start:
+            # the window lacks cells the next token attends to.
+            deepest = max(0, min(common_prefix(self.tokens, prompt), len(prompt) - MIN_BATCH))
+            reused = deepest if deepest >= floor else 0
         self.truncate(reused)
         if reused in marks:
             self._capture()

@@ -445,8 +445,9 @@ class SnapshotStore:
             windows.check_keys(row)
             return windows.choose(row, keep, prompt, engine)
         if row.format == "blob" and keep == row.n_tokens:
+            # A whole state has no checkpoints: it serves any prompt the window reaches.
             target = prompt if prompt is not None else windows.continuation(row.token_ids)
-            start = windows.reuse_point(engine, row.token_ids, target)
+            start = windows.deepest_start(row.token_ids, target)
             floor = windows.restore_floor(engine, row.n_tokens)
             if start < floor:
                 raise SnapshotRejected(

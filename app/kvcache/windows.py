@@ -61,6 +61,17 @@ def reuse_point(engine: Engine, held: Sequence[int], prompt: Sequence[int]) -> i
     return max(0, min(shared, len(prompt) - 2))
 
 
+def deepest_start(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """The furthest a prefill can start into ``held`` for ``prompt`` at all (the common
+    prefix, less the two tokens it always decodes), alignment aside."""
+    shared = 0
+    for a, b in zip(held, prompt):
+        if a != b:
+            break
+        shared += 1
+    return max(0, min(shared, len(prompt) - 2))
+
+
 def restore_floor(engine: Engine, n_tokens: int) -> int:
     """The lowest cut of a context restored with ``n_tokens`` tokens (0: any)."""
     method = getattr(engine, "restore_floor", None)
