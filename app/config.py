@@ -138,7 +138,9 @@ class _TomlSource(PydanticBaseSettingsSource):
 class Settings(BaseSettings):
     """Everything a user can configure."""
 
-    model_config = SettingsConfigDict(env_prefix="KVCHAT_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KVCHAT_", env_nested_delimiter="__", extra="ignore"
+    )
 
     model: str | None = Field(
         default=None,
@@ -150,7 +152,9 @@ class Settings(BaseSettings):
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)
     n_threads: int = Field(default_factory=physical_cores, ge=1)
-    n_gpu_layers: int = Field(default=-1, description="-1: every layer when llama.cpp has GPU offload")
+    n_gpu_layers: int = Field(
+        default=-1, description="-1: every layer when llama.cpp has GPU offload"
+    )
     type_k: KvType = "f16"
     type_v: KvType = "f16"
     flash_attn: bool = False
@@ -164,8 +168,12 @@ class Settings(BaseSettings):
         description="chat template: chatml, gemma, llama3, mistral, phi3 or a Jinja file; "
         "default: the model's own (its GGUF's, else the catalog's, else ChatML with a notice)",
     )
-    ram_cache_mib: int = Field(default=1024, ge=0, description="warm tier: RAM for recent sessions' KV")
-    disk_cache_gib: float = Field(default=20.0, ge=0, description="cold tier: disk for KV snapshots")
+    ram_cache_mib: int = Field(
+        default=1024, ge=0, description="warm tier: RAM for recent sessions' KV"
+    )
+    disk_cache_gib: float = Field(
+        default=20.0, ge=0, description="cold tier: disk for KV snapshots"
+    )
     chunk_tokens: int = Field(default=256, ge=16, description="tokens per KV snapshot chunk")
     snapshot_chunks: bool = Field(
         default=True, description="chunked snapshots (False: one whole-state file per session)"

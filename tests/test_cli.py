@@ -15,7 +15,9 @@ def assert_user_error(result, text: str) -> None:
 
 
 def test_unknown_session(kvhome: Path, cli):
-    assert_user_error(cli(kvhome, "ask", "--session", "nope", "Hi", check=False), "no session matches")
+    assert_user_error(
+        cli(kvhome, "ask", "--session", "nope", "Hi", check=False), "no session matches"
+    )
     assert_user_error(cli(kvhome, "export", "nope", check=False), "no session matches")
 
 

@@ -54,7 +54,12 @@ def plan(settings: Settings, info: Any, gib: float) -> defaults.DefaultsChoice:
 
 def test_cpu_keeps_todays_defaults() -> None:
     choice = plan_defaults(load_settings(), budget=None)
-    assert (choice.n_ctx, choice.type_k, choice.type_v, choice.flash_attn) == (8192, "f16", "f16", False)
+    assert (choice.n_ctx, choice.type_k, choice.type_v, choice.flash_attn) == (
+        8192,
+        "f16",
+        "f16",
+        False,
+    )
     assert choice.device == "cpu"
     assert set(choice.sources.values()) == {"default"}
     assert choice.note.startswith("CPU (no GPU found") and "flash attention off" in choice.note
@@ -63,8 +68,13 @@ def test_cpu_keeps_todays_defaults() -> None:
 def test_bundled_model_on_6_gib_gets_its_trained_context_f16_and_flash_attention() -> None:
     assert BUNDLED is not None
     choice = plan(load_settings(), read_gguf(BUNDLED), 6)
-    assert choice.values == {"n_ctx": 8192, "type_k": "f16", "type_v": "f16", "flash_attn": True,
-                             "n_gpu_layers": -1}
+    assert choice.values == {
+        "n_ctx": 8192,
+        "type_k": "f16",
+        "type_v": "f16",
+        "flash_attn": True,
+        "n_gpu_layers": -1,
+    }
     assert choice.device == "gpu"
     assert all(choice.sources[n] == "plan" for n in defaults.PLANNED_FIELDS)
     assert choice.vram_total is not None and choice.vram_total <= 6 * GiB
@@ -113,7 +123,12 @@ def test_partial_offload_when_the_weights_leave_too_little_room() -> None:
 def test_explicit_values_win(monkeypatch: pytest.MonkeyPatch) -> None:
     info = catalog_info("llama-3.1-8b")
     choice = plan(load_settings(n_ctx=4096, type_k="q4_0", type_v="q4_0"), info, 6)
-    assert (choice.n_ctx, choice.type_k, choice.type_v, choice.flash_attn) == (4096, "q4_0", "q4_0", True)
+    assert (choice.n_ctx, choice.type_k, choice.type_v, choice.flash_attn) == (
+        4096,
+        "q4_0",
+        "q4_0",
+        True,
+    )
     assert choice.sources["n_ctx"] == "flag" and choice.sources["flash_attn"] == "plan"
     assert "set by you: n_ctx, type_k, type_v" in choice.note
 
@@ -141,7 +156,9 @@ def test_a_cpu_only_build_keeps_cpu_defaults_and_says_how_to_get_cuda() -> None:
 # --------------------------------------------------------------------------- the budget
 
 
-def fake_nvml(monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, fail: bool = False) -> None:
+def fake_nvml(
+    monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, fail: bool = False
+) -> None:
     module = types.ModuleType("pynvml")
 
     def init() -> None:
@@ -164,7 +181,9 @@ def test_nvml_budget_then_vram_setting_then_none(monkeypatch: pytest.MonkeyPatch
     assert "RTX 3060" in budget.describe() and "(NVML)" in budget.describe()
 
     configured = find_budget(load_settings(vram="4GiB"))  # a set vram wins over NVML
-    assert configured is not None and configured.vram_bytes == 4 * GiB and configured.source == "flag"
+    assert (
+        configured is not None and configured.vram_bytes == 4 * GiB and configured.source == "flag"
+    )
     assert find_budget(load_settings(detect_gpu=False)) is None
 
     fake_nvml(monkeypatch, free=5 * GiB, total=6 * GiB, fail=True)
@@ -176,14 +195,18 @@ def test_nvml_budget_then_vram_setting_then_none(monkeypatch: pytest.MonkeyPatch
     assert env is not None and env.source == "env KVCHAT_VRAM"
 
 
-def test_sources_name_flag_env_config_file_and_default(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sources_name_flag_env_config_file_and_default(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text('temperature = 0.2\nvram = "8GiB"\n')
     monkeypatch.setenv("KVCHAT_TOP_P", "0.5")
     sources = load_settings(max_tokens=7).sources()
     assert sources["max_tokens"] == "flag"
     assert sources["top_p"] == "env KVCHAT_TOP_P"
-    assert sources["temperature"].startswith("config file") and sources["vram"].startswith("config file")
+    assert sources["temperature"].startswith("config file") and sources["vram"].startswith(
+        "config file"
+    )
     assert sources["n_ctx"] == "default"
 
 
@@ -194,7 +217,9 @@ def test_model_by_catalog_name_path_or_bundled(home: Path) -> None:
     assert BUNDLED is not None
     for spec in (None, "bundled", "smollm2-135m", str(BUNDLED)):
         assert load_settings(model=spec).model_path() == BUNDLED
-    with pytest.raises(KvchatError, match=r"not downloaded: run `kvchat models pull qwen2\.5-1\.5b`"):
+    with pytest.raises(
+        KvchatError, match=r"not downloaded: run `kvchat models pull qwen2\.5-1\.5b`"
+    ):
         load_settings(model="qwen2.5-1.5b").model_path()
     entry = find_entry("qwen2.5-1.5b", load_catalog())
     assert entry is not None
@@ -221,7 +246,9 @@ def test_ask_with_a_catalog_model_that_is_not_pulled(home: Path, cli) -> None:
 def test_config_command_shows_values_and_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(defaults, "gpu_offload_supported", lambda: True)
     monkeypatch.setenv("KVCHAT_VRAM", "6GiB")
-    result = CliRunner().invoke(main, ["config", "--json", "--n-ctx", "2048"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, ["config", "--json", "--n-ctx", "2048"], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     rows = data["settings"]

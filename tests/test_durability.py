@@ -65,7 +65,9 @@ def test_kill_during_snapshot_write_leaves_session_resumable(turn_homes, copy_ho
     names = snapshot_files(home)
     assert not [n for n in names if n.endswith(".tmp")], names  # the torn write was cleaned up
     db = sqlite3.connect(home / "kvchat.db")
-    referenced = {f"snapshots/{p}" for (p,) in db.execute("SELECT path FROM kv_snapshots WHERE format='blob'")}
+    referenced = {
+        f"snapshots/{p}" for (p,) in db.execute("SELECT path FROM kv_snapshots WHERE format='blob'")
+    }
     referenced |= {f"snapshots/chunks/{p}" for (p,) in db.execute("SELECT path FROM kv_chunks")}
     assert names == referenced  # every file is indexed, every index row has its file
     if fmt == "blob":
@@ -94,8 +96,10 @@ def test_cancel_keeps_the_partial_reply_marked_and_resumes_hot(kvhome: Path):
     session = service.new_session()
     pieces: list[str] = []
     report = service.send(
-        session.id, "Count from one to twenty in words.",
-        on_token=pieces.append, cancel=lambda: len(pieces) >= 5,
+        session.id,
+        "Count from one to twenty in words.",
+        on_token=pieces.append,
+        cancel=lambda: len(pieces) >= 5,
     )
     assert report.finish_reason == "cancelled"
     assert report.tokens.generated == 5

@@ -95,8 +95,13 @@ def test_snapshot_from_a_different_model_file_falls_back(tmp_path, copy_home, cl
     other_model = tmp_path / "renamed.gguf"
     subprocess.run(
         [
-            sys.executable, "-m", "gguf.scripts.gguf_new_metadata",
-            "--general-name", "Not SmolLM", str(bundled_model_path()), str(other_model),
+            sys.executable,
+            "-m",
+            "gguf.scripts.gguf_new_metadata",
+            "--general-name",
+            "Not SmolLM",
+            str(bundled_model_path()),
+            str(other_model),
         ],
         check=True,
         capture_output=True,

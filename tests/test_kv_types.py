@@ -19,9 +19,13 @@ ROW_BYTES = {"f16": 2 * 192 * 2 * 30, "q8_0": 2 * 204 * 30, "q4_0": 2 * 108 * 30
 
 
 def snapshot(home: Path, session: str) -> tuple[int, int, str]:
-    row = sqlite3.connect(home / "kvchat.db").execute(
-        "SELECT n_tokens, n_bytes, fingerprint FROM kv_snapshots WHERE session_id=?", (session,)
-    ).fetchone()
+    row = (
+        sqlite3.connect(home / "kvchat.db")
+        .execute(
+            "SELECT n_tokens, n_bytes, fingerprint FROM kv_snapshots WHERE session_id=?", (session,)
+        )
+        .fetchone()
+    )
     return row[0], row[1], row[2]
 
 
@@ -34,8 +38,9 @@ def test_q8_0_session_resumes_from_disk_with_q8_0(kvhome: Path, copy_home, cli):
     assert n_bytes == HEADERS + n_tokens * (12 + ROW_BYTES["q8_0"])  # 12,252 bytes a token
     other = copy_home(kvhome, "f16")
 
-    second = cli(kvhome, "ask", "--session", session, "And then?", "--kv-type", "q8_0",
-                 "--json", *SMALL).json
+    second = cli(
+        kvhome, "ask", "--session", session, "And then?", "--kv-type", "q8_0", "--json", *SMALL
+    ).json
     assert second["restore"]["from"] == "disk"
     assert second["restore"]["reason"] is None
     assert second["restore"]["tokens"] == n_tokens
@@ -44,8 +49,9 @@ def test_q8_0_session_resumes_from_disk_with_q8_0(kvhome: Path, copy_home, cli):
     assert second["reply"]
 
     # The same q8_0 snapshot into an f16 context: refused, with the KV types named.
-    fallback = cli(other, "ask", "--session", session, "And then?", "--kv-type", "f16",
-                   "--json", *SMALL).json
+    fallback = cli(
+        other, "ask", "--session", session, "And then?", "--kv-type", "f16", "--json", *SMALL
+    ).json
     reason = fallback["restore"]["reason"]
     assert fallback["restore"]["from"] == "none"
     assert "KV type" in reason and "q8_0" in reason and "type_k=f16" in reason

