@@ -99,9 +99,9 @@ def test_chat_template_setting_from_env(monkeypatch: pytest.MonkeyPatch, kvhome:
 
 def test_snapshot_rows_keep_their_checkpoints_and_refuse_damaged_ones() -> None:
     row = SnapshotRow("abcd1234", "", 3, [1, 2, 3], {}, 0, "", format="chunks")
-    row.checkpoints = [[2, "ab" * 16]]
-    assert SnapshotRow.from_row(row.to_row()).checkpoints == [[2, "ab" * 16]]
-    damaged = row.to_row() | {"checkpoints": '[["2", 5]]'}
+    row.checkpoints = [[0, 2, "ab" * 16]]
+    assert SnapshotRow.from_row(row.to_row()).checkpoints == [[0, 2, "ab" * 16]]
+    damaged = row.to_row() | {"checkpoints": '[[2, 1, "ab"]]'}
     assert "checkpoints" in (SnapshotRow.from_row(damaged).damage or "")
 
 
@@ -150,6 +150,18 @@ def test_a_state_that_cannot_be_chunked_is_stored_whole_with_the_reason(tmp_path
     assert saved.row.format == "blob" and "not a layout" in (saved.whole_reason or "")
     off = SnapshotStore(tmp_path / "snapshots", store, chunked=False)
     assert off.save(session, unknown, fingerprint).whole_reason is None  # the user's choice
+
+
+def test_window_pieces_cover_a_window_on_the_grid() -> None:
+    from kvchat.kvcache.windows import PIECE_TOKENS, Piece, cover, grid
+
+    assert PIECE_TOKENS == 64
+    assert grid(16, 48) == [(16, 48)]
+    assert grid(100, 300) == [(100, 128), (128, 192), (192, 256), (256, 300)]
+    pieces = [Piece(0, 64, "a"), Piece(64, 128, "b"), Piece(64, 100, "c"), Piece(128, 150, "d")]
+    assert cover(pieces, 10, 140) == [pieces[0], pieces[1], pieces[3]]
+    assert cover(pieces, 70, 90) == [pieces[1]]
+    assert cover(pieces, 100, 160) is None
 
 
 # ------------------------------------------------------------------- layouts and bytes
@@ -292,7 +304,7 @@ def test_family_resumes_branches_and_equals_a_full_prefill(
     assert first["snapshot"]["whole_reason"] is None
     assert first["snapshot"]["chunks_written"] > 0
     if family in SLIDING:
-        assert first["snapshot"]["checkpoints_written"] >= 2  # regenerate point, next turn
+        assert first["snapshot"]["checkpoints_written"] >= 2  # window pieces
 
     # A second process resumes from the chunks and decodes only the new turn ...
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
@@ -339,9 +351,9 @@ def test_a_sliding_window_state_is_never_cut_short(
         svc.send(first.session_id, SECOND)
         row = svc.store.get_snapshot(first.session_id)
         assert row is not None and row.layout is not None and "swa" in row.layout
-        assert len(row.checkpoints) >= 4
-        # Keep only the end of the chain's window: a regenerate must not use it.
-        row.checkpoints = [c for c in row.checkpoints if c[0] == row.n_tokens]
+        assert len(row.checkpoints) >= 3
+        # Keep only the window's last piece: a regenerate can't be restored from it.
+        row.checkpoints = [c for c in row.checkpoints if c[1] == row.n_tokens]
         svc.store.put_snapshot(row)
     finally:
         svc.close()
@@ -427,6 +439,8 @@ def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
     assert 0 < resumed["tokens"]["decoded"] < 64
     assert resumed["reply"] == full["reply"]
+    # Window pieces are shared: the turn writes its new cells, not another whole window.
+    assert 0 < resumed["snapshot"]["written"] < 512 * 15_372
 
     # Past the window, the state grows by the full-attention layers' bytes only.
     info = read_gguf(gemma3_270m)

@@ -52,12 +52,14 @@ def chain_keys(fingerprint: dict[str, Any], tokens: list[int], ends: list[int]) 
     return keys
 
 
-def checkpoint_key(fingerprint: dict[str, Any], tokens: list[int], position: int) -> str:
-    """The key of a window checkpoint at ``position``: xxh3-128 of the fingerprint, the
-    token ids [0, position) and the position, marked apart from chunk keys."""
+def window_key(fingerprint: dict[str, Any], tokens: list[int], start: int, end: int) -> str:
+    """The key of a piece of a sliding-window model's window cells, positions [start, end):
+    xxh3-128 of the fingerprint, the token ids [0, end) and the start, marked apart from
+    chunk keys (a cell's KV depends on the tokens up to it, so pieces of one prefix are
+    shared by every session and checkpoint that has it)."""
     h = xxhash.xxh3_128(json.dumps(fingerprint, sort_keys=True).encode())
-    h.update(token_bytes(tokens)[: position * 4])
-    h.update(b"window" + struct.pack("<q", position))
+    h.update(token_bytes(tokens)[: end * 4])
+    h.update(b"window" + struct.pack("<q", start))
     return h.hexdigest()
 
 

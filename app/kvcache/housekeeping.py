@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunking import checkpoint_key, verify_chain
+from kvchat.kvcache.chunking import verify_chain, window_key
 from kvchat.kvcache.errors import SnapshotRejected
 from kvchat.kvcache.files import dir_problem, entries, regular_file, remove_file, temp_writer_alive
 from kvchat.kvcache.fingerprint import fingerprint_problem
@@ -46,10 +46,10 @@ def gib(n_bytes: int) -> str:
 
 
 def window_keys(row: SnapshotRow) -> list[str]:
-    """The keys of a snapshot's window checkpoints (sliding-window models)."""
+    """The keys of a snapshot's window pieces (sliding-window models)."""
     if row.format != "chunks":
         return []
-    return [key for _, key in row.checkpoints if isinstance(key, str)]
+    return [entry[2] for entry in row.checkpoints if isinstance(entry[2], str)]
 
 
 def chunk_row_problem(chunk: ChunkRow) -> str | None:
@@ -197,11 +197,11 @@ class Housekeeper:
             verify_chain(row, index or self.store.get_chunks(row.chunk_keys), row.n_tokens)
         except SnapshotRejected as rejected:
             return rejected.reason
-        for position, key in row.checkpoints:
+        for start, end, key in row.checkpoints:
             if (
                 not fmt.valid_key(key)
-                or position > row.n_tokens
-                or key != checkpoint_key(row.fingerprint, row.token_ids, position)
+                or end > row.n_tokens
+                or key != window_key(row.fingerprint, row.token_ids, start, end)
             ):
                 return "the snapshot's window checkpoint keys do not match its tokens"
         return None

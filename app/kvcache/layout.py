@@ -490,6 +490,45 @@ class Assembler:
                 pos += n * size
         return cut
 
+    def place_cells(self, chunk: np.ndarray, first: int, count: int, at: int) -> None:
+        """Copy cells [first, first + count) of ``chunk`` (whatever start its header names)
+        to cells [at, at + count) of the output."""
+        layout, out = self.layout, self.out
+        (n,) = struct.unpack_from("<I", chunk, 4)
+        if len(chunk) != 8 + n * self._per_cell:
+            raise LayoutError("a chunk's size does not match its cell count")
+        if first < 0 or count < 0 or first + count > n or at < 0 or at + count > self.n_cells:
+            raise LayoutError("cells out of range")
+        meta_size = layout.cell_meta_size
+        pos = 8
+        dst = _PREAMBLE + at * meta_size
+        out[dst : dst + count * meta_size] = chunk[
+            pos + first * meta_size : pos + (first + count) * meta_size
+        ]
+        pos += n * meta_size
+        for layer in layout.k_layers:
+            size = layer.row_size
+            out[layer.offset + at * size : layer.offset + (at + count) * size] = chunk[
+                pos + first * size : pos + (first + count) * size
+            ]
+            pos += n * size
+        for layer in layout.v_layers:
+            size = layer.row_size
+            if layout.v_trans:
+                grid = out[
+                    layer.offset : layer.offset + size * layer.n_dims * self.n_cells
+                ].reshape(layer.n_dims, self.n_cells * size)
+                src = chunk[pos : pos + n * size * layer.n_dims].reshape(layer.n_dims, n * size)
+                grid[:, at * size : (at + count) * size] = src[
+                    :, first * size : (first + count) * size
+                ]
+                pos += n * size * layer.n_dims
+            else:
+                out[layer.offset + at * size : layer.offset + (at + count) * size] = chunk[
+                    pos + first * size : pos + (first + count) * size
+                ]
+                pos += n * size
+
     def finish(self, placed: int) -> int:
         """The state's size; raises LayoutError unless ``placed`` cells cover every cell."""
         if placed != self.n_cells:

@@ -291,43 +291,56 @@ class SnapshotStore:
         pending: list[tuple[int, bytes]],
         known: dict[str, ChunkRow],
     ) -> tuple[list[list[object]], list[ChunkRow], int]:
-        """Write the window checkpoints of a sliding-window state: the end of the state
-        (when a continuation could start there), those the engine took while decoding,
-        and keep those of the chain this one continues. Returns the row's checkpoint list,
-        the new chunk rows and the bytes written."""
+        """Write the window cells of a sliding-window state (see :mod:`windows`): those of
+        the state's end and of the checkpoints the engine took while decoding, as grid
+        pieces, each written once; keep the pieces of the chain this one continues.
+        Returns the row's piece list, the new chunk rows and the bytes written."""
         fp = fingerprint.to_dict()
         assert layout.swa is not None
         spec = kvlayout.swa_spec(layout.describe())
         assert spec is not None
-        sections: dict[int, np.ndarray] = {}
         n = len(tokens)
-        end_point = windows.reuse_point(engine, tokens, windows.continuation(tokens))
-        if end_point >= windows.restore_floor(engine, n):
-            sections[n] = data[layout.swa.offset : layout.total]
+        sections: list[tuple[int, np.ndarray, kvlayout.StateLayout]] = []
+        end_section = data[layout.swa.offset : layout.total]
+        try:
+            parsed = kvlayout.parse_section(memoryview(end_section), spec, n, header=False)
+            sections.append((n, end_section, parsed))
+        except kvlayout.LayoutError:
+            pass
         for position, partial in pending:
-            if position > n or position in sections:
+            if position > n:
                 continue
+            body = np.frombuffer(partial, dtype=np.uint8)[8:]
             try:
-                kvlayout.parse_section(partial, spec, position)
+                parsed = kvlayout.parse_section(memoryview(body), spec, position, header=False)
             except kvlayout.LayoutError:
                 continue  # not the window this state's layout has: leave it out
-            sections[position] = np.frombuffer(partial, dtype=np.uint8)[8:]
-        kept = dict(self._inherited_windows(session_id, tokens, fingerprint))
-        for position in sections:
-            kept[position] = chunking.checkpoint_key(fp, tokens, position)
-        chosen = sorted(kept.items())[-windows.MAX_CHECKPOINTS :]
+            sections.append((position, body, parsed))
+        pieces: dict[str, windows.Piece] = {
+            p.key: p for p in self._inherited_windows(session_id, tokens, fingerprint)
+        }
+        fresh: dict[str, tuple[windows.Piece, np.ndarray]] = {}
+        # The furthest first: a cell some piece already holds is not written again.
+        for position, body, parsed in sorted(sections, key=lambda item: -item[0]):
+            for start, end in windows.grid(parsed.first_pos, position):
+                if windows.cover(list(pieces.values()), start, end) is not None:
+                    continue
+                first = parsed.first_pos
+                cells = kvlayout.extract(body, parsed, start - first, end - first)
+                key = chunking.window_key(fp, tokens, start, end)
+                piece = windows.Piece(start, end, key)
+                pieces[key] = piece
+                fresh[key] = (piece, cells)
+        present = self.store.get_chunks(list(fresh))
         new_rows: list[ChunkRow] = []
         written = 0
-        wanted = [key for position, key in chosen if position in sections]
-        present = self.store.get_chunks(wanted)
-        for position, key in chosen:
-            if position not in sections:
-                continue
+        for key, (piece, cells) in fresh.items():
             path = self.chunk_dir / fmt.chunk_name(key)
             existing = present.get(key) or known.get(key)
             if (
                 existing is not None
                 and chunk_row_problem(existing) is None
+                and (existing.start, existing.n_tokens) == (piece.start, piece.end - piece.start)
                 and kvfiles.regular_file(path) is not None
             ):
                 continue
@@ -336,19 +349,25 @@ class SnapshotStore:
                 problem = f"{path} is in the way (not a file kvchat wrote)"
             if problem is not None:
                 raise SnapshotsUnavailable(f"cannot write window checkpoints: {problem}")
-            section = sections[position]
-            cells = min(position, layout.n_swa)
-            parts, digest = fmt.chunk_parts(key, position - cells, position, section)
+            parts, digest = fmt.chunk_parts(key, piece.start, piece.end, cells)
             written += kvfiles.write_atomically(path, parts)
             new_rows.append(
-                ChunkRow(key, fmt.chunk_name(key), position - cells, cells, len(section), digest)
+                ChunkRow(
+                    key,
+                    fmt.chunk_name(key),
+                    piece.start,
+                    piece.end - piece.start,
+                    len(cells),
+                    digest,
+                )
             )
-        return [[position, key] for position, key in chosen], new_rows, written
+        listed = sorted(pieces.values(), key=lambda p: (p.start, p.end))
+        return [p.to_json() for p in listed], new_rows, written
 
     def _inherited_windows(
         self, session_id: str, tokens: list[int], fingerprint: Fingerprint
-    ) -> list[tuple[int, str]]:
-        """Checkpoints of the chain this state continues (its own previous snapshot, else
+    ) -> list[windows.Piece]:
+        """Window pieces of the chain this state continues (its own previous snapshot, else
         the donor it was restored from) that lie within the shared prefix and are stored."""
         fp = fingerprint.to_dict()
         row = self.store.get_snapshot(session_id)
@@ -359,17 +378,17 @@ class SnapshotStore:
             return []
         shared = chunking.common_prefix(row.token_ids, tokens)
         candidates = [
-            (position, key)
-            for position, key in row.checkpoints
-            if position <= shared
-            and fmt.valid_key(key)
-            and key == chunking.checkpoint_key(fp, tokens, position)
+            piece
+            for piece in windows.pieces_of(row)
+            if piece.end <= shared
+            and fmt.valid_key(piece.key)
+            and piece.key == chunking.window_key(fp, tokens, piece.start, piece.end)
         ]
-        index = self.store.get_chunks([key for _, key in candidates])
+        index = self.store.get_chunks([piece.key for piece in candidates])
         return [
-            (position, key)
-            for position, key in candidates
-            if key in index and chunk_row_problem(index[key]) is None
+            piece
+            for piece in candidates
+            if piece.key in index and chunk_row_problem(index[piece.key]) is None
         ]
 
     # --- restore --------------------------------------------------------------------------
@@ -536,24 +555,27 @@ class SnapshotStore:
         if window is None:
             return None
         assert row.layout is not None
-        entry = self.store.get_chunks([window.key]).get(window.key)
-        if entry is None or chunk_row_problem(entry) is not None:
-            raise SnapshotRejected(
-                f"the window checkpoint at token {window.position:,} is missing from the index"
-            )
-        cells = min(window.position, windows.window_size(row))
-        if (entry.start, entry.n_tokens) != (window.position - cells, cells):
-            raise SnapshotRejected(
-                f"the window checkpoint at token {window.position:,} says it covers other cells"
-            )
-        path = self.chunk_dir / fmt.chunk_name(window.key)
-        try:
-            data = sections.open(path, entry, entry.start)
-        except SnapshotRejected:
-            self._housekeeper.forget_chunks([entry])
-            raise
-        parsed = windows.verify_section(data, row.layout, window.position)
-        return windows.cut_section(data, parsed, keep) if keep != window.position else data
+        index = self.store.get_chunks([piece.key for piece in window.pieces])
+        loaded: list[tuple[windows.Piece, np.ndarray]] = []
+        for piece in window.pieces:
+            entry = index.get(piece.key)
+            if entry is None or chunk_row_problem(entry) is not None:
+                raise SnapshotRejected(
+                    f"window checkpoint cells {piece.start:,}-{piece.end:,} are missing "
+                    "from the index"
+                )
+            if (entry.start, entry.n_tokens) != (piece.start, piece.end - piece.start):
+                raise SnapshotRejected(
+                    f"window checkpoint cells {piece.start:,}-{piece.end:,} say they cover "
+                    "other positions"
+                )
+            path = self.chunk_dir / fmt.chunk_name(piece.key)
+            try:
+                loaded.append((piece, sections.open(path, entry, entry.start)))
+            except SnapshotRejected:
+                self._housekeeper.forget_chunks([entry])
+                raise
+        return windows.assemble_window(loaded, row.layout, window.first, keep)
 
     def _assemble(
         self,

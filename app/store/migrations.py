@@ -105,8 +105,9 @@ def m004_kv_chunks(db: sqlite_utils.Database) -> None:
 
 
 def m005_window_checkpoints(db: sqlite_utils.Database) -> None:
-    """Sliding-window models: a snapshot lists its window checkpoints, ``[[position, key],
-    …]`` as JSON. A checkpoint's file and row are a chunk's (kv_chunks), keyed like one."""
+    """Sliding-window models: a snapshot lists the pieces of window cells it keeps for
+    branch points, ``[[start, end, key], …]`` as JSON. A piece's file and row are a chunk's
+    (kv_chunks), keyed like one."""
     snapshots = db["kv_snapshots"]
     if "checkpoints" not in set(snapshots.columns_dict):
         snapshots.add_column("checkpoints", str)

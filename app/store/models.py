@@ -89,7 +89,8 @@ class SnapshotRow:
     layout: dict[str, Any] | None = None
     # Why this row cannot be trusted (set by from_row on a damaged row), else None.
     damage: str | None = None
-    # Sliding-window models: window checkpoints as [position, chunk key] (chunks only).
+    # Sliding-window models: the window cells kept for branch points, as pieces
+    # [start, end, chunk key] of positions [start, end) (chunks only).
     checkpoints: list[list[Any]] = field(default_factory=list)
 
     def to_row(self) -> dict[str, Any]:
@@ -151,14 +152,13 @@ class SnapshotRow:
         checkpoints = _json_column(row, "checkpoints", list, problems) or []
         if not all(
             isinstance(c, list)
-            and len(c) == 2
-            and isinstance(c[0], int)
-            and not isinstance(c[0], bool)
-            and c[0] > 0
-            and isinstance(c[1], str)
+            and len(c) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in c[:2])
+            and 0 <= c[0] < c[1]
+            and isinstance(c[2], str)
             for c in checkpoints
         ):
-            problems.append("checkpoints is not a list of [position, key]")
+            problems.append("checkpoints is not a list of [start, end, key]")
             checkpoints = []
         return cls(
             session_id=str(row.get("session_id")),

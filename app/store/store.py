@@ -499,7 +499,7 @@ class Store:
                 SELECT 1 FROM kv_snapshots s, json_each(
                     CASE WHEN json_valid(s.checkpoints) THEN s.checkpoints ELSE '[]' END
                 ) k
-                WHERE s.format = 'chunks' AND json_extract(k.value, '$[1]') = c.key
+                WHERE s.format = 'chunks' AND json_extract(k.value, '$[2]') = c.key
             )
             """
         )
