@@ -68,8 +68,9 @@ REPACKED_TYPES = frozenset(
     {"Q1_0", "Q2_K", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "MXFP4"}
 )
 REPACK_ROWS = 4
-# Window checkpoints (sliding-window models) kept in memory until the next save.
-MAX_PENDING_CHECKPOINTS = 4
+# Window checkpoints (sliding-window models) kept in memory until the next save: a turn
+# takes two (where a regenerate and where the next turn start), each a whole window.
+MAX_PENDING_CHECKPOINTS = 2
 
 
 class LlamaEngine:
@@ -136,7 +137,7 @@ class LlamaEngine:
         # holds (a restored state keeps only the window's cells), and window checkpoints
         # taken at message boundaries, by position, until the next save takes them.
         self._swa_from = 0
-        self._pending: dict[int, bytes] = {}
+        self._pending: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self._markup = _Markup(self._vocab)
         # Stands in for message i's content while the template renders: private-use
         # characters and a random part, so no message text can contain or forge one.
@@ -460,14 +461,17 @@ class LlamaEngine:
             return
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, SEQ_ID, flags))
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        if llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size:
+        buf = (ctypes.c_uint8 * size)()
+        if (
+            not size
+            or llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size
+        ):
             return
-        self._pending[n] = bytes(buf)[:size]
+        self._pending[n] = buf
         while len(self._pending) > MAX_PENDING_CHECKPOINTS:
             del self._pending[min(self._pending)]
 
-    def take_checkpoints(self) -> list[tuple[int, bytes]]:
+    def take_checkpoints(self) -> list[tuple[int, Any]]:
         """Window checkpoints taken since the last call, as (position, partial state) with
         the context still holding the tokens before each position; then forgotten."""
         taken = sorted((pos, data) for pos, data in self._pending.items() if pos <= self.n_tokens)

@@ -214,7 +214,7 @@ class SnapshotStore:
         layout: kvlayout.StateLayout,
         fingerprint: Fingerprint,
         engine: Engine | None = None,
-        pending: list[tuple[int, bytes]] | None = None,
+        pending: list[tuple[int, Any]] | None = None,
     ) -> SaveResult:
         data = np.frombuffer(state, dtype=np.uint8)
         base = chunking.base_ends(self.store, session_id, tokens, fingerprint, max(len(tokens), 1))
@@ -288,7 +288,7 @@ class SnapshotStore:
         layout: kvlayout.StateLayout,
         fingerprint: Fingerprint,
         engine: Engine,
-        pending: list[tuple[int, bytes]],
+        pending: list[tuple[int, Any]],
         known: dict[str, ChunkRow],
     ) -> tuple[list[list[object]], list[ChunkRow], int]:
         """Write the window cells of a sliding-window state (see :mod:`windows`): those of
