@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,10 +26,10 @@ from kvchat.engine import (
     engine_config,
 )
 from kvchat.errors import KvchatError
-from kvchat.export import ExportFormat, export_session
 from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
+from kvchat.sessions import DEFAULT_TITLE, SessionBook
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
 from kvchat.store.locks import SessionLocks
 from kvchat.store.store import DamagedDatabase, StoreFull
@@ -50,6 +49,10 @@ from kvchat.window import fit_window, plan_shift, settle_target, system_head
 __all__ = [
     "CacheGc",
     "ChatService",
+    "Message",
+    "RestoreResult",
+    "SearchHit",
+    "SessionSummary",
     "open_service",
     "SESSION_SETTINGS",
     "SnapshotWrite",
@@ -60,12 +63,6 @@ __all__ = [
     "WindowShift",
 ]
 
-DEFAULT_TITLE = "New chat"
-# What a fork adds to its parent's title: " (fork)", " (fork 2)", …
-_FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
-LAST_SESSION_KEY = "last_session"
-# The session the app had open last (set by the app alone: a CLI `ask` never moves it).
-OPEN_SESSION_KEY = "app_open_session"
 # A streaming reply is stored (partial) after this long, then updated this often.
 STREAM_SAVE_EVERY_S = 1.0
 # How long a turn waits for another process's turn on the same session before giving up.
@@ -74,7 +71,7 @@ LOCK_WAIT_S = 3.0
 FULL_BELOW_BYTES = 64 * 1024
 
 
-class ChatService:
+class ChatService(SessionBook):
     """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
 
     def __init__(
@@ -165,191 +162,6 @@ class ChatService:
                 self._engine.close()
             self._engine = None
         self.store.close()
-
-    # --- sessions -------------------------------------------------------------------------
-
-    def new_session(self, title: str | None = None, system_prompt: str | None = None) -> Session:
-        if title is not None:
-            check_text(title, "the title")
-        if system_prompt is not None:
-            check_text(system_prompt, "the system prompt")
-        session = self.store.create_session(title or DEFAULT_TITLE, system_prompt)
-        self._remember(session.id)
-        return session
-
-    def resolve(self, ref: str) -> Session:
-        """A session by id or unique title prefix; an empty reference names none."""
-        check_text(ref, "the session name")
-        if not ref.strip():
-            raise KvchatError("no session given: name one by its id or title (see `kvchat list`)")
-        return self.store.resolve_session(ref)
-
-    def list_sessions(self) -> list[SessionSummary]:
-        return self.store.list_sessions()
-
-    def last_session(self) -> Session | None:
-        session_id = self.store.get_meta(LAST_SESSION_KEY)
-        if session_id:
-            try:
-                return self.store.get_session(session_id)
-            except KvchatError:
-                pass
-        sessions = self.store.list_sessions()
-        return sessions[0].session if sessions else None
-
-    def remember_open(self, session_id: str) -> None:
-        """Note that the app opened this session: the next launch opens it again.
-
-        Kept apart from the last session used (which a CLI ``ask`` or a new fork moves),
-        so a relaunch returns to where the user was. A full disk is no error.
-        """
-        try:
-            self.store.set_meta(OPEN_SESSION_KEY, session_id)
-        except StoreFull:
-            pass
-
-    def last_open_session(self) -> Session | None:
-        """The session the app had open when it quit, if it still exists; else, for a
-        first launch, :meth:`last_session`."""
-        session_id = self.store.get_meta(OPEN_SESSION_KEY)
-        if session_id:
-            try:
-                return self.store.get_session(session_id)
-            except KvchatError:
-                pass
-        return self.last_session()
-
-    def messages(self, session_id: str) -> list[Message]:
-        return self.store.messages(session_id)
-
-    def add_message(
-        self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
-    ) -> Message:
-        """Store a message without running the model (tests, the benchmark, an import)."""
-        if role not in ("user", "assistant"):
-            raise KvchatError(f"a message's role is user or assistant, not {role!r}")
-        check_text(text)
-        return self.store.add_message(
-            session_id, role, text, token_count=token_count, partial=partial
-        )
-
-    def rename(self, session_id: str, title: str) -> Session:
-        title = check_text(title, "the title").strip()
-        if not title:
-            raise KvchatError("a session title cannot be empty")
-        return self.store.update_session(session_id, title=title)
-
-    def configure(
-        self,
-        session_id: str,
-        *,
-        system_prompt: str | None = None,
-        settings: dict[str, Any] | None = None,
-    ) -> Session:
-        """Set a session's system prompt ("" clears it) and sampling overrides."""
-        if system_prompt is not None:
-            check_text(system_prompt, "the system prompt")
-        if settings is not None:
-            unknown = set(settings) - set(SESSION_SETTINGS)
-            if unknown:
-                raise KvchatError(f"unknown session settings: {', '.join(sorted(unknown))}")
-        return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
-
-    def delete(self, session_id: str) -> None:
-        """Delete a session, its messages and its KV in every tier (never under a turn that
-        another process is running on it: that raises ``SessionBusy``)."""
-        with self._turn_lock(session_id):
-            self.tiers.forget(session_id)
-            self.store.delete_session(session_id)
-        self.locks.remove(session_id)
-
-    def export(self, session_id: str, fmt: ExportFormat) -> str:
-        return export_session(
-            self.store.get_session(session_id), self.store.messages(session_id), fmt
-        )
-
-    def search(self, query: str) -> list[SearchHit]:
-        return self.store.search(query)
-
-    def kv_location(self, session_id: str) -> str:
-        """Where this session's KV lives now: hot, ram, disk or none."""
-        return self.tiers.location(session_id)
-
-    def fork(self, session_id: str, at_message: int | None = None) -> Session:
-        """A new session with this one's messages up to ``at_message`` (an id; default all).
-
-        Its KV is shared, not copied: a whole-session fork points at the same chunks; an
-        earlier fork point finds the shared prefix in the chunks on its first turn.
-        """
-        if at_message is not None and at_message not in {m.id for m in self.messages(session_id)}:
-            raise KvchatError(f"session {session_id} has no message {at_message}")
-        child = self._branch(session_id, at_message)
-        row = self.store.get_snapshot(session_id)
-        if at_message is None and row is not None and row.format == "chunks":
-            row.session_id = child.id
-            row.created = ""
-            self.store.put_snapshot(row)
-        return child
-
-    def edit(self, session_id: str, message_id: int, text: str) -> Session:
-        """Edit a past user message as a new branch: the original conversation is kept.
-
-        The branch holds the messages before ``message_id`` and the edited message; the
-        caller then runs :meth:`regenerate` on it, which reuses the shared prefix's KV.
-        """
-        text = check_text(text).strip()
-        if not text:
-            raise KvchatError("the message is empty")
-        history = self.store.messages(session_id)
-        target = next((m for m in history if m.id == message_id), None)
-        if target is None or target.role != "user":
-            raise KvchatError(f"session {session_id} has no user message {message_id}")
-        index = history.index(target)
-        edited = ("user", text, self.engine.count_tokens(text))
-        return self._branch(session_id, history[index - 1].id if index else 0, edited)
-
-    def _branch(
-        self, session_id: str, upto: int | None, then: tuple[str, str, int] | None = None
-    ) -> Session:
-        """Copy a session's messages up to ``upto`` (and ``then``) in one transaction."""
-        title = self._fork_title(self.store.get_session(session_id).title)
-        branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
-        self._remember(branch.id)
-        return branch
-
-    def _fork_title(self, parent_title: str) -> str:
-        """ "Title (fork)", then "Title (fork 2)", "Title (fork 3)"…: never "(fork) (fork)".
-
-        A fork of a fork is numbered among the forks of the same original title.
-        """
-        base = _FORK_SUFFIX.sub("", parent_title) or parent_title
-        taken = 0
-        for summary in self.store.list_sessions():
-            title = summary.session.title
-            if title.startswith(base):
-                match = _FORK_SUFFIX.fullmatch(title[len(base) :])
-                if match:
-                    taken = max(taken, int(match.group(1) or 1))
-        return f"{base} (fork)" if taken == 0 else f"{base} (fork {taken + 1})"
-
-    def message_at(self, session_id: str, number: int) -> Message:
-        """The session's message #``number`` (1-based, in order: what the app shows)."""
-        history = self.store.messages(session_id)
-        if not 1 <= number <= len(history):
-            raise KvchatError(
-                f"session {session_id} has no message #{number} "
-                f"(it has {len(history)}: #1 to #{len(history)})"
-                if history
-                else f"session {session_id} has no messages"
-            )
-        return history[number - 1]
-
-    def _remember(self, session_id: str) -> None:
-        """Note the session to open next time: a convenience, so a full disk is no error."""
-        try:
-            self.store.set_meta(LAST_SESSION_KEY, session_id)
-        except StoreFull:
-            pass
 
     # --- the KV cache ------------------------------------------------------------------------
 
