@@ -221,6 +221,7 @@ def test_ask_continue_appends_to_the_last_reply(one_turn_home, copy_home) -> Non
 # --- item 5: a partial reply is kept as it streams ---------------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
     import signal
     import time
@@ -253,7 +254,9 @@ def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
     reply = messages[1]
     assert reply.get("partial") is True
     assert len(reply["content"]) > 20 and "," in reply["content"]
-    assert streamed.decode("utf-8").startswith(reply["content"])
+    # The pipe and the database each hold a prefix of the same reply (either may be ahead).
+    shown, kept = streamed.decode("utf-8", "ignore"), reply["content"]
+    assert shown.startswith(kept) or kept.startswith(shown)
 
 
 @pytest.mark.e2e

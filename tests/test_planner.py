@@ -489,7 +489,7 @@ def test_pull_unknown_name() -> None:
 def test_pull_without_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
     result = invoke("pull", "qwen2.5-1.5b")
-    assert result.exit_code == 2 and "pip install huggingface-hub" in result.output
+    assert result.exit_code == 2 and "pip install 'kvchat[pull]'" in result.output
 
 
 @pytest.mark.parametrize("paths_info", [True, False])
