@@ -367,13 +367,15 @@ class ChatService(SessionBook):
             prefill = engine.prefill(prompt, cancel)
             self.tiers.mark_dirty()
             pieces: list[str] = []
-            if prefill.reused + prefill.decoded < len(prompt):
-                stats.finish_reason = "cancelled"
-            else:
-                for piece in engine.generate(params, stats, cancel):
-                    pieces.append(piece)
-                    if on_token is not None:
-                        on_token(piece)
+            _stream(
+                engine,
+                params,
+                stats,
+                cancel,
+                on_token,
+                pieces,
+                complete_prompt=(prefill.reused + prefill.decoded >= len(prompt)),
+            )
             more = "".join(pieces)
             report = TurnReport.of_run(session_id, more, restore, prefill, stats)
             if more:
@@ -461,15 +463,16 @@ class ChatService(SessionBook):
         saver = (
             _StreamSaver(self.store, session_id, STREAM_SAVE_EVERY_S) if replaces is None else None
         )
-        if prefill.reused + prefill.decoded < len(prompt):
-            stats.finish_reason = "cancelled"
-        else:
-            for piece in engine.generate(params, stats, cancel):
-                pieces.append(piece)
-                if on_token is not None:
-                    on_token(piece)
-                if saver is not None:
-                    saver.tick(pieces, stats.generated)
+        _stream(
+            engine,
+            params,
+            stats,
+            cancel,
+            on_token,
+            pieces,
+            complete_prompt=prefill.reused + prefill.decoded >= len(prompt),
+            saver=saver,
+        )
         reply = "".join(pieces)
         streamed = saver.message_id if saver is not None else None
         report = TurnReport.of_run(
@@ -566,6 +569,29 @@ class ChatService(SessionBook):
         chat = self._system_head(session) + [m.as_chat() for m in messages]
         target = settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
         return engine.settle(len(prompt), target)
+
+
+def _stream(
+    engine: Engine,
+    params: GenerationParams,
+    stats: GenerationStats,
+    cancel: CancelCheck | None,
+    on_token: TokenCallback | None,
+    pieces: list[str],
+    *,
+    complete_prompt: bool,
+    saver: _StreamSaver | None = None,
+) -> None:
+    """Generate into ``pieces`` (and ``on_token``); a prefill cut short is a cancelled turn."""
+    if not complete_prompt:
+        stats.finish_reason = "cancelled"
+        return
+    for piece in engine.generate(params, stats, cancel):
+        pieces.append(piece)
+        if on_token is not None:
+            on_token(piece)
+        if saver is not None:
+            saver.tick(pieces, stats.generated)
 
 
 class _StreamSaver:

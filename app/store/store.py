@@ -35,6 +35,24 @@ def _create_private_file(path: Path) -> None:
     os.chmod(path, 0o600)
 
 
+def _insert_session(
+    conn: sqlite3.Connection,
+    title: str,
+    system_prompt: str | None,
+    settings: dict[str, Any] | None,
+    stamp: str | None = None,
+) -> str:
+    """Insert a new session row (in the caller's transaction); returns its fresh id."""
+    stamp = stamp or now()
+    session_id = _new_session_id(conn)
+    conn.execute(
+        "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp),
+    )
+    return session_id
+
+
 def _new_session_id(conn: sqlite3.Connection) -> str:
     while True:
         session_id = secrets.token_hex(4)
@@ -146,14 +164,8 @@ class Store:
         system_prompt: str | None = None,
         settings: dict[str, Any] | None = None,
     ) -> Session:
-        stamp = now()
         with self._tx() as conn:
-            session_id = _new_session_id(conn)
-            conn.execute(
-                "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp),
-            )
+            session_id = _insert_session(conn, title, system_prompt, settings)
         return self.get_session(session_id)
 
     @staticmethod
@@ -252,19 +264,7 @@ class Store:
         source = self.get_session(source_id)
         stamp = now()
         with self._tx() as conn:
-            session_id = _new_session_id(conn)
-            conn.execute(
-                "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    session_id,
-                    title,
-                    source.system_prompt,
-                    json.dumps(source.settings),
-                    stamp,
-                    stamp,
-                ),
-            )
+            session_id = _insert_session(conn, title, source.system_prompt, source.settings, stamp)
             last = upto_message if upto_message is not None else 2**62
             conn.execute(
                 "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
