@@ -1,0 +1,79 @@
+"""What every part of the store shares: the connection, transactions, and SQLite's errors
+translated into one clear line."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from kvchat.errors import KvchatError
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+class DamagedDatabase(KvchatError):
+    """The database file fails SQLite's checks: kvchat refuses to write to it."""
+
+
+class StoreFull(KvchatError):
+    """The disk is full: SQLite could not commit."""
+
+
+def damaged_message(path: Path, detail: str) -> str:
+    return (
+        f"the database {path} is damaged ({detail}); nothing was written to it. "
+        "Run `kvchat doctor` to move it aside and salvage the text into a fresh database"
+    )
+
+
+def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
+    """One clear line for what SQLite raises on a full disk, a busy or a damaged file.
+
+    Anything else (a constraint violation: a bug, not the user's problem) stays as it is.
+    """
+    text = str(exc)
+    if isinstance(exc, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.InterfaceError):
+        return exc
+    if "full" in text:
+        return StoreFull(f"the disk is full: could not write to {path} ({text})")
+    if "locked" in text or "busy" in text:
+        return KvchatError(f"the database {path} is busy (another kvchat is writing): {text}")
+    if "malformed" in text or "not a database" in text or "encrypted" in text:
+        return DamagedDatabase(damaged_message(path, text))
+    return KvchatError(f"database error in {path}: {text}")
+
+
+class SqlBase:
+    """The connection and the two ways the store's parts use it (a transaction, a query)."""
+
+    path: Path
+    db: sqlite_utils.Database
+    _lock: threading.RLock
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        try:
+            with self._lock, self.db.conn as conn:
+                yield conn
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
+
+    def _rows(
+        self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()
+    ) -> list[dict[str, Any]]:
+        try:
+            with self._lock:
+                cursor = self.db.execute(sql, params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row)) for row in cursor.fetchall()]
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None

@@ -1,0 +1,106 @@
+"""The messages table and its full-text index."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.store.base import SqlBase, now
+from kvchat.store.models import Message, SearchHit
+
+
+class MessagesSql(SqlBase):
+    """Messages: append, read, update, delete; full-text search."""
+
+    @staticmethod
+    def _message(row: dict[str, Any]) -> Message:
+        return Message(
+            id=row["id"],
+            session_id=row["session_id"],
+            role=row["role"],
+            content=row["content"],
+            created=row["created"],
+            token_count=row["token_count"] or 0,
+            partial=bool(row["partial"]),
+        )
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        *,
+        token_count: int = 0,
+        partial: bool = False,
+    ) -> Message:
+        """Append a message and commit it (durable once this returns)."""
+        stamp = now()
+        with self._tx() as conn:
+            cursor = conn.execute(
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, stamp, token_count, int(partial)),
+            )
+            conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
+            message_id = cursor.lastrowid
+        assert message_id is not None
+        return self.get_message(message_id)
+
+    def get_message(self, message_id: int) -> Message:
+        rows = self._rows("SELECT * FROM messages WHERE id=?", (message_id,))
+        if not rows:
+            raise KvchatError(f"no message with id {message_id}")
+        return self._message(rows[0])
+
+    def messages(self, session_id: str) -> list[Message]:
+        rows = self._rows("SELECT * FROM messages WHERE session_id=? ORDER BY id", (session_id,))
+        return [self._message(r) for r in rows]
+
+    def delete_message(self, message_id: int) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Full-text search over every message, best match first."""
+        terms = " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
+        if not terms:
+            return []
+        rows = self._rows(
+            """
+            SELECT m.*, s.title AS session_title,
+                   snippet(messages_fts, 0, char(2), char(3), '…', 12) AS snippet
+            FROM messages_fts
+            JOIN messages m ON m.id = messages_fts.rowid
+            JOIN sessions s ON s.id = m.session_id
+            WHERE messages_fts MATCH ?
+            ORDER BY rank LIMIT ?
+            """,
+            (terms, limit),
+        )
+        return [
+            SearchHit(
+                message=self._message(r), session_title=r["session_title"], snippet=r["snippet"]
+            )
+            for r in rows
+        ]
+
+    def update_message(
+        self, message_id: int, content: str, partial: bool, *, token_count: int | None = None
+    ) -> Message:
+        """Replace a message's text and partial mark (a reply saved as it streams, then
+        finished or continued), committed; the search index follows by its triggers."""
+        stamp = now()
+        with self._tx() as conn:
+            cursor = conn.execute(
+                "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count)"
+                " WHERE id=?",
+                (content, int(partial), token_count, message_id),
+            )
+            if cursor.rowcount == 0:
+                raise KvchatError(f"no message with id {message_id}")
+            conn.execute(
+                "UPDATE sessions SET updated=? WHERE id=(SELECT session_id FROM messages"
+                " WHERE id=?)",
+                (stamp, message_id),
+            )
+        return self.get_message(message_id)

@@ -1,0 +1,237 @@
+"""The sessions table and the meta key/value table."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.store.base import SqlBase, now
+from kvchat.store.models import Session, SessionSummary
+
+
+def insert_session(
+    conn: sqlite3.Connection,
+    title: str,
+    system_prompt: str | None,
+    settings: dict[str, Any] | None,
+    stamp: str | None = None,
+) -> str:
+    """Insert a new session row (in the caller's transaction); returns its fresh id."""
+    stamp = stamp or now()
+    session_id = new_session_id(conn)
+    conn.execute(
+        "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp),
+    )
+    return session_id
+
+
+def new_session_id(conn: sqlite3.Connection) -> str:
+    while True:
+        session_id = secrets.token_hex(4)
+        if not conn.execute("SELECT 1 FROM sessions WHERE id=?", (session_id,)).fetchone():
+            return session_id
+
+
+class SessionsSql(SqlBase):
+    """Sessions: create, find, list, update, copy, delete; salvage rows; meta keys."""
+
+    def create_session(
+        self,
+        title: str = "New chat",
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        with self._tx() as conn:
+            session_id = insert_session(conn, title, system_prompt, settings)
+        return self.get_session(session_id)
+
+    @staticmethod
+    def _session(row: dict[str, Any]) -> Session:
+        return Session(
+            id=row["id"],
+            title=row["title"],
+            system_prompt=row["system_prompt"],
+            settings=json.loads(row["settings"] or "{}"),
+            created=row["created"],
+            updated=row["updated"],
+        )
+
+    def get_session(self, session_id: str) -> Session:
+        rows = self._rows("SELECT * FROM sessions WHERE id=?", (session_id,))
+        if not rows:
+            raise KvchatError(f"no session with id {session_id}")
+        return self._session(rows[0])
+
+    def resolve_session(self, ref: str) -> Session:
+        """A session by exact id, else by unique title prefix (case-insensitive)."""
+        rows = self._rows("SELECT * FROM sessions WHERE id=?", (ref,))
+        if rows:
+            return self._session(rows[0])
+        pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._rows(
+            "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC",
+            (pattern,),
+        )
+        if not rows:
+            raise KvchatError(f"no session matches {ref!r} (see `kvchat list`)")
+        if len(rows) > 1:
+            names = ", ".join(f"{r['id']} ({r['title']})" for r in rows[:5])
+            raise KvchatError(f"{ref!r} matches {len(rows)} sessions: {names}; use an id")
+        return self._session(rows[0])
+
+    def list_sessions(self) -> list[SessionSummary]:
+        rows = self._rows(
+            """
+            SELECT s.*,
+                   (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS n_messages,
+                   (SELECT COALESCE(SUM(token_count), 0) FROM messages m
+                     WHERE m.session_id = s.id) AS n_tokens,
+                   CASE WHEN typeof(k.n_bytes) = 'integer' AND k.n_bytes >= 0
+                        THEN k.n_bytes ELSE 0 END AS snapshot_bytes,
+                   CASE WHEN typeof(k.n_tokens) = 'integer' AND k.n_tokens >= 0
+                        THEN k.n_tokens ELSE 0 END AS snapshot_tokens
+            FROM sessions s LEFT JOIN kv_snapshots k ON k.session_id = s.id
+            ORDER BY s.updated DESC, s.rowid DESC
+            """
+        )
+        return [
+            SessionSummary(
+                session=self._session(r),
+                messages=r["n_messages"],
+                tokens=r["n_tokens"],
+                snapshot_bytes=r["snapshot_bytes"],
+                snapshot_tokens=r["snapshot_tokens"],
+            )
+            for r in rows
+        ]
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        title: str | None = None,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        changes: dict[str, Any] = {"updated": now()}
+        if title is not None:
+            changes["title"] = title
+        if system_prompt is not None:
+            changes["system_prompt"] = system_prompt or None
+        if settings is not None:
+            changes["settings"] = json.dumps(settings)
+        assignments = ", ".join(f"{k}=?" for k in changes)
+        with self._tx() as conn:
+            conn.execute(
+                f"UPDATE sessions SET {assignments} WHERE id=?", (*changes.values(), session_id)
+            )
+        return self.get_session(session_id)
+
+    def copy_session(
+        self,
+        source_id: str,
+        title: str,
+        *,
+        upto_message: int | None = None,
+        then: tuple[str, str, int] | None = None,
+    ) -> Session:
+        """A new session with ``source_id``'s settings and messages (up to and including
+        ``upto_message``; all by default), plus ``then`` = (role, content, token_count)
+        appended: all in one transaction, so a kill leaves the whole copy or nothing."""
+        source = self.get_session(source_id)
+        stamp = now()
+        with self._tx() as conn:
+            session_id = insert_session(conn, title, source.system_prompt, source.settings, stamp)
+            last = upto_message if upto_message is not None else 2**62
+            conn.execute(
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
+                " SELECT ?, role, content, created, token_count, partial FROM messages"
+                " WHERE session_id=? AND id<=? ORDER BY id",
+                (session_id, source_id, last),
+            )
+            if then is not None:
+                role, content, token_count = then
+                conn.execute(
+                    "INSERT INTO messages (session_id, role, content, created, token_count)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (session_id, role, content, stamp, token_count),
+                )
+        return self.get_session(session_id)
+
+    def restore_session(self, row: dict[str, Any]) -> bool:
+        """Insert a salvaged session row as it was (``kvchat doctor``); False if unusable."""
+        if not isinstance(row.get("id"), str) or not isinstance(row.get("title"), str):
+            return False
+        settings = row.get("settings") if isinstance(row.get("settings"), str) else "{}"
+        try:
+            json.loads(settings)
+        except ValueError:
+            settings = "{}"
+        stamp = now()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO sessions"
+                " (id, title, system_prompt, settings, created, updated) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    row["id"],
+                    row["title"],
+                    row.get("system_prompt") if isinstance(row.get("system_prompt"), str) else None,
+                    settings,
+                    row.get("created") if isinstance(row.get("created"), str) else stamp,
+                    row.get("updated") if isinstance(row.get("updated"), str) else stamp,
+                ),
+            )
+        return True
+
+    def restore_message(self, row: dict[str, Any]) -> bool:
+        """Insert a salvaged message row as it was (``kvchat doctor``); False if unusable."""
+        if not isinstance(row.get("content"), str) or row.get("role") not in (
+            "user",
+            "assistant",
+            "system",
+        ):
+            return False
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO messages"
+                " (id, session_id, role, content, created, token_count, partial)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.get("id") if isinstance(row.get("id"), int) else None,
+                    row["session_id"],
+                    row["role"],
+                    row["content"],
+                    row.get("created") if isinstance(row.get("created"), str) else now(),
+                    row.get("token_count") if isinstance(row.get("token_count"), int) else 0,
+                    1 if row.get("partial") else 0,
+                ),
+            )
+        return True
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session, its messages and its snapshot row (the caller removes files)."""
+        with self._tx() as conn:
+            conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM messages WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM sessions WHERE id=?", (session_id,))
+
+    def get_meta(self, key: str) -> str | None:
+        rows = self._rows("SELECT value FROM meta WHERE key=?", (key,))
+        return rows[0]["value"] if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?)"
+                " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (key, value),
+            )
+
+    def delete_meta(self, key: str) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM meta WHERE key=?", (key,))
