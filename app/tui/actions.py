@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from textual import work
 
-from kvchat.config import data_dir, ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
 from kvchat.tui.format import shorten, slug, visible
@@ -166,6 +165,8 @@ class SessionActions(ScreenBase):
 
 def _write_text(path: Path, text: str, replace: bool) -> None:
     """Write an export readable by its owner only; never over a file unless ``replace``."""
+    from kvchat.config import ensure_private_dir
+
     if path.parent == exports_dir():
         ensure_private_dir(path.parent)
     else:
@@ -177,4 +178,6 @@ def _write_text(path: Path, text: str, replace: bool) -> None:
 
 def exports_dir() -> Path:
     """Where exports go by default: ``exports/`` in the data directory."""
+    from kvchat.config import data_dir  # pydantic: not before the first frame
+
     return data_dir() / "exports"

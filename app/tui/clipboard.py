@@ -18,8 +18,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.config import ensure_private_dir
-
 # tmux's set-clipboard values that keep an application's OSC 52 from the terminal.
 BLOCKING = frozenset({"external", "off"})
 ENABLE_HINT = "add `set -g set-clipboard on` to ~/.tmux.conf to copy straight from kvchat"
@@ -134,6 +132,8 @@ def write_private(path: Path, text: str) -> Path:
 
     The rename replaces a symlink at ``path`` rather than writing through it.
     """
+    from kvchat.config import ensure_private_dir  # pydantic: not before the first frame
+
     ensure_private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

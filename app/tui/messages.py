@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from textual import work
 
-from kvchat.config import data_dir
 from kvchat.tui.base import ScreenBase
 from kvchat.tui.clipboard import CopyOutcome, choose_route, deliver
 from kvchat.tui.format import code_blocks, local_time, turn_lines
@@ -112,4 +111,6 @@ class MessageActions(ScreenBase):
 
 def _route_and_deliver(text: str) -> CopyOutcome:
     """On a worker thread: find how to copy here and do it."""
+    from kvchat.config import data_dir  # pydantic: not before the first frame
+
     return deliver(choose_route(), text, data_dir())

@@ -10,8 +10,6 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from kvchat.config import config_file
-
 BUILT_IN: dict[str, str] = {
     "Concise": "Answer briefly and directly. Skip preambles and repetition.",
     "Programmer": (
@@ -31,6 +29,8 @@ BUILT_IN: dict[str, str] = {
 
 def load_presets(path: Path | None = None) -> tuple[dict[str, str], str | None]:
     """The presets by name (built-ins first) and a problem with the file to show, if any."""
+    from kvchat.config import config_file  # pydantic: not before the first frame
+
     path = path or config_file()
     presets = dict(BUILT_IN)
     if not path.is_file():

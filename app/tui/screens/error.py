@@ -8,10 +8,10 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Label, Markdown
 
-from kvchat.config import config_file
-
 
 def fix_text(model: str | None) -> str:
+    from kvchat.config import config_file
+
     config = config_file()
     if model:
         default = (
