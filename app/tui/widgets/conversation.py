@@ -1,23 +1,30 @@
-"""The conversation: one focusable MessageView (role line + Markdown) per message."""
+"""The conversation: one focusable MessageView (role line + Markdown) per message.
+
+Textual's Markdown widget (and the parser and syntax highlighter behind it) is imported
+on first use, not with the app: the first frame needs none of it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
 from textual.widget import Widget
-from textual.widgets import Label, Markdown
-from textual.widgets._markdown import MarkdownStream
+from textual.widgets import Label
 
 from kvchat.tui.format import hard_breaks, visible
 
 if TYPE_CHECKING:
+    from markdown_it import MarkdownIt
+    from textual.widgets import Markdown
+    from textual.widgets._markdown import MarkdownStream
+
     from kvchat.chat import Message
 
 # Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
@@ -27,12 +34,32 @@ PLAIN_TEXT_RULES = ("html_inline", "html_block", "entity")
 
 def message_parser() -> MarkdownIt:
     """The Markdown parser of every message (Textual's default, less the rules above)."""
+    from markdown_it import MarkdownIt
+
     return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
+
+
+def markdown_widget() -> type[Markdown]:
+    """Textual's Markdown widget class, imported on first use (see the module docstring)."""
+    from textual.widgets import Markdown
+
+    return Markdown
+
+
+def body_widget() -> type[Markdown]:
+    """A message's Markdown widget class (built as composed), imported on first use."""
+    from kvchat.tui.widgets.body import MessageBody
+
+    return MessageBody
 
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
 SHOWN = 60
+# Opening a session mounts first only the latest messages that fill the screen (at least
+# this many), then the rest of the SHOWN above them, this many at a time (see fill()).
+FIRST_AT_LEAST = 2
+FILL_BATCH = 4
 # A jump to a message shows this many before it and fills the rest of a window after it,
 # so that it costs the same in a session of any length.
 BEFORE_HIT = 2
@@ -128,7 +155,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-role", markup=False)
-        yield Markdown(
+        yield body_widget()(
             self._shown(self.text), classes="message-body", parser_factory=message_parser
         )
 
@@ -149,11 +176,11 @@ class MessageView(Vertical, can_focus=True):
 
     @property
     def body(self) -> Markdown:
-        return self.query_one(".message-body", Markdown)
+        return self.query_one(".message-body", markdown_widget())
 
     def start_stream(self) -> MarkdownStream:
         self.streaming = True
-        self.stream = Markdown.get_stream(self.body)
+        self.stream = markdown_widget().get_stream(self.body)
         return self.stream
 
     async def write(self, text: str) -> None:
@@ -229,9 +256,20 @@ class Conversation(VerticalScroll, can_focus=False):
         self.first = 0  # messages of the session before the first one shown
         self.later = 0  # messages of the session after the last one shown
         self.cursor: MessageView | None = None
+        # Shown but not mounted yet (lazy show): mounted above the others by fill().
+        self.pending: list[MessageView] = []
+        self._shows = 0  # counts show() calls: a fill stops when another show begins
 
-    async def show(self, messages: list[Message], around: int | None = None) -> None:
-        """Show the last ``SHOWN`` messages, or a window around the message id ``around``."""
+    async def show(
+        self, messages: list[Message], around: int | None = None, *, lazy: bool = False
+    ) -> None:
+        """Show the last ``SHOWN`` messages, or a window around the message id ``around``.
+
+        ``lazy`` (the latest messages only): mount now just those that fill the screen, and
+        keep the others in :attr:`pending` for :meth:`fill`, so that a session is drawn in
+        the time a few messages take to build, whatever its length.
+        """
+        self._shows += 1
         index = next((i for i, m in enumerate(messages) if m.id == around), None)
         if index is not None:
             start = max(0, index - BEFORE_HIT)
@@ -239,25 +277,57 @@ class Conversation(VerticalScroll, can_focus=False):
         else:
             start, end = max(0, len(messages) - SHOWN), len(messages)
         self.first, self.later, self.cursor = start, len(messages) - end, None
+        views = [
+            MessageView.from_message(m, start + k + 1) for k, m in enumerate(messages[start:end])
+        ]
+        now = self._left_for_later(views) if lazy and index is None else 0
+        self.pending = views[:now]
         widgets: list[Widget] = []
         if start:
             plural = "s" if start != 1 else ""
             note = f"{start:,} earlier message{plural} not shown (Ctrl+S exports them all)"
             widgets.append(Label(note, id="earlier", classes="not-shown", markup=False))
-        widgets += [
-            MessageView.from_message(m, start + k + 1) for k, m in enumerate(messages[start:end])
-        ]
+        widgets += views[now:]
         if self.later:
             plural = "s" if self.later != 1 else ""
             note = f"{self.later:,} later message{plural} not shown (↓ on the last one shows the latest)"
             widgets.append(Label(note, id="later", classes="not-shown", markup=False))
         if not messages:
-            widgets.append(Markdown(WELCOME, id="welcome"))
+            widgets.append(markdown_widget()(WELCOME, id="welcome"))
         # One batch: the old messages stay on screen until the new ones are in place.
         with self.app.batch_update():
             await self.remove_children()
             await self.mount_all(widgets)
             self.anchor()
+
+    def _left_for_later(self, views: list[MessageView]) -> int:
+        """How many of ``views`` to leave for later: the last ones that fill the viewport
+        (by an estimate of their height: wrapped lines plus the header and margin) stay."""
+        width = max(20, (self.size.width or 80) - 6)
+        height = self.size.height or 40
+        lines = 0
+        keep = 0
+        for view in reversed(views):
+            if lines > height and keep >= FIRST_AT_LEAST:
+                break
+            keep += 1
+            lines += 3 + sum(len(line) // width + 1 for line in view.text.split("\n"))
+        return len(views) - keep
+
+    async def fill(self) -> None:
+        """Mount the views a lazy :meth:`show` left pending, above the others, a few at a
+        time with a pause between (so keys and frames get through); the nearest first. Stops
+        when another show begins."""
+        shows = self._shows
+        while self.pending and shows == self._shows:
+            batch = self.pending[-FILL_BATCH:]
+            del self.pending[-FILL_BATCH:]
+            first = next((c for c in self.children if isinstance(c, MessageView)), None)
+            if first is None:
+                self.pending = []
+                return
+            await self.mount_all(batch, before=first)
+            await asyncio.sleep(0)
 
     async def add(self, view: MessageView) -> MessageView:
         """Append a message (the caller shows the latest first when later ones are left out)."""
