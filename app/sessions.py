@@ -8,20 +8,15 @@ KV tiers where a session's memory lives.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.export import ExportFormat, export_session
-from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.service_parts import ServiceParts
+from kvchat.store import Message, SearchHit, Session, SessionSummary
 from kvchat.store.store import StoreFull
 from kvchat.text import check_text
 from kvchat.turns import SESSION_SETTINGS
-
-if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
-    from kvchat.engine import Engine
-    from kvchat.kvcache.tiers import KVTiers
 
 DEFAULT_TITLE = "New chat"
 # What a fork adds to its parent's title: " (fork)", " (fork 2)", …
@@ -31,17 +26,8 @@ LAST_SESSION_KEY = "last_session"
 OPEN_SESSION_KEY = "app_open_session"
 
 
-class SessionBook:
+class SessionBook(ServiceParts):
     """Sessions, messages, forks and edits over the store (mixed into ChatService)."""
-
-    if TYPE_CHECKING:  # provided by ChatService
-        store: Store
-        tiers: KVTiers
-
-        @property
-        def engine(self) -> Engine: ...
-
-        def _turn_lock(self, session_id: str) -> AbstractContextManager[None]: ...
 
     # --- sessions -------------------------------------------------------------------------
 

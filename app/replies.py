@@ -1,0 +1,107 @@
+"""Turns on the last reply: regenerate it, continue it (mixed into ChatService)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvchat.engine import CancelCheck, GenerationStats
+from kvchat.errors import KvchatError
+from kvchat.generation import stream_reply
+from kvchat.service_parts import ServiceParts
+from kvchat.turns import TokenCallback, TurnReport, generation_params
+
+
+class ReplyTurns(ServiceParts):
+    """Regenerate and continue: turns that rework the session's last reply."""
+
+    def regenerate(
+        self,
+        session_id: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Replace the last reply with a new one (the prompt is already in the context).
+
+        The old reply is deleted only once the new one is stored.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.settings, session.settings, overrides)
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            if not history:
+                raise KvchatError("nothing to regenerate: the session has no messages")
+            replaces = history[-1].id if history[-1].role == "assistant" else None
+            return self._turn(session_id, params, on_token, cancel, no_restore, replaces)
+
+    def continue_reply(
+        self,
+        session_id: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Go on with the last reply (one cut at the token limit): generate more after it and
+        append that to the stored message.
+
+        The prompt is the history with the reply left open; the context already holds it
+        (hot, or restored), so only what differs is decoded before generating.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.settings, session.settings, overrides)
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            if not history or history[-1].role != "assistant":
+                raise KvchatError("nothing to continue: the session does not end with a reply")
+            last = history[-1]
+            engine = self.load_engine()
+            self._remember(session_id)
+            head = self._system_head(session)
+            prompt = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
+            prompt += engine.tokenize(last.content)
+            if len(prompt) + 1 >= engine.n_ctx:
+                raise KvchatError(
+                    f"the context is full ({len(prompt):,} of {engine.n_ctx:,} tokens): "
+                    "no room to continue this reply"
+                )
+            stats = GenerationStats()
+            restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
+            self.tiers.mark_hot(session_id)
+            prefill = engine.prefill(prompt, cancel)
+            self.tiers.mark_dirty()
+            pieces: list[str] = []
+            stream_reply(
+                engine,
+                params,
+                stats,
+                cancel,
+                on_token,
+                pieces,
+                complete_prompt=(prefill.reused + prefill.decoded >= len(prompt)),
+            )
+            more = "".join(pieces)
+            report = TurnReport.of_run(session_id, more, restore, prefill, stats)
+            if more:
+                try:
+                    message = self.store.update_message(
+                        last.id,
+                        last.content + more,
+                        report.partial,
+                        token_count=last.token_count + stats.generated,
+                    )
+                except KvchatError as exc:
+                    report.reply_error = f"the continued reply could not be saved: {exc}"
+                else:
+                    report.message_id = message.id
+            if report.message_id is not None and engine.n_tokens >= len(prompt):
+                base = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
+                try:
+                    self._settle(session, base)
+                except KvchatError as exc:
+                    report.window_note = f"the context was left as generated ({exc})"
+            report.snapshot = self.tiers.save_hot()
+            return report
