@@ -4,18 +4,18 @@ The engine keeps the exact token ids that are in the context, so a new prompt re
 the longest common prefix and only its suffix is decoded. It knows nothing of
 sessions, SQLite or snapshot files: it hands out and accepts raw seq-state bytes.
 Not thread-safe: the caller runs every method on one thread.
+
+Beside this module: :mod:`.llama_markup` (messages → prompt tokens, control tokens only
+from the template), :mod:`.llama_state` (seq-state bytes, state files, window
+checkpoints) and :mod:`.llama_spec` (what the KV cache holds per layer).
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
-import os
-import re
-import secrets
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -32,10 +32,12 @@ from kvchat.engine.base import (
     PrefillResult,
     common_prefix,
 )
+from kvchat.engine.llama_markup import ChatTokensMixin
+from kvchat.engine.llama_spec import read_spec, uniform_shape
+from kvchat.engine.llama_state import SEQ_ID, SeqStateMixin, StateBuffer
 from kvchat.engine.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 from kvchat.errors import KvchatError
 
-SEQ_ID = 0
 # Prefill is decoded in slices this long so a cancel request is honoured between them.
 PREFILL_SLICE = 128
 # The smallest batch decoded (see LlamaEngine.prefill).
@@ -47,33 +49,13 @@ GGML_TYPES: dict[str, int] = {
     "q4_0": llama_cpp.GGML_TYPE_Q4_0,
 }
 
-# Tokens that llama.cpp parses out of text when asked to (``special=True``).
-_SPECIAL_ATTRS = (
-    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
-    | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
-)
-# What C's isspace() strips next to a token with the LSTRIP/RSTRIP attribute.
-_C_SPACE = " \t\n\v\f\r"
 
 # Used when a GGUF carries no chat template and nothing else chooses one (see
 # kvchat.engine.templates): ChatML, which most small instruct models speak.
 CHATML_TEMPLATE = CHATML
 
-# Weight types llama.cpp's CPU backend repacks (ggml-cpu/repack.cpp). Their matrix products
-# take a batch's rows four at a time and the remaining ones singly, with other rounding:
-# a token's KV then depends on where in its batch it falls. Batches that start on
-# multiples of four make every token but a batch's tail land where a full prefill puts it.
-REPACKED_TYPES = frozenset(
-    {"Q1_0", "Q2_K", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "MXFP4"}
-)
-REPACK_ROWS = 4
-# Window checkpoints (sliding-window models) kept in memory until the next save: a turn
-# takes two (where a regenerate and where the next turn start), each a whole window.
-MAX_PENDING_CHECKPOINTS = 2
 
-
-class LlamaEngine:
+class LlamaEngine(ChatTokensMixin, SeqStateMixin):
     """A loaded model and its one context (implements :class:`kvchat.engine.Engine`)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -127,7 +109,7 @@ class LlamaEngine:
             raise KvchatError(
                 f"the chat template {self.template.name} is not valid: {exc}"
             ) from exc
-        self._state_buffer: ctypes.Array[ctypes.c_uint8] | None = None
+        self._buffer = StateBuffer()
         model = self.llm._model.model
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))
         self._spec: KvSpec | None = None
@@ -138,12 +120,7 @@ class LlamaEngine:
         # taken at message boundaries, by position, until the next save takes them.
         self._swa_from = 0
         self._pending: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
-        self._markup = _Markup(self._vocab)
-        # Stands in for message i's content while the template renders: private-use
-        # characters and a random part, so no message text can contain or forge one.
-        self._slot_id = secrets.token_hex(8)
-        self._slot = f"\ue000{self._slot_id}:"
-        self._slots = re.compile(re.escape(self._slot) + r"(\d+)\ue001")
+        self._init_markup(self._vocab)
 
     # --- identity -------------------------------------------------------------------------
 
@@ -180,70 +157,13 @@ class LlamaEngine:
 
     def kv_shape(self) -> tuple[int, int, int] | None:
         """(layers, K width, V width) per token and layer, or None when layers differ."""
-        arch = self.metadata.get("general.architecture", "")
-        meta = self.metadata
-
-        def number(key: str) -> int | None:
-            value = meta.get(f"{arch}.{key}")
-            try:
-                return int(value) if value is not None else None
-            except ValueError:  # an array (per-layer values): not a uniform shape
-                return None
-
         n_layer = int(llama_cpp.llama_model_n_layer(self.llm._model.model))
-        n_head = number("attention.head_count")
-        n_head_kv = number("attention.head_count_kv") or n_head
-        n_embd = number("embedding_length")
-        if not (n_head and n_head_kv and n_embd):
-            return None
-        k_dim = number("attention.key_length") or n_embd // n_head
-        v_dim = number("attention.value_length") or n_embd // n_head
-        return n_layer, n_head_kv * k_dim, n_head_kv * v_dim
+        return uniform_shape(self.metadata, n_layer)
 
     def _read_spec(self) -> None:
-        """What the model's KV cache holds per layer, from its GGUF metadata (the same
-        reading as the memory planner's), or why its state cannot be cut into chunks."""
-        model = self.llm._model.model
-        self.batch_align = 1
-        if llama_cpp.llama_model_is_recurrent(model):
-            self._spec_problem = "a recurrent model keeps a fixed-size state, not per-token KV"
-            return
-        if llama_cpp.llama_model_is_hybrid(model):
-            self._spec_problem = (
-                "a hybrid model (attention and recurrent layers) keeps a recurrent state "
-                "besides its per-token KV"
-            )
-            return
-        from kvchat.planner.gguf_info import read_gguf
-
-        try:
-            info = read_gguf(self.config.model_path)
-        except KvchatError as exc:
-            self._spec_problem = f"its GGUF metadata could not be read ({exc})"
-            return
-        if REPACKED_TYPES.intersection(info.weight_types):
-            self.batch_align = REPACK_ROWS
-        k_widths: list[int] = []
-        v_widths: list[int] = []
-        swa: list[bool] = []
-        arch = info.architecture
-        shared = int(self.metadata.get(f"{arch}.attention.shared_kv_layers", 0) or 0)
-        for il in range(info.n_layer):
-            if il >= info.n_layer - shared:
-                continue  # the layer reuses another layer's cache (Gemma 3n style)
-            kv_heads = info.n_head_kv[il]  # 0: the layer keeps zero-width rows (DeciLM)
-            d_k, d_v = info.head_dims(il)
-            k_widths.append(kv_heads * d_k)
-            v_widths.append(kv_heads * d_v)
-            swa.append(info.swa_layers[il])
-        n_swa = self.n_swa if any(swa) else 0
-        if any(swa) and n_swa != info.sliding_window:
-            self._spec_problem = (
-                f"llama.cpp's sliding window ({self.n_swa}) is not the GGUF's "
-                f"({info.sliding_window})"
-            )
-            return
-        self._spec = KvSpec(tuple(k_widths), tuple(v_widths), tuple(swa), n_swa)
+        """What the model's KV cache holds per layer, or why it cannot be cut into chunks."""
+        reading = read_spec(self.config.model_path, self.metadata, self.llm._model.model)
+        self._spec, self._spec_problem, self.batch_align = reading
 
     def kv_spec(self) -> KvSpec | None:
         """What the seq state must hold per layer (for the chunk parser), or None."""
@@ -285,58 +205,6 @@ class LlamaEngine:
         if bos < 0 or not llama_cpp.llama_vocab_get_add_bos(self._vocab):
             return False
         return not text.startswith(self._piece(bos))
-
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt for ``messages``: only the template's own markup makes control tokens.
-
-        The template is rendered with each message's content replaced by a slot marker; the
-        rendering is cut at the markers, and the template's pieces are split at the spellings
-        of the vocabulary's special tokens (as llama.cpp's ``special=True`` does). The text
-        between two special tokens (template text and message content together, as one
-        string, so the tokens are those of a plain tokenization) is tokenized with
-        ``special=False``. So ``<|im_end|>`` typed, pasted, imported or in a system prompt
-        is eight ordinary tokens, never the end of a turn. Deterministic: the same messages
-        give the same ids, whatever the markers were.
-
-        A template that alters or drops a message's content (so a marker is missing or
-        changed) is rendered over the real messages instead, with every special token's
-        spelling in them broken by a word joiner (U+2060), and tokenized whole.
-        """
-        contents = [str(m.get("content") or "") for m in messages]
-        stand_ins = [{**m, "content": f"{self._slot}{i}\ue001"} for i, m in enumerate(messages)]
-        rendered = self.render(stand_ins)
-        pieces = self._slots.split(rendered)
-        found = {int(index) for index in pieces[1::2]}
-        if found != set(range(len(messages))) or any(self._slot_id in p for p in pieces[::2]):
-            return self._defanged_tokens(messages, contents)
-        tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
-        run = _TextRun()
-        for index, piece in enumerate(pieces):
-            if index % 2:  # a message's content
-                run.add(contents[int(piece)])
-                continue
-            for text, special in self._markup.split(piece):
-                if special is None:
-                    run.add(text)
-                    continue
-                if special.lstrip:
-                    run.strip_end()
-                tokens += self.tokenize(run.take())
-                tokens.append(special.id)
-                run.strip_next = special.rstrip
-        tokens += self.tokenize(run.take())
-        return tokens
-
-    def _defanged_tokens(
-        self, messages: Sequence[dict[str, str]], contents: list[str]
-    ) -> list[int]:
-        """The prompt of a template that changes message text: the real messages, with no
-        special token's spelling left in their content, tokenized with ``special=True``."""
-        safe = [{**m, "content": self._markup.defang(c)} for m, c in zip(messages, contents)]
-        rendered = self.render(safe)
-        return self.llm.tokenize(
-            rendered.encode("utf-8"), add_bos=self._add_bos(rendered), special=True
-        )
 
     def count_tokens(self, text: str) -> int:
         return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
@@ -450,33 +318,6 @@ class LlamaEngine:
             self._swa_from = 0
         for pos in [pos for pos in self._pending if pos > n_keep]:
             del self._pending[pos]
-
-    # --- window checkpoints (sliding-window models) -------------------------------------
-
-    def _capture(self) -> None:
-        """Keep the window's cells at the current position (llama.cpp's partial state: the
-        sliding-window cache alone), if the context really holds all of them."""
-        n = self.n_tokens
-        if not n or (self._swa_from and n < self._swa_from + self.n_swa) or n in self._pending:
-            return
-        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, SEQ_ID, flags))
-        buf = (ctypes.c_uint8 * size)()
-        if (
-            not size
-            or llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size
-        ):
-            return
-        self._pending[n] = buf
-        while len(self._pending) > MAX_PENDING_CHECKPOINTS:
-            del self._pending[min(self._pending)]
-
-    def take_checkpoints(self) -> list[tuple[int, Any]]:
-        """Window checkpoints taken since the last call, as (position, partial state) with
-        the context still holding the tokens before each position; then forgotten."""
-        taken = sorted((pos, data) for pos, data in self._pending.items() if pos <= self.n_tokens)
-        self._pending.clear()
-        return taken
 
     def can_shift(self) -> bool:
         """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
@@ -593,161 +434,8 @@ class LlamaEngine:
             sampler.add_dist(params.seed & 0xFFFFFFFF)
         return sampler
 
-    # --- sequence state -------------------------------------------------------------------
-
-    def state_size(self) -> int:
-        return int(llama_cpp.llama_state_seq_get_size(self.ctx, SEQ_ID))
-
-    def state_buffer(self, size: int) -> ctypes.Array[ctypes.c_uint8]:
-        """A reusable buffer of at least ``size`` bytes (fresh allocations page-fault)."""
-        if self._state_buffer is None or len(self._state_buffer) < size:
-            self._state_buffer = (ctypes.c_uint8 * max(size, 1))()
-        return self._state_buffer
-
-    def state_get(self) -> memoryview:
-        """The seq-state bytes of the context, as a view into the engine's reusable buffer."""
-        size = self.state_size()
-        buf = self.state_buffer(size)
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, SEQ_ID)
-        if written != size:
-            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return memoryview(buf).cast("B")[:size]
-
-    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
-        """Load ``size`` seq-state bytes from ``buf`` (a ctypes array or uint8 pointer).
-
-        On success the context holds ``tokens``; on failure it is empty.
-        """
-        self.clear()
-        loaded = llama_cpp.llama_state_seq_set_data(self.ctx, buf, size, SEQ_ID)
-        if loaded != size:
-            self.clear()
-            return False
-        n = len(tokens)
-        self.llm.input_ids[:n] = tokens
-        self.llm.n_tokens = n
-        # A state keeps only the window's cells of its sliding-window layers.
-        self._swa_from = max(0, n - self.n_swa) if self.interleaved else 0
-        return True
-
-    def state_save_file(self, path: Path) -> int:
-        """llama.cpp's own seq-state file writer (the benchmark's reference)."""
-        tokens = (llama_cpp.llama_token * max(self.n_tokens, 1))(*self.tokens)
-        return int(
-            llama_cpp.llama_state_seq_save_file(
-                self.ctx, os.fsencode(path), SEQ_ID, tokens, self.n_tokens
-            )
-        )
-
-    def state_load_file(self, path: Path) -> int:
-        """llama.cpp's own seq-state file reader (the benchmark's limit); returns bytes read."""
-        self.clear()
-        capacity = self.n_ctx
-        tokens = (llama_cpp.llama_token * capacity)()
-        count = ctypes.c_size_t(0)
-        read = llama_cpp.llama_state_seq_load_file(
-            self.ctx, os.fsencode(path), SEQ_ID, tokens, capacity, ctypes.byref(count)
-        )
-        n = int(count.value)
-        self.llm.input_ids[:n] = list(tokens[:n])
-        self.llm.n_tokens = n
-        return int(read)
-
     def close(self) -> None:
         self.llm.close()
-
-
-class _Special:
-    """A special token: its id, and whether llama.cpp strips whitespace beside it."""
-
-    __slots__ = ("id", "lstrip", "rstrip")
-
-    def __init__(self, token: int, attr: int) -> None:
-        self.id = token
-        self.lstrip = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP)
-        self.rstrip = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)
-
-
-class _Markup:
-    """Splits template text at the spellings of the vocabulary's special tokens.
-
-    The same tokens llama.cpp parses with ``special=True`` (control, user-defined and
-    unknown), the longest spelling first where two could match at one place.
-    """
-
-    def __init__(self, vocab: Any) -> None:
-        found: dict[str, _Special] = {}
-        for token in range(int(llama_cpp.llama_vocab_n_tokens(vocab))):
-            attr = int(llama_cpp.llama_vocab_get_attr(vocab, token))
-            if not attr & _SPECIAL_ATTRS:
-                continue
-            raw = llama_cpp.llama_vocab_get_text(vocab, token)
-            try:
-                text = raw.decode("utf-8") if raw else ""
-            except UnicodeDecodeError:
-                continue
-            if text and text not in found:
-                found[text] = _Special(token, attr)
-        self.tokens = found
-        spellings = sorted(found, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, spellings))) if spellings else None
-
-    def defang(self, text: str) -> str:
-        """``text`` with a word joiner after the first character of every special token's
-        spelling in it, so no tokenizer can read one there."""
-        if self._pattern is None:
-            return text
-        for _ in range(len(text) + 1):
-            fixed = self._pattern.sub(_break_spelling, text)
-            if fixed == text:
-                break
-            text = fixed
-        return text
-
-    def split(self, text: str) -> Iterator[tuple[str, _Special | None]]:
-        """``(text, None)`` for plain text and ``(spelling, token)`` for a special token."""
-        if self._pattern is None:
-            yield text, None
-            return
-        at = 0
-        for match in self._pattern.finditer(text):
-            if match.start() > at:
-                yield text[at : match.start()], None
-            yield match.group(), self.tokens[match.group()]
-            at = match.end()
-        if at < len(text):
-            yield text[at:], None
-
-
-def _break_spelling(match: re.Match[str]) -> str:
-    """A special token's spelling with a word joiner after its first character (a
-    one-character spelling cannot be broken: it stays)."""
-    text = match.group()
-    return text if len(text) < 2 else text[0] + "\u2060" + text[1:]
-
-
-class _TextRun:
-    """The text between two special tokens, gathered to be tokenized as one string."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.strip_next = False  # the last special token strips the whitespace after it
-
-    def add(self, text: str) -> None:
-        if self.strip_next:
-            text = text.lstrip(_C_SPACE)
-            self.strip_next = not text
-        if text:
-            self.parts.append(text)
-
-    def strip_end(self) -> None:
-        text = "".join(self.parts).rstrip(_C_SPACE)
-        self.parts = [text] if text else []
-
-    def take(self) -> str:
-        text = "".join(self.parts)
-        self.parts = []
-        return text
 
 
 def _cuts(start: int, end: int, marks: set[int], size: int) -> list[tuple[int, int]]:
