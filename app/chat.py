@@ -16,6 +16,7 @@ from kvchat.config import Settings, data_dir
 from kvchat.engine import CancelCheck, Engine, create_engine, engine_config
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult
+from kvchat.kvcache.slots import ServerSlots
 from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
 from kvchat.replies import ReplyTurns
@@ -122,6 +123,9 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
             else:
                 engine = create_engine(planned, path)
             self._engine = engine
+            if engine.capabilities.server_slots:  # a llama-server keeps the KV (issue 13)
+                self.tiers = ServerSlots(self.store, engine)  # type: ignore[assignment,arg-type]
+                return engine
             self._fingerprint = Fingerprint.current(path, engine.layout())
             self.tiers.attach(engine, self._fingerprint)
         return self._engine

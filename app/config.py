@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvchat.errors import KvchatError
@@ -147,7 +147,17 @@ class Settings(BaseSettings):
         description="GGUF path or catalog name (kvchat models list); default: the bundled SmolLM2-135M",
     )
     engine: str = Field(
-        default="llama.cpp", description="what runs the model: llama.cpp (in this process)"
+        default="llama.cpp",
+        description="what runs the model: llama.cpp (in this process) or llama-server "
+        "(at server_url; --server URL sets both)",
+    )
+    server_url: str | None = Field(
+        default=None,
+        description="llama-server to use with engine = llama-server, e.g. http://gpu-box:8080",
+    )
+    server_api_key: str | None = Field(
+        default=None,
+        description="API key of that llama-server (its --api-key), sent as a bearer token",
     )
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)
@@ -198,6 +208,13 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _TomlSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _server_picks_engine(self) -> Settings:
+        """A server URL given (flag, environment, file) without an engine means llama-server."""
+        if self.server_url and "engine" not in self.model_fields_set:
+            self.engine = "llama-server"
+        return self
 
     def model_path(self) -> Path:
         """The GGUF file to load, checked to exist and to look like GGUF.

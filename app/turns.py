@@ -160,7 +160,7 @@ class TurnReport:
         r = self.restore
         if r.source == "hot":
             head = f"hot context, reused {self.tokens.reused:,} tokens"
-        elif r.source in ("ram", "disk"):
+        elif r.source in ("ram", "disk", "server"):
             head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
         else:
             head = f"full prefill: {r.reason}"

@@ -106,6 +106,14 @@ def model_options(func: F) -> F:
             help="GPU memory to plan for, e.g. 6GiB (default: NVML's free memory).",
         ),
         click.option(
+            "--server",
+            "server_url",
+            type=str,
+            metavar="URL",
+            help="Run the model in this llama-server (engine llama-server), e.g. "
+            "http://gpu-box:8080; see `kvchat server`.",
+        ),
+        click.option(
             "--chat-template",
             "chat_template",
             type=str,

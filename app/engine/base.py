@@ -79,6 +79,9 @@ class EngineCapabilities:
     can_shift: bool = False
     # Layers can run on a GPU.
     gpu_offload: bool = False
+    # The KV lives in a llama-server's slots, saved and restored as slot files on the server
+    # (kvchat.kvcache.slots) instead of the RAM and disk tiers.
+    server_slots: bool = False
 
 
 @dataclass(frozen=True)

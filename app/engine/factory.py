@@ -12,9 +12,11 @@ from kvchat.errors import KvchatError
 if TYPE_CHECKING:
     from kvchat.config import Settings
 
-# Setting value → "module:class". A remote llama-server engine (slot save/restore) comes later.
+# Setting value → "module:class". An engine class with a ``from_settings(settings, config)``
+# classmethod is opened through it (the llama-server engine reads its URL and key there).
 ENGINES: dict[str, str] = {
     "llama.cpp": "kvchat.engine.llama:LlamaEngine",
+    "llama-server": "kvchat.engine.server:ServerEngine",
 }
 # EngineConfig fields that the settings hold under the same names.
 _FROM_SETTINGS = (
@@ -41,5 +43,9 @@ def create_engine(settings: Settings, model_path: Path | None = None) -> Engine:
         raise KvchatError(f"unknown engine {settings.engine!r}; known: {', '.join(ENGINES)}")
     module, name = target.split(":")
     engine_class = getattr(import_module(module), name)
+    if hasattr(engine_class, "from_settings"):
+        config = engine_config(settings, model_path or Path(settings.model or ""))
+        opened: Engine = engine_class.from_settings(settings, config)
+        return opened
     engine: Engine = engine_class(engine_config(settings, model_path or settings.model_path()))
     return engine

@@ -55,7 +55,7 @@ __all__ = [
     "SnapshotsUnavailable",
 ]
 
-Source = Literal["hot", "ram", "disk", "none"]
+Source = Literal["hot", "ram", "disk", "server", "none"]
 
 
 @dataclass

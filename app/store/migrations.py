@@ -113,12 +113,33 @@ def m005_window_checkpoints(db: sqlite_utils.Database) -> None:
         snapshots.add_column("checkpoints", str)
 
 
+def m007_server_slots(db: sqlite_utils.Database) -> None:
+    """llama-server engine: per session, the slot file kvchat named, its exact token ids
+    and the fingerprint of the server that wrote it (see kvchat.kvcache.slots)."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS server_slots (
+            session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+            filename TEXT NOT NULL,
+            n_tokens INTEGER NOT NULL,
+            token_ids BLOB NOT NULL,
+            fingerprint TEXT NOT NULL,
+            n_bytes INTEGER NOT NULL DEFAULT 0,
+            generation INTEGER NOT NULL DEFAULT 0,
+            created TEXT,
+            last_used TEXT
+        )
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
     m003_kv_snapshots,
     m004_kv_chunks,
     m005_window_checkpoints,
+    m007_server_slots,
 ]
 
 
