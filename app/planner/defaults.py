@@ -41,7 +41,7 @@ from kvchat.planner.plan import (
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
-    from kvchat.planner.gguf_info import ModelInfo
+    from kvchat.planner.model_info import ModelInfo
 
 PLANNED_FIELDS = ("n_ctx", "type_k", "type_v", "flash_attn", "n_gpu_layers")
 # Longest context picked on its own: a bigger one costs VRAM the user may want elsewhere and

@@ -16,14 +16,19 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tomllib
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvchat.errors import KvchatError
+from kvchat.planner.catalog import (
+    REQUIRED_CATALOG_KEYS,
+    CatalogEntry,
+    default_catalog_path,
+    find_entry,
+    info_from_catalog,
+    load_catalog,
+)
+from kvchat.planner.model_info import ModelInfo, swa_pattern
 
 # Architectures whose sliding-window layout llama.cpp hard-codes when the GGUF carries no
 # ``{arch}.attention.sliding_window_pattern``: period n means that in every group of n
@@ -35,89 +40,20 @@ SWA_PERIOD_BY_ARCH: dict[str, int] = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "g
 # llama.cpp's default window for Gemma 2 when the key is absent.
 DEFAULT_SWA_BY_ARCH: dict[str, int] = {"gemma2": 4096}
 
-# Bits per weight of the token-embedding / output matrices in common llama.cpp quantizations,
-# used only to estimate where a catalog model's bytes sit (llama.cpp quantizes an untied
-# token_embd with the file's base type and the output matrix, or a tied token_embd, as Q6_K).
-_EMBD_BITS = {
-    "Q4_0": 4.5,
-    "Q4_1": 5.0,
-    "Q4_K_S": 4.5,
-    "Q4_K_M": 4.5,
-    "Q5_K_S": 5.5,
-    "Q5_K_M": 5.5,
-    "Q6_K": 6.5625,
-    "Q8_0": 8.5,
-    "F16": 16.0,
-    "BF16": 16.0,
-}
-_OUTPUT_BITS_DEFAULT = 6.5625
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Shape and weight layout of one model, as far as memory planning needs."""
-
-    name: str
-    architecture: str
-    n_layer: int
-    n_head: tuple[int, ...]  # per layer
-    n_head_kv: tuple[int, ...]  # per layer; 0 = the layer keeps no KV cache
-    head_dim_k: int
-    head_dim_v: int
-    head_dim_k_swa: int
-    head_dim_v_swa: int
-    n_embd: int
-    n_ff: int
-    n_vocab: int
-    context_length: int
-    sliding_window: int  # 0 = none
-    swa_layers: tuple[bool, ...]  # per layer: True = sliding-window attention
-    weight_bytes: int  # every tensor
-    layer_bytes: tuple[int, ...]  # per repeating block (blk.N.*)
-    input_bytes: int  # token embedding & friends: llama.cpp always keeps them in host RAM
-    output_bytes: int  # output norm + output matrix (a copy of token_embd when tied)
-    tied_embeddings: bool
-    source: str  # "gguf" or "catalog"
-    path: str | None = None
-    quantization: str | None = None
-    notes: tuple[str, ...] = field(default=())
-    # ggml type names of the repeating layers' weights (GGUF files only).
-    weight_types: tuple[str, ...] = field(default=())
-    # Whether the GGUF carries a chat template (None: unknown, a catalog entry).
-    has_chat_template: bool | None = None
-    # The last layers reuse earlier layers' KV (Gemma 3n): they keep no cache of their own.
-    shared_kv_layers: int = 0
-
-    @property
-    def n_head_kv_max(self) -> int:
-        return max(self.n_head_kv) if self.n_head_kv else 0
-
-    @property
-    def attention_kind(self) -> str:
-        """MHA, GQA or MQA, judged from the layers that keep a KV cache."""
-        pairs = [(h, kv) for h, kv in zip(self.n_head, self.n_head_kv) if kv > 0]
-        if not pairs:
-            return "none"
-        if all(kv == h for h, kv in pairs):
-            return "MHA"
-        if all(kv == 1 for _, kv in pairs):
-            return "MQA"
-        return "GQA"
-
-    def head_dims(self, layer: int) -> tuple[int, int]:
-        """(K, V) head dims of ``layer``."""
-        if self.swa_layers[layer]:
-            return self.head_dim_k_swa, self.head_dim_v_swa
-        return self.head_dim_k, self.head_dim_v
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key, value in data.items():
-            if isinstance(value, tuple):
-                data[key] = list(value)
-        data["attention_kind"] = self.attention_kind
-        return data
-
+# Also the catalog's names and ModelInfo, which importers read from here.
+__all__ = [
+    "REQUIRED_CATALOG_KEYS",
+    "CatalogEntry",
+    "ModelInfo",
+    "default_catalog_path",
+    "find_entry",
+    "has_chat_template",
+    "info_from_catalog",
+    "load_catalog",
+    "read_gguf",
+    "swa_pattern",
+]
 
 # --------------------------------------------------------------------------- GGUF files
 
@@ -187,13 +123,6 @@ def _per_layer(value: Any, n_layer: int, key: str) -> tuple[int, ...]:
             raise KvchatError(f"GGUF key {key} has {len(value)} entries for {n_layer} layers")
         return tuple(int(v) for v in value)
     return (int(value),) * n_layer
-
-
-def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:
-    """llama.cpp's ``set_swa_pattern(period)``: True for sliding-window layers."""
-    if period == 0:
-        return (True,) * n_layer
-    return tuple(il % period < period - 1 for il in range(n_layer))
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -363,161 +292,3 @@ _FILE_TYPES: dict[Any, str] = {
     30: "IQ4_XS",
     32: "BF16",
 }
-
-
-# --------------------------------------------------------------------------- the catalog
-
-REQUIRED_CATALOG_KEYS = (
-    "name",
-    "title",
-    "file",
-    "quantization",
-    "size_bytes",
-    "architecture",
-    "layers",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "embedding_length",
-    "feed_forward_length",
-    "vocab_size",
-    "tied_embeddings",
-    "context_length",
-    "attention",
-    "license",
-    "source_model",
-)
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    """One recommended model (a row of ``models/catalog.toml``)."""
-
-    name: str
-    title: str
-    file: str
-    quantization: str
-    size_bytes: int
-    architecture: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    embedding_length: int
-    feed_forward_length: int
-    vocab_size: int
-    tied_embeddings: bool
-    context_length: int
-    attention: str
-    license: str
-    source_model: str
-    hf_repo: str | None = None
-    sliding_window: int = 0
-    sliding_window_pattern: int = 0
-    bundled: bool = False
-    notes: str = ""
-    # A built-in chat template (kvchat.engine.templates) for a GGUF that carries none.
-    chat_template: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def default_catalog_path() -> Path:
-    """``KVCHAT_CATALOG``, else the catalog installed with kvchat (``kvchat.models``)."""
-    env = os.environ.get("KVCHAT_CATALOG")
-    if env:
-        return Path(env).expanduser()
-    return Path(str(resources.files("kvchat.models").joinpath("catalog.toml")))
-
-
-def load_catalog(path: str | os.PathLike[str] | None = None) -> list[CatalogEntry]:
-    """Parse and check the catalog; a missing or unreadable file is an error naming its path."""
-    path = Path(path) if path is not None else default_catalog_path()
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise KvchatError(f"model catalog {path} is missing") from exc
-    except OSError as exc:
-        raise KvchatError(f"model catalog {path} cannot be read: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise KvchatError(f"model catalog {path} is not valid TOML: {exc}") from exc
-    entries: list[CatalogEntry] = []
-    known = set(CatalogEntry.__dataclass_fields__)
-    for i, row in enumerate(data.get("model", [])):
-        missing = [k for k in REQUIRED_CATALOG_KEYS if k not in row]
-        if missing:
-            raise KvchatError(f"{path}: model #{i + 1} lacks {', '.join(missing)}")
-        unknown = set(row) - known
-        if unknown:
-            raise KvchatError(
-                f"{path}: model {row['name']!r} has unknown keys {', '.join(sorted(unknown))}"
-            )
-        entries.append(CatalogEntry(**row))
-    names = [e.name for e in entries]
-    dupes = {n for n in names if names.count(n) > 1}
-    if dupes:
-        raise KvchatError(f"{path}: duplicate model names {', '.join(sorted(dupes))}")
-    return entries
-
-
-def find_entry(name: str, catalog: Sequence[CatalogEntry]) -> CatalogEntry | None:
-    """The entry called ``name`` (case-insensitive), or whose GGUF file is ``name``."""
-    wanted = name.strip().lower()
-    for entry in catalog:
-        if wanted in (entry.name.lower(), entry.file.lower()):
-            return entry
-    return None
-
-
-def info_from_catalog(entry: CatalogEntry) -> ModelInfo:
-    """A :class:`ModelInfo` from the catalog's figures alone (no file needed).
-
-    Tensor bytes are estimated: the token embedding is vocab × n_embd at the quantization's
-    base bits (Q6_K when tied), the output matrix vocab × n_embd at Q6_K (a copy of the
-    embedding when tied), and the rest of ``size_bytes`` is split evenly over the layers.
-    """
-    n = entry.layers
-    if entry.sliding_window and entry.sliding_window_pattern:
-        swa = swa_pattern(n, entry.sliding_window_pattern)
-    else:
-        swa = (False,) * n
-    embd_elems = entry.vocab_size * entry.embedding_length
-    quant = entry.quantization.upper()
-    if entry.tied_embeddings:
-        input_bytes = int(embd_elems * _OUTPUT_BITS_DEFAULT / 8)
-        output_bytes = input_bytes  # the duplicated output copy
-        body = entry.size_bytes - input_bytes
-    else:
-        input_bytes = int(embd_elems * _EMBD_BITS.get(quant, 4.5) / 8)
-        output_bits = 8.5 if quant == "Q8_0" else _OUTPUT_BITS_DEFAULT
-        output_bytes = int(embd_elems * output_bits / 8)
-        body = entry.size_bytes - input_bytes - output_bytes
-    per_layer = max(body, 0) // n
-    return ModelInfo(
-        name=entry.name,
-        architecture=entry.architecture,
-        n_layer=n,
-        n_head=(entry.heads,) * n,
-        n_head_kv=(entry.kv_heads,) * n,
-        head_dim_k=entry.head_dim,
-        head_dim_v=entry.head_dim,
-        head_dim_k_swa=entry.head_dim,
-        head_dim_v_swa=entry.head_dim,
-        n_embd=entry.embedding_length,
-        n_ff=entry.feed_forward_length,
-        n_vocab=entry.vocab_size,
-        context_length=entry.context_length,
-        sliding_window=entry.sliding_window if any(swa) else 0,
-        swa_layers=swa,
-        weight_bytes=entry.size_bytes,
-        layer_bytes=(per_layer,) * n,
-        input_bytes=input_bytes,
-        output_bytes=output_bytes,
-        tied_embeddings=entry.tied_embeddings,
-        source="catalog",
-        path=None,
-        quantization=entry.quantization,
-        notes=("weights per layer estimated from the catalog's file size",),
-    )

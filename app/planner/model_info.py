@@ -1,0 +1,79 @@
+"""What the planner knows about a model: :class:`ModelInfo`, from a GGUF file or the catalog."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shape and weight layout of one model, as far as memory planning needs."""
+
+    name: str
+    architecture: str
+    n_layer: int
+    n_head: tuple[int, ...]  # per layer
+    n_head_kv: tuple[int, ...]  # per layer; 0 = the layer keeps no KV cache
+    head_dim_k: int
+    head_dim_v: int
+    head_dim_k_swa: int
+    head_dim_v_swa: int
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    context_length: int
+    sliding_window: int  # 0 = none
+    swa_layers: tuple[bool, ...]  # per layer: True = sliding-window attention
+    weight_bytes: int  # every tensor
+    layer_bytes: tuple[int, ...]  # per repeating block (blk.N.*)
+    input_bytes: int  # token embedding & friends: llama.cpp always keeps them in host RAM
+    output_bytes: int  # output norm + output matrix (a copy of token_embd when tied)
+    tied_embeddings: bool
+    source: str  # "gguf" or "catalog"
+    path: str | None = None
+    quantization: str | None = None
+    notes: tuple[str, ...] = field(default=())
+    # ggml type names of the repeating layers' weights (GGUF files only).
+    weight_types: tuple[str, ...] = field(default=())
+    # Whether the GGUF carries a chat template (None: unknown, a catalog entry).
+    has_chat_template: bool | None = None
+    # The last layers reuse earlier layers' KV (Gemma 3n): they keep no cache of their own.
+    shared_kv_layers: int = 0
+
+    @property
+    def n_head_kv_max(self) -> int:
+        return max(self.n_head_kv) if self.n_head_kv else 0
+
+    @property
+    def attention_kind(self) -> str:
+        """MHA, GQA or MQA, judged from the layers that keep a KV cache."""
+        pairs = [(h, kv) for h, kv in zip(self.n_head, self.n_head_kv) if kv > 0]
+        if not pairs:
+            return "none"
+        if all(kv == h for h, kv in pairs):
+            return "MHA"
+        if all(kv == 1 for _, kv in pairs):
+            return "MQA"
+        return "GQA"
+
+    def head_dims(self, layer: int) -> tuple[int, int]:
+        """(K, V) head dims of ``layer``."""
+        if self.swa_layers[layer]:
+            return self.head_dim_k_swa, self.head_dim_v_swa
+        return self.head_dim_k, self.head_dim_v
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key, value in data.items():
+            if isinstance(value, tuple):
+                data[key] = list(value)
+        data["attention_kind"] = self.attention_kind
+        return data
+
+
+def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:
+    """llama.cpp's ``set_swa_pattern(period)``: True for sliding-window layers."""
+    if period == 0:
+        return (True,) * n_layer
+    return tuple(il % period < period - 1 for il in range(n_layer))
