@@ -185,8 +185,9 @@ class Engine(Protocol):
         """Bring ``prompt`` into the context, decoding only what follows the common prefix."""
         ...
 
-    def settle(self, keep: int, tokens: Sequence[int]) -> int:
-        """Re-decode everything after position ``keep`` so the context holds ``tokens``."""
+    def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
+        """Re-decode everything after position ``keep`` so the context holds ``tokens``
+        (``cancel`` stops between batches: the context then holds a prefix of them)."""
         ...
 
     def generate(

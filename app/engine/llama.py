@@ -297,18 +297,19 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 self._capture()
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=self.n_tokens - reused)
 
-    def settle(self, keep: int, tokens: Sequence[int]) -> int:
+    def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
         """Re-decode everything after position ``keep`` as batches, ending with ``tokens``.
 
         Generation decodes one token at a time; re-decoding the reply in batches makes the
         context's KV bit-identical to a full prefill of the same tokens, so a greedy
         continuation after a restore equals one after a full prefill. A sliding-window
         model keeps a window checkpoint where the next turn's prefill will start. Returns
-        tokens decoded.
+        tokens decoded. ``cancel`` stops it between batches (a new message waits): the
+        context then holds a prefix of ``tokens``, which the next prefill reuses.
         """
         self.truncate(min(keep, self.n_tokens))
         marks = {self.reuse_point(tokens, [*tokens, 0, 0])} if self.interleaved else set()
-        return self._prefill(tokens, marks).decoded
+        return self._prefill(tokens, marks, cancel).decoded
 
     def truncate(self, n_keep: int) -> None:
         """Drop the KV of every token from position ``n_keep`` on."""

@@ -364,7 +364,7 @@ class ServerEngine:
         self._tokens = prompt[: min(cached, len(prompt))]
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=decoded)
 
-    def settle(self, keep: int, tokens: Sequence[int]) -> int:
+    def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
         """Make the slot hold ``tokens``, re-reading everything after position ``keep`` as
         one batch (as a full prefill would have read it, not token by token).
 
@@ -375,7 +375,7 @@ class ServerEngine:
         if keep < len(tokens) and keep > 0:
             other = 0 if tokens[keep] != 0 else 1
             self.prefill([*tokens[:keep], other])
-        return self.prefill(tokens).decoded
+        return self.prefill(tokens, cancel).decoded
 
     def generate(
         self, params: GenerationParams, stats: GenerationStats, cancel: CancelCheck | None = None
