@@ -34,6 +34,8 @@ STALL_ENV = "KVCHAT_FAULT_STALL_SNAPSHOT_WRITE"
 # Shortest file that can hold a magic and a header length.
 MIN_FILE_BYTES = 12
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# Buffers one preadv call takes.
+IOV_MAX = 1024
 
 
 def dir_problem(path: Path) -> str | None:
@@ -141,8 +143,9 @@ def remove_file(path: Path) -> bool:
     return True
 
 
-def map_file(path: Path, label: str) -> mmap.mmap:
-    """The file mapped read-only (MAP_POPULATE: no copy into Python).
+def open_regular(path: Path, label: str) -> tuple[int, int]:
+    """``path`` opened read-only without following a link, and its size: ``(fd, size)``;
+    the caller closes the fd.
 
     Raises :class:`SnapshotRejected` when it is missing, not a regular file (a symlink or
     a directory) or too short to be ours.
@@ -163,15 +166,38 @@ def map_file(path: Path, label: str) -> mmap.mmap:
             raise SnapshotRejected(f"snapshot file {label} is not a regular file")
         if info.st_size < MIN_FILE_BYTES:
             raise SnapshotRejected(f"{path.name} is not a kvchat snapshot file (too short)")
-        return mmap.mmap(
-            fd, info.st_size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ
-        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def map_file(path: Path, label: str) -> mmap.mmap:
+    """The file mapped read-only (MAP_POPULATE: no copy into Python); raises
+    :class:`SnapshotRejected` as :func:`open_regular` does."""
+    fd, size = open_regular(path, label)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
     except OSError as exc:
         raise SnapshotRejected(
             f"snapshot file {label} cannot be read ({exc.strerror or exc})"
         ) from None
     finally:
         os.close(fd)
+
+
+def read_into(fd: int, buffers: list[memoryview], offset: int = 0) -> int:
+    """Read the file from ``offset`` straight into ``buffers`` in order (``preadv``, at most
+    ``IOV_MAX`` buffers a call); returns the bytes read, short at the end of the file."""
+    done = 0
+    for first in range(0, len(buffers), IOV_MAX):
+        batch = buffers[first : first + IOV_MAX]
+        want = sum(len(b) for b in batch)
+        got = os.preadv(fd, batch, offset + done)
+        done += got
+        if got != want:
+            break
+    return done
 
 
 @contextmanager

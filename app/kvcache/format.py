@@ -124,14 +124,24 @@ def blob_parts(
 def chunk_parts(key: str, start: int, end: int, chunk: np.ndarray) -> tuple[list[Any], str]:
     """The pieces of a chunk file, in order, and the checksum its row records."""
     digest = checksum(chunk)
+    return [_chunk_preamble(key, start, end - start, len(chunk), digest), chunk], digest
+
+
+def _chunk_preamble(key: str, start: int, n_tokens: int, n_bytes: int, digest: str) -> bytes:
     header = {
         "key": key,
         "start": start,
-        "n_tokens": end - start,
-        "n_bytes": len(chunk),
+        "n_tokens": n_tokens,
+        "n_bytes": n_bytes,
         "checksum": digest,
     }
-    return [_preamble(CHUNK_MAGIC, header), chunk], digest
+    return _preamble(CHUNK_MAGIC, header)
+
+
+def chunk_preamble(entry: ChunkRow) -> bytes:
+    """The exact bytes before a chunk's data, as :func:`chunk_parts` wrote them for the
+    chunk ``entry`` indexes (a reader that finds them needs no JSON parse)."""
+    return _chunk_preamble(entry.key, entry.start, entry.n_tokens, entry.n_bytes, entry.checksum)
 
 
 def read_header(mapped: mmap.mmap, magic: bytes, name: str) -> tuple[dict[str, Any], int]:

@@ -223,10 +223,11 @@ class ServerSlots:
             saved = int(result.get("n_saved", -1))
             tokens = engine.tokens
             if not 0 < saved <= len(tokens):
-                self.store.delete_server_slots(session_id)
+                # Tokens kvchat cannot name (a cancelled prefill): the row keeps pointing
+                # to the previous file, which this save did not touch.
                 return SnapshotWrite(
                     error=f"the server's slot held {saved:,} tokens, not the {len(tokens):,} "
-                    "kvchat sent: its KV was not recorded"
+                    "kvchat knows of: this KV was not recorded"
                 )
             row = ServerSlotRow(
                 session_id=session_id,
