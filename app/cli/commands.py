@@ -245,6 +245,11 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
 @click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
 @click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
 @click.option(
+    "--one-layout",
+    is_flag=True,
+    help="Skip restores in the other V layout (flash attention the other way; a second load).",
+)
+@click.option(
     "--ui", is_flag=True, help="The app's latencies instead: first paint, switch, jump, typing."
 )
 @model_options
@@ -256,6 +261,7 @@ def bench(
     sizes: str,
     repeat: int,
     no_tiers: bool,
+    one_layout: bool,
     ui: bool,
     **flags: Any,
 ) -> None:
@@ -278,7 +284,13 @@ def bench(
         click.echo(shown)
         return
     report = run_bench(
-        settings, targets, cold=cold, repeat=repeat, tiers=not no_tiers, progress=progress
+        settings,
+        targets,
+        cold=cold,
+        repeat=repeat,
+        tiers=not no_tiers,
+        layouts=not one_layout,
+        progress=progress,
     )
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
