@@ -29,6 +29,7 @@ from kvchat.text import check_text, one_line
 from kvchat.turn_runner import TurnRunner
 from kvchat.turns import (
     SESSION_SETTINGS,
+    Housekeeping,
     SnapshotWrite,
     TokenCallback,
     TokenCounts,
@@ -44,6 +45,7 @@ __all__ = [
     "CacheGc",
     "disk_full",
     "ChatService",
+    "Housekeeping",
     "Message",
     "RestoreResult",
     "SearchHit",
@@ -100,6 +102,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
         # One turn per session at a time, across processes (see SessionLocks).
         self.locks = SessionLocks(directory / "locks")
         self.stream_save_every_s = STREAM_SAVE_EVERY_S
+        self._init_upkeep()
         self._engine: Engine | None = None
         self._given_engine = engine
         self._fingerprint: Fingerprint | None = None
@@ -156,6 +159,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
         """Save the hot session if it has unsaved KV, then release everything (an engine
         given to the constructor is left open for its owner)."""
         if self._engine is not None:
+            self._abandon_upkeep()
             self.tiers.detach()
             if self._engine is not self._given_engine:
                 self._engine.close()
@@ -185,6 +189,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
         snapshot shares with ``prompt``, by default its whole history) → none.
         """
         self.load_engine()
+        self._abandon_upkeep()  # the last turn's housekeeping yields to this
         return self.tiers.make_hot(
             session_id,
             no_restore=no_restore,

@@ -97,11 +97,8 @@ class ReplyTurns(ServiceParts):
                     report.reply_error = f"the continued reply could not be saved: {exc}"
                 else:
                     report.message_id = message.id
-            if report.message_id is not None and engine.n_tokens >= len(prompt):
-                base = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
-                try:
-                    self._settle(session, base)
-                except KvchatError as exc:
-                    report.window_note = f"the context was left as generated ({exc})"
-            report.snapshot = self.tiers.save_hot()
+            base = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
+            if engine.n_tokens < len(prompt):
+                base = prompt  # cut short: nothing to settle (see _after_reply)
+            self._after_reply(report, session, base)
             return report

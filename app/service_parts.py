@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kvchat.kvcache import RestoreResult
     from kvchat.kvcache.tiers import KVTiers
     from kvchat.store import Session, Store
+    from kvchat.store.locks import SessionLocks
     from kvchat.turns import TokenCallback, TurnReport
 
 
@@ -23,6 +24,7 @@ class ServiceParts:
         settings: Settings
         store: Store
         tiers: KVTiers
+        locks: SessionLocks
 
         @property
         def engine(self) -> Engine: ...
@@ -39,7 +41,11 @@ class ServiceParts:
 
         def _system_head(self, session: Session) -> list[dict[str, str]]: ...
 
-        def _settle(self, session: Session, prompt: list[int], dropped: int = 0) -> int: ...
+        def _after_reply(
+            self, report: TurnReport, session: Session, prompt: list[int], dropped: int = 0
+        ) -> None: ...
+
+        def _abandon_upkeep(self) -> None: ...
 
         def _turn(
             self,

@@ -27,6 +27,7 @@ class TurnRunner(ServiceParts):
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.load_engine()
+        self._abandon_upkeep()
         self.tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
         chat = [m.as_chat() for m in self.store.messages(session_id)]
@@ -133,10 +134,5 @@ class TurnRunner(ServiceParts):
                 self.store.delete_message(replaces)
             except KvchatError as exc:
                 report.reply_error = f"the old reply could not be removed: {exc}"
-        if report.message_id is not None and engine.n_tokens >= len(prompt):
-            try:
-                self._settle(session, prompt, dropped)
-            except KvchatError as exc:
-                report.window_note = f"the context was left as generated ({exc})"
-        report.snapshot = self.tiers.save_hot()
+        self._after_reply(report, session, prompt, dropped)
         return report

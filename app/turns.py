@@ -194,3 +194,15 @@ class WindowShift:
     tokens: int = 0
     messages: int = 0
     note: str | None = None
+
+
+@dataclass
+class Housekeeping:
+    """What the work after a reply did: the settle (tokens re-decoded) and the snapshot."""
+
+    settled: int = 0
+    settle_ms: float = 0.0
+    snapshot: SnapshotWrite | None = None  # None: not written (yet)
+    # False: it yielded to a new message (or the session was busy); the rest is pending.
+    finished: bool = True
+    note: str | None = None

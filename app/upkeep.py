@@ -3,14 +3,21 @@ the KV (a shift), and re-decoding a finished reply as the next prompt will hold 
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
+
+from kvchat.errors import KvchatError
+from kvchat.kvcache.tiers import SnapshotWrite
 from kvchat.service_parts import ServiceParts
 from kvchat.store import Session
-from kvchat.turns import WindowShift
+from kvchat.turns import Housekeeping, TurnReport, WindowShift
 from kvchat.window import plan_shift, settle_target
 
 
 class ContextUpkeep(ServiceParts):
-    """The window shift before a turn and the settle after it (mixed into ChatService)."""
+    """The window shift before a turn; the settle and snapshot write after it, which yield to a
+    new message (mixed into ChatService)."""
 
     def _shift_window(
         self,
@@ -45,16 +52,124 @@ class ContextUpkeep(ServiceParts):
             )
         return WindowShift(tokens=n_discard, messages=plan.messages)
 
-    def _settle(self, session: Session, prompt: list[int], dropped: int = 0) -> int:
-        """Leave the context holding exactly the next turn's prompt up to the user's words.
+    # --- after a reply: the settle and the snapshot write ("housekeeping") ----------------
 
-        The reply is re-decoded in batches (see ``Engine.settle``), followed by what the
-        template puts between the reply and the next user's words (see
-        :func:`kvchat.window.settle_target`): known already, so decoding it now takes it
-        off the next turn's time to first token. Returns the number of tokens decoded.
-        """
+    def _init_upkeep(self) -> None:
+        self._pending_upkeep: PendingUpkeep | None = None
+        # Set from any thread when a new message waits: housekeeping stops at its next batch.
+        self._yield_now = threading.Event()
+        # A UI that runs housekeep() itself when idle sets this: a turn then returns as soon
+        # as its reply is stored, and leaves the settle and the snapshot write pending.
+        self.defer_housekeeping = False
+
+    def interrupt_housekeeping(self) -> None:
+        """A new message waits: housekeeping under way (or about to start) stops at its next
+        batch, and what is left is dropped when that message's turn starts. Safe to call from
+        any thread (a UI calls it before queueing the new turn on its engine thread)."""
+        self._yield_now.set()
+
+    @property
+    def housekeeping_pending(self) -> bool:
+        """Whether the last turn's settle or snapshot write has not run (or not finished)."""
+        return self._pending_upkeep is not None
+
+    def housekeep(self) -> Housekeeping:
+        """Run what the last turn left pending: the settle, from where it stopped (the
+        context's valid prefix), then the snapshot write. Yields as soon as
+        :meth:`interrupt_housekeeping` is called; ``finished`` says whether it all ran. For a
+        UI's engine thread when idle (see ``defer_housekeeping``). Never raises: another
+        process's turn on the session leaves it pending."""
+        pending = self._pending_upkeep
+        if pending is None:
+            return Housekeeping()
+        try:
+            with self.locks.hold(pending.session_id, 0):
+                return self._run_upkeep()
+        except (KvchatError, OSError) as exc:
+            return Housekeeping(finished=False, note=f"housekeeping waits: {exc}")
+
+    def _after_reply(
+        self, report: TurnReport, session: Session, prompt: list[int], dropped: int = 0
+    ) -> None:
+        """Queue the settle (when a reply was stored and the context holds the prompt) and
+        the snapshot write; run them now unless a UI defers them."""
+        engine = self.engine
+        target = None
+        if report.message_id is not None and engine.n_tokens >= len(prompt):
+            try:
+                target = self._settle_target(session, prompt, dropped)
+            except KvchatError as exc:
+                report.window_note = f"the context was left as generated ({exc})"
+        self._pending_upkeep = PendingUpkeep(session.id, len(prompt), target)
+        if self.defer_housekeeping:
+            return
+        done = self._run_upkeep()
+        report.snapshot = done.snapshot or SnapshotWrite()
+        report.window_note = done.note or report.window_note
+
+    def _settle_target(self, session: Session, prompt: list[int], dropped: int) -> list[int]:
+        """What the context should hold after the reply: exactly the next turn's prompt up
+        to the user's words (see :func:`kvchat.window.settle_target`)."""
         engine = self.engine
         messages = self.store.messages(session.id)[dropped:]  # the window's messages
         chat = self._system_head(session) + [m.as_chat() for m in messages]
-        target = settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
-        return engine.settle(len(prompt), target)
+        return settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
+
+    def _run_upkeep(self) -> Housekeeping:
+        """The settle, then the snapshot write; each step first checks for a new message.
+
+        The settle re-decodes the reply in batches (see ``Engine.settle``) followed by what
+        the template puts between the reply and the next user's words: known already, so
+        decoding it now takes it off the next turn's time to first token, and the KV is
+        then a full prefill's (a greedy reply after a restore equals one after a prefill).
+        """
+        pending, done = self._pending_upkeep, Housekeeping()
+        if pending is None:
+            return done
+        if self.tiers.hot_session_id != pending.session_id:
+            self._pending_upkeep = None  # the context moved on (and saved what it held)
+            return done
+        engine = self.engine
+        if pending.target is not None:
+            started = time.perf_counter()
+            try:
+                done.settled = engine.settle(pending.keep, pending.target, self._yield_now.is_set)
+            except KvchatError as exc:
+                done.note = f"the context was left as generated ({exc})"
+                pending.target = None
+            else:
+                done.settle_ms = (time.perf_counter() - started) * 1000
+                pending.keep = engine.n_tokens
+                if engine.n_tokens < len(pending.target):
+                    done.finished = False
+                    return done
+                pending.target = None
+        if self._yield_now.is_set():
+            done.finished = False
+            return done
+        done.snapshot = self.tiers.save_hot()
+        self._pending_upkeep = None
+        return done
+
+    def _abandon_upkeep(self) -> None:
+        """New work on the context starts: housekeeping not done is dropped.
+
+        A settle not finished leaves the context cut back to its valid prefix (the reply as
+        generated, token by token, is not a full prefill's KV): the next prefill decodes
+        from there. The snapshot is written by the next save (the context stays unsaved).
+        """
+        pending, self._pending_upkeep = self._pending_upkeep, None
+        self._yield_now.clear()
+        if pending is None or pending.target is None:
+            return
+        if self.tiers.hot_session_id == pending.session_id:
+            self.engine.settle(pending.keep, pending.target, lambda: True)
+
+
+@dataclass
+class PendingUpkeep:
+    """What a turn left to do on the hot context."""
+
+    session_id: str
+    keep: int  # the context's valid prefix (the prompt, then what the settle re-decoded)
+    target: list[int] | None  # what the settle leaves the context holding (None: done)
