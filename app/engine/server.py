@@ -10,8 +10,6 @@ files per session. Cancel = close the stream. Not thread-safe, like every engine
 
 from __future__ import annotations
 
-import re
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -25,15 +23,14 @@ from kvchat.engine.base import (
     GenerationParams,
     GenerationStats,
     PrefillResult,
+    common_prefix,
 )
 from kvchat.engine.server_http import EventStream, ServerClient, ServerError
+from kvchat.engine.server_markup import ServerPrompts
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
-
-# Cached tokenizations and renderings (the service asks for the same prefixes often).
-_CACHE_ENTRIES = 2048
 
 
 class ServerEngine:
@@ -59,15 +56,7 @@ class ServerEngine:
         # The next request must not reuse what the slot holds (a cleared context).
         self._fresh = False
         self._prompt: list[int] = []
-        self._text_cache: dict[tuple[str, bool], list[int]] = {}
-        self._render_cache: dict[str, str] = {}
-        self._specials: dict[str, int] = {}
-        self._specials_pattern: re.Pattern[str] | None = None
-        self._learned: set[str] = set()
-        self._bos: list[int] | None = None
-        self._slot_id = secrets.token_hex(8)
-        self._marker = f"\ue000{self._slot_id}:"
-        self._markers = re.compile(re.escape(self._marker) + r"(\d+)\ue001")
+        self.prompts = ServerPrompts(self.client, props)
 
     @classmethod
     def from_settings(cls, settings: Settings, config: EngineConfig) -> ServerEngine:
@@ -153,139 +142,21 @@ class ServerEngine:
 
     # --- tokens ---------------------------------------------------------------------------
 
-    def _tokenize(self, text: str, parse_special: bool) -> list[int]:
-        key = (text, parse_special)
-        cached = self._text_cache.get(key)
-        if cached is not None:
-            return list(cached)
-        if not text:
-            return []
-        reply = self.client.post(
-            "/tokenize",
-            {"content": text, "add_special": False, "parse_special": parse_special},
-        )
-        tokens = [int(t) for t in reply.get("tokens", [])]
-        if len(self._text_cache) >= _CACHE_ENTRIES:
-            self._text_cache.clear()
-        self._text_cache[key] = tokens
-        return list(tokens)
-
     def tokenize(self, text: str) -> list[int]:
         """``text`` as text (``parse_special`` false): a control token's spelling stays characters."""
-        return self._tokenize(text, parse_special=False)
+        return self.prompts.tokenize(text)
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenize(text))
+        return len(self.prompts.tokenize(text))
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The server's chat template over ``messages``, ending with the assistant's opening."""
-        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-        key = repr(body)
-        cached = self._render_cache.get(key)
-        if cached is not None:
-            return cached
-        try:
-            reply = self.client.post("/apply-template", body)
-        except ServerError as exc:
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status != 401:
-                raise KvchatError(
-                    f"the server's chat template refused these messages: {exc}"
-                ) from None
-            raise
-        prompt = str(reply.get("prompt", ""))
-        if len(self._render_cache) >= _CACHE_ENTRIES:
-            self._render_cache.clear()
-        self._render_cache[key] = prompt
-        return prompt
-
-    def _learn_specials(self, markup: str) -> None:
-        """Find the control tokens the template's markup spells (``<|im_start|>`` …): the
-        tokens of ``markup`` read with ``parse_special`` whose spelling, read as text, is
-        not that one token. Asked once per distinct piece of markup and token."""
-        if markup in self._learned or not markup:
-            return
-        self._learned.add(markup)
-        reply = self.client.post(
-            "/tokenize",
-            {"content": markup, "add_special": False, "parse_special": True, "with_pieces": True},
-        )
-        changed = False
-        for item in reply.get("tokens", []):
-            piece = item.get("piece") if isinstance(item, dict) else None
-            if not isinstance(piece, str) or len(piece) < 2 or piece in self._learned:
-                continue
-            self._learned.add(piece)
-            token = int(item["id"])
-            if self._tokenize(piece, parse_special=False) != [token]:
-                self._specials[piece] = token
-                changed = True
-        if changed:
-            spellings = sorted(self._specials, key=len, reverse=True)
-            self._specials_pattern = re.compile("|".join(map(re.escape, spellings)))
-
-    def _split_markup(self, text: str) -> Iterator[tuple[str, int | None]]:
-        """``(text, None)`` for plain text and ``(spelling, id)`` for a control token."""
-        pattern = self._specials_pattern
-        if pattern is None:
-            yield text, None
-            return
-        at = 0
-        for match in pattern.finditer(text):
-            if match.start() > at:
-                yield text[at : match.start()], None
-            yield match.group(), self._specials[match.group()]
-            at = match.end()
-        if at < len(text):
-            yield text[at:], None
-
-    def _bos_tokens(self, rendered: str) -> list[int]:
-        """[BOS] when the vocabulary adds one and the rendering does not spell it."""
-        if self._bos is None:
-            reply = self.client.post(
-                "/tokenize", {"content": "", "add_special": True, "parse_special": True}
-            )
-            self._bos = [int(t) for t in reply.get("tokens", [])][:1]
-        spelling = str(self.props.get("bos_token") or "")
-        if not self._bos or (spelling and rendered.startswith(spelling)):
-            return []
-        return list(self._bos)
+        return self.prompts.render(messages)
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt for ``messages``: only the template's own markup makes control tokens.
-
-        As the local engine does: the template is rendered with a marker in place of each
-        message's content, cut at the markers; the markup is split at control-token
-        spellings (learned from the server) and the text between two control tokens
-        (markup and message content together) is tokenized as text. So a pasted
-        ``<|im_end|>`` is characters, never the end of a turn. Deterministic.
-        """
-        contents = [str(m.get("content") or "") for m in messages]
-        stand_ins = [{**m, "content": f"{self._marker}{i}\ue001"} for i, m in enumerate(messages)]
-        rendered = self.render(stand_ins)
-        pieces = self._markers.split(rendered)
-        found = {int(index) for index in pieces[1::2]}
-        if found != set(range(len(messages))) or any(self._slot_id in p for p in pieces[::2]):
-            raise KvchatError(
-                "the server's chat template changes message text: kvchat cannot keep "
-                "control tokens out of it (start llama-server with another --chat-template)"
-            )
-        for markup in pieces[::2]:
-            self._learn_specials(markup)
-        tokens = self._bos_tokens(rendered)
-        run: list[str] = []
-        for index, piece in enumerate(pieces):
-            if index % 2:
-                run.append(contents[int(piece)])
-                continue
-            for text, special in self._split_markup(piece):
-                if special is None:
-                    run.append(text)
-                    continue
-                tokens += self.tokenize("".join(run))
-                tokens.append(special)
-                run = []
-        tokens += self.tokenize("".join(run))
-        return tokens
+        """The prompt for ``messages``; a pasted ``<|im_end|>`` stays text (see
+        :meth:`kvchat.engine.server_markup.ServerPrompts.chat_tokens`)."""
+        return self.prompts.chat_tokens(messages)
 
     @property
     def tokens(self) -> list[int]:
@@ -318,7 +189,8 @@ class ServerEngine:
         return body
 
     def _run(self, body: dict[str, Any], cancel: CancelCheck | None) -> Iterator[dict[str, Any]]:
-        """The events of one completion; closes the stream on cancel or when dropped."""
+        """The events of one completion up to its last (``stop``); closes the stream on
+        cancel or when dropped. A stream that ends before its last event is an error."""
         stream: EventStream = self.client.stream("/completion", body)
         self._fresh = False
         try:
@@ -328,23 +200,29 @@ class ServerEngine:
                     message = error.get("message") if isinstance(error, dict) else error
                     raise ServerError(f"llama-server at {self.client.url}: {message}")
                 yield event
-                if cancel is not None and cancel():
+                if event.get("stop") or (cancel is not None and cancel()):
                     return
+            raise ServerError(
+                f"llama-server at {self.client.url} broke off the reply (did it stop?)"
+            )
         finally:
             stream.close()
 
     def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
         """Have the server bring ``prompt`` into the slot (it decodes what its cache lacks).
 
-        A ``/completion`` with ``n_predict`` 0: the server's figures are the result. A
-        prompt cut short by ``cancel`` reports fewer tokens than the prompt.
+        A ``/completion`` with ``n_predict`` 0: the server's figures are the result. Cut
+        short by ``cancel`` (checked between the server's progress reports), it reports
+        what was reused, and kvchat counts on no more than that being in the slot.
         """
         prompt = list(prompt)
         if len(prompt) >= self.n_ctx:
             raise KvchatError(
-                f"the prompt ({len(prompt):,} tokens) does not fit the server's context ({self.n_ctx:,})"
+                f"the prompt ({len(prompt):,} tokens) does not fit the server's context "
+                f"({self.n_ctx:,})"
             )
         self._prompt = prompt
+        held = 0 if self._fresh else common_prefix(self._tokens, prompt)
         final = None
         try:
             for event in self._run(self._body(prompt, 0, temperature=0.0), cancel):
@@ -353,10 +231,9 @@ class ServerEngine:
         except ServerError:
             self._tokens = []
             raise
-        if final is None:  # cancelled: the server stops processing when the stream closes
-            self._tokens = []
-            self._fresh = True
-            return PrefillResult(prompt=len(prompt), reused=0, decoded=0)
+        if final is None:  # cancelled: the server stops when the stream closes
+            self._tokens = prompt[:held]
+            return PrefillResult(prompt=len(prompt), reused=held, decoded=0)
         timings = final.get("timings") or {}
         reused = int(timings.get("cache_n", 0))
         decoded = int(timings.get("prompt_n", len(prompt) - reused))
@@ -366,15 +243,18 @@ class ServerEngine:
 
     def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
         """Make the slot hold ``tokens``, re-reading everything after position ``keep`` as
-        one batch (as a full prefill would have read it, not token by token).
+        one batch (as a full prefill reads it, not token by token as it was generated).
 
         The server reuses its longest common prefix, so a first request whose token at
-        ``keep`` differs cuts the slot back there; the second reads the rest."""
+        ``keep`` differs cuts the slot back there (the slot then holds ``keep`` tokens of
+        ``tokens`` and that one); the second reads the rest, unless ``cancel`` says stop."""
         tokens = list(tokens)
         keep = min(keep, len(tokens), self.n_tokens)
-        if keep < len(tokens) and keep > 0:
+        if 0 < keep < len(tokens) and self._tokens[keep : keep + 1] == tokens[keep : keep + 1]:
             other = 0 if tokens[keep] != 0 else 1
             self.prefill([*tokens[:keep], other])
+        if cancel is not None and cancel():
+            return 0
         return self.prefill(tokens, cancel).decoded
 
     def generate(

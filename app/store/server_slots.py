@@ -51,11 +51,18 @@ class ServerSlotRow:
         )
 
 
+# token_ids read as bytes whatever a damaged row stored there (text would fail to decode).
+_SELECT = (
+    "SELECT session_id, filename, CAST(token_ids AS BLOB) AS token_ids, fingerprint, n_bytes,"
+    " generation, created, last_used FROM server_slots"
+)
+
+
 class ServerSlotsSql(SqlBase):
     """The server_slots table (migration m007_server_slots)."""
 
     def get_server_slot(self, session_id: str) -> ServerSlotRow | None:
-        rows = self._rows("SELECT * FROM server_slots WHERE session_id=?", (session_id,))
+        rows = self._rows(f"{_SELECT} WHERE session_id=?", (session_id,))
         return ServerSlotRow.from_row(rows[0]) if rows else None
 
     def put_server_slot(self, row: ServerSlotRow) -> None:
@@ -98,5 +105,5 @@ class ServerSlotsSql(SqlBase):
 
     def server_slot_rows(self) -> list[ServerSlotRow]:
         """Every row, least recently used first."""
-        rows = self._rows("SELECT * FROM server_slots ORDER BY last_used, session_id")
+        rows = self._rows(f"{_SELECT} ORDER BY last_used, session_id")
         return [ServerSlotRow.from_row(r) for r in rows]

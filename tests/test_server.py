@@ -1,0 +1,316 @@
+"""The llama-server engine against a real llama-server (issue 13): no mock server.
+
+The server is the binary ``kvchat server build`` puts in the user cache (built from the
+vendored llama.cpp of the installed llama-cpp-python), started on the bundled model on a
+free port with its slot files in a temporary directory. CI builds it first (.ci/run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvchat.config import bundled_model_path, load_settings
+from kvchat.engine.server_build import ServerPlan, find_binary
+from kvchat.engine.server_http import ServerError, normalize_url
+from kvchat.kvcache.slots import identity_mismatch, slot_file_name
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = ["--temperature", "0", "--max-tokens", "24"]
+N_CTX = 1024  # per slot
+
+
+class Server:
+    """One llama-server process on the bundled model (restartable on the same slot dir)."""
+
+    def __init__(self, slot_dir: Path, slots: int, extra: tuple[str, ...] = ()) -> None:
+        binary = find_binary()
+        if binary is None:
+            pytest.fail(
+                "no llama-server binary in the user cache: run `kvchat server build` "
+                "(CI's .ci/run does it before the tests)"
+            )
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        self.plan = ServerPlan(
+            binary=str(binary),
+            model=bundled_model_path() or Path("missing"),
+            host="127.0.0.1",
+            port=_free_port(),
+            slots=slots,
+            n_ctx=N_CTX,
+            type_k="f16",
+            type_v="f16",
+            flash_attn=False,
+            swa=False,
+            slot_dir=slot_dir,
+            n_gpu_layers=0,
+        )
+        self.extra = extra
+        self.url = self.plan.url
+        self.log = slot_dir.parent / f"server-{self.plan.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        argv = [*self.plan.argv(), "--threads", "2", *self.extra]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"llama-server exited: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("llama-server did not become healthy in 90 s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A one-slot server: every session but the one in the slot restores from its file."""
+    running = Server(tmp_path_factory.mktemp("server1") / "slots", slots=1)
+    yield running
+    running.stop()
+
+
+def ask(home: Path, url: str, *args: str, check: bool = True, **env: str):  # type: ignore[no-untyped-def]
+    return run_cli(home, "--server", url, "ask", *args, "--json", *GREEDY, env=env, check=check)
+
+
+def test_a_second_process_resumes_from_the_server_and_after_a_server_restart(
+    server: Server, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    first = ask(home, server.url, "--new", "Hi").json
+    assert first["restore"]["from"] == "none"
+    assert first["snapshot"]["error"] is None and first["snapshot"]["bytes"] > 0
+    session = first["session"]
+    second = ask(home, server.url, "--session", session, "And then?").json
+    assert second["restore"]["from"] == "server", second["restore"]
+    assert second["restore"]["tokens"] > 0
+    assert second["tokens"]["decoded"] < 64
+    assert second["tokens"]["reused"] >= second["restore"]["tokens"] - 1
+    server.restart()
+    third = ask(home, server.url, "--session", session, "Why?").json
+    assert third["restore"]["from"] == "server", third["restore"]
+    assert third["tokens"]["decoded"] < 64
+
+
+def test_two_sessions_alternate_on_one_slot_without_prefill(server: Server, tmp_path: Path) -> None:
+    from kvchat.chat import ChatService
+
+    settings = load_settings(server_url=server.url, temperature=0.0, max_tokens=16)
+    service = ChatService(settings, home=tmp_path / "home")
+    try:
+        a = service.start("Hello, I am Ann.")
+        b = service.start("Hello, I am Bob.")
+        for session, text in [(a, "What is my name?"), (b, "What is my name?"), (a, "Thanks")]:
+            report = service.send(session.session_id, text)
+            assert report.restore.source == "server", report.restore
+            assert report.tokens.decoded < 32, report.tokens
+            assert report.tokens.reused >= report.restore.tokens - 1
+        assert service.kv_location(a.session_id) == "hot"
+        assert service.kv_location(b.session_id) == "disk"  # its slot file
+    finally:
+        service.close()
+
+
+def test_two_slots_keep_two_sessions_hot(tmp_path: Path) -> None:
+    from kvchat.chat import ChatService
+
+    running = Server(tmp_path / "slots", slots=2)
+    settings = load_settings(server_url=running.url, temperature=0.0, max_tokens=16)
+    service = ChatService(settings, home=tmp_path / "home")
+    try:
+        a = service.start("Hello, I am Ann.")
+        b = service.start("Hello, I am Bob.")
+        again = service.send(a.session_id, "What is my name?")
+        assert again.restore.source == "hot", again.restore  # still in its slot
+        assert again.tokens.decoded < 32
+        assert service.kv_location(b.session_id) == "ram"  # the other slot
+    finally:
+        service.close()
+        running.stop()
+
+
+def test_greedy_reply_after_restore_equals_full_prefill(server: Server, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    session = ask(home, server.url, "--new", "Name three colors.").json["session"]
+    ask(home, server.url, "--session", session, "And three animals?")
+    restored = ask(home, server.url, "--session", session, "And three fruits?").json
+    assert restored["restore"]["from"] == "server"
+    # The same conversation in a copy of the home, read from scratch.
+    other = tmp_path / "other"
+    shutil.copytree(home, other)
+    conn = sqlite3.connect(other / "kvchat.db")
+    with conn:
+        conn.execute("DELETE FROM messages WHERE id = (SELECT MAX(id) FROM messages)")
+        conn.execute("DELETE FROM messages WHERE id = (SELECT MAX(id) FROM messages)")
+    conn.close()
+    full = ask(other, server.url, "--session", session, "And three fruits?", "--no-restore").json
+    assert full["restore"]["from"] == "none"
+    assert full["tokens"]["reused"] == 0
+    assert full["tokens"]["decoded"] == full["tokens"]["prompt"]
+    assert full["reply"] == restored["reply"]
+
+
+def _set_row(home: Path, sql: str) -> None:
+    conn = sqlite3.connect(home / "kvchat.db")
+    with conn:
+        conn.execute(sql)
+    conn.close()
+
+
+def test_a_changed_server_a_missing_file_or_a_short_restore_is_a_prefill_with_the_reason(
+    server: Server, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    session = ask(home, server.url, "--new", "Hi").json["session"]
+    fingerprint = json.loads(
+        sqlite3.connect(home / "kvchat.db")
+        .execute("SELECT fingerprint FROM server_slots")
+        .fetchone()[0]
+    )
+    changed = dict(fingerprint, build_info="b0-other")
+    _set_row(home, f"UPDATE server_slots SET fingerprint = '{json.dumps(changed)}'")
+    report = ask(home, server.url, "--session", session, "One").json
+    assert report["restore"]["from"] == "none"
+    assert "llama.cpp build changed" in report["restore"]["reason"]
+    assert report["tokens"]["decoded"] == report["tokens"]["prompt"] - report["tokens"]["reused"]
+    # The turn saved a fresh file: the next process restores again.
+    assert ask(home, server.url, "--session", session, "Two").json["restore"]["from"] == "server"
+    # Its file gone from the server's directory:
+    name = (
+        sqlite3.connect(home / "kvchat.db")
+        .execute("SELECT filename FROM server_slots")
+        .fetchone()[0]
+    )
+    (server.plan.slot_dir / name).unlink()
+    report = ask(home, server.url, "--session", session, "Three").json
+    assert report["restore"]["from"] == "none"
+    assert "could not restore" in report["restore"]["reason"]
+    # A row that expects more tokens than the file holds:
+    conn = sqlite3.connect(home / "kvchat.db")
+    with conn:
+        (blob,) = conn.execute("SELECT token_ids FROM server_slots").fetchone()
+        conn.execute("UPDATE server_slots SET token_ids = ?", (blob + blob[:4],))
+    conn.close()
+    report = ask(home, server.url, "--session", session, "Four").json
+    assert report["restore"]["from"] == "none"
+    assert (
+        "restored" in report["restore"]["reason"] and "full prefill" in report["restore"]["reason"]
+    )
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with an API key that never stops generating on its own (--ignore-eos)."""
+    running = Server(
+        tmp_path_factory.mktemp("keyed") / "slots",
+        slots=1,
+        extra=("--api-key", "right-key", "--ignore-eos"),
+    )
+    yield running
+    running.stop()
+
+
+def test_a_wrong_api_key_is_one_clear_line(keyed_server: Server, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    wrong = ask(home, keyed_server.url, "--new", "Hi", check=False, KVCHAT_SERVER_API_KEY="nope")
+    assert wrong.returncode == 2
+    assert wrong.stderr.count("\n") == 1 and "Traceback" not in wrong.stderr
+    assert "refused the API key" in wrong.stderr and "KVCHAT_SERVER_API_KEY" in wrong.stderr
+    right = ask(home, keyed_server.url, "--new", "Hi", KVCHAT_SERVER_API_KEY="right-key").json
+    assert right["tokens"]["generated"] == 24  # --ignore-eos: the whole budget
+
+
+def test_a_server_killed_mid_reply_leaves_the_message_and_a_clear_error(
+    keyed_server: Server, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    key = {"KVCHAT_SERVER_API_KEY": "right-key"}
+    session = ask(home, keyed_server.url, "--new", "Hi", **key).json["session"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env.update(KVCHAT_HOME=str(home), **key)
+    argv = ["--server", keyed_server.url, "ask", "--session", session, "Tell me a story."]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvchat", *argv, "--max-tokens", "900"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)  # the reply is streaming
+    assert first
+    keyed_server.stop(signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    stderr = err.decode()
+    assert proc.returncode == 2, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert "llama-server" in stderr and "your message is saved" in stderr
+    conn = sqlite3.connect(home / "kvchat.db")
+    users = [r[0] for r in conn.execute("SELECT content FROM messages WHERE role = 'user'")]
+    conn.close()
+    assert users[-1] == "Tell me a story."
+
+
+def test_server_url_and_names_are_checked() -> None:
+    assert normalize_url("gpu-box:8080/") == "http://gpu-box:8080"
+    for bad in ("ftp://x", "http://", "http://x:99999", "http://x/?a=1"):
+        with pytest.raises(ServerError):
+            normalize_url(bad)
+    name = slot_file_name("abc123", 3)
+    assert name.endswith("-1.bin") and name != slot_file_name("abc123", 4)
+    assert all(c.isalnum() or c in "-_." for c in name)
+    same = {"model_path": "m", "model_size": 1, "build_info": "b", "n_ctx": 8}
+    assert identity_mismatch(same, dict(same)) is None
+    assert "context per slot" in (identity_mismatch(same, {**same, "n_ctx": 4}) or "")
+
+
+def test_kvchat_server_prints_a_command_line_that_fits(tmp_path: Path) -> None:
+    out = run_cli(tmp_path / "home", "server", "--port", "9000", "--slots", "3").stdout
+    args = out.split()
+    assert args[args.index("--parallel") + 1] == "3"
+    assert args[args.index("--ctx-size") + 1] == str(3 * load_settings().n_ctx)
+    assert args[args.index("--port") + 1] == "9000"
+    assert str(tmp_path / "home" / "server-slots") in out
+    assert "--swa-full" not in args  # SmolLM2 has no sliding window
