@@ -192,7 +192,7 @@ def build_binary(
                     "download",
                     f"llama-cpp-python=={llama_version}",
                     "--no-binary",
-                    ":all:",
+                    "llama-cpp-python",
                     "--no-deps",
                     "-d",
                     str(scratch),
