@@ -133,6 +133,20 @@ def m007_server_slots(db: sqlite_utils.Database) -> None:
     )
 
 
+def m008_session_model(db: sqlite_utils.Database) -> None:
+    """The model each session last ran with (see kvchat.store.session_models)."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS session_models (
+            session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+            model_path TEXT NOT NULL,
+            model_name TEXT NOT NULL,
+            updated TEXT NOT NULL
+        )
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -140,6 +154,7 @@ MIGRATIONS: list[Migration] = [
     m004_kv_chunks,
     m005_window_checkpoints,
     m007_server_slots,
+    m008_session_model,
 ]
 
 

@@ -24,6 +24,7 @@ from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
 from kvchat.store.migrations import migrate
 from kvchat.store.server_slots import ServerSlotsSql
+from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
 
@@ -39,7 +40,7 @@ def _create_private_file(path: Path) -> None:
     os.chmod(path, 0o600)
 
 
-class Store(SessionsSql, MessagesSql, SnapshotsSql, ImportsSql, ServerSlotsSql):
+class Store(SessionsSql, MessagesSql, SnapshotsSql, ImportsSql, ServerSlotsSql, SessionModelsSql):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
     Opening checks the file (``PRAGMA quick_check``) and runs the migrations while holding
