@@ -18,6 +18,7 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.slots import ServerSlots
 from kvchat.kvcache.tiers import CacheGc, KVTiers
+from kvchat.model_choice import ModelChoices
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults
 from kvchat.replies import ReplyTurns
 from kvchat.service_checks import check_engine_config, disk_full, os_error_line
@@ -66,7 +67,7 @@ STREAM_SAVE_EVERY_S = 1.0
 LOCK_WAIT_S = 3.0
 
 
-class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
+class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoices):
     """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
 
     def __init__(
@@ -158,13 +159,18 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook):
     def close(self) -> None:
         """Save the hot session if it has unsaved KV, then release everything (an engine
         given to the constructor is left open for its owner)."""
+        self._release_engine()
+        self.store.close()
+
+    def _release_engine(self) -> None:
+        """Save the hot session if it has unsaved KV, then close the engine (also before
+        another model loads: see switch_model)."""
         if self._engine is not None:
             self._abandon_upkeep()
             self.tiers.detach()
             if self._engine is not self._given_engine:
                 self._engine.close()
             self._engine = None
-        self.store.close()
 
     # --- the KV cache ------------------------------------------------------------------------
 

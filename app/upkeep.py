@@ -93,6 +93,7 @@ class ContextUpkeep(ServiceParts):
     ) -> None:
         """Queue the settle (when a reply was stored and the context holds the prompt) and
         the snapshot write; run them now unless a UI defers them."""
+        self._record_model(session.id)  # the session remembers its model (ModelChoices)
         engine = self.engine
         target = None
         if report.message_id is not None and engine.n_tokens >= len(prompt):
