@@ -148,6 +148,8 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
     @property
     def plan_note(self) -> str | None:
         """The context settings chosen for this machine, one line (None before the model loads)."""
+        if isinstance(self.tiers, ServerSlots):  # the model runs in a llama-server
+            return self.tiers.note
         return self.plan.note if self.plan is not None else None
 
     @property

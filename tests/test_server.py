@@ -166,6 +166,8 @@ def test_two_slots_keep_two_sessions_hot(tmp_path: Path) -> None:
         assert again.restore.source == "hot", again.restore  # still in its slot
         assert again.tokens.decoded < 32
         assert service.kv_location(b.session_id) == "ram"  # the other slot
+        # The status bar says where the model runs.
+        assert service.plan_note == f"llama-server {running.url} · 2 slots of {N_CTX:,} tokens"
     finally:
         service.close()
         running.stop()
@@ -314,3 +316,10 @@ def test_kvchat_server_prints_a_command_line_that_fits(tmp_path: Path) -> None:
     assert args[args.index("--port") + 1] == "9000"
     assert str(tmp_path / "home" / "server-slots") in out
     assert "--swa-full" not in args  # SmolLM2 has no sliding window
+
+
+def test_kvchat_config_names_the_engine_and_server_and_hides_the_key(tmp_path: Path) -> None:
+    env = {"KVCHAT_SERVER_API_KEY": "very-secret"}
+    out = run_cli(tmp_path / "home", "--server", "gpu-box:8080", "config", env=env).stdout
+    assert "llama-server" in out and "gpu-box:8080" in out
+    assert "very-secret" not in out and "(set)" in out

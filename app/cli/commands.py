@@ -317,6 +317,8 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
         name: {"value": getattr(effective, name), "source": sources[name]}
         for name in type(settings).model_fields
     }
+    if rows["server_api_key"]["value"]:
+        rows["server_api_key"]["value"] = "(set)"  # a secret is never printed
     if as_json:
         click.echo(
             json.dumps(

@@ -102,6 +102,12 @@ class ServerSlots:
     def mark_dirty(self) -> None:
         self._dirty = True
 
+    @property
+    def note(self) -> str:
+        """Where the model runs, one line for the status bar (e.g. the plan's place)."""
+        slots = f"{self.engine.n_slots} slot" + ("s" if self.engine.n_slots != 1 else "")
+        return f"llama-server {self.engine.server_url} · {slots} of {self.engine.n_ctx:,} tokens"
+
     # --- making a session hot -------------------------------------------------------------
 
     def _remember_slot(self) -> None:
