@@ -19,6 +19,7 @@ their place disables snapshots, with the reason, and the chat goes on with full 
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +38,10 @@ from kvchat.kvcache.results import RestoreResult, SaveResult, Source
 from kvchat.kvcache.snapshot_read import SnapshotLoader
 from kvchat.kvcache.snapshot_write import SnapshotWriter
 from kvchat.store import SnapshotRow, Store
+
+# Threads reading a chain's chunks: a restore is bound by memory bandwidth, which a core
+# or two more still add to.
+READ_WORKERS = max(2, min(4, os.cpu_count() or 2))
 
 __all__ = [
     "CHUNK_TOKENS",
@@ -70,7 +75,7 @@ class SnapshotStore:
         self.chunk_tokens = chunk_tokens
         self.budget_bytes = budget_bytes
         self.chunked = chunked
-        self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvchat-chunks")
+        self._workers = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="kvchat-chunks")
         # Why snapshots are off (the directory is a symlink, a file, can't be made), or None.
         self.disabled: str | None = kvfiles.prepare_dir(directory) or kvfiles.prepare_dir(
             self.chunk_dir
