@@ -323,3 +323,22 @@ def test_kvchat_config_names_the_engine_and_server_and_hides_the_key(tmp_path: P
     out = run_cli(tmp_path / "home", "--server", "gpu-box:8080", "config", env=env).stdout
     assert "llama-server" in out and "gpu-box:8080" in out
     assert "very-secret" not in out and "(set)" in out
+
+
+def test_a_fork_resumes_from_its_parents_slot_file(server: Server, tmp_path: Path) -> None:
+    from kvchat.chat import ChatService
+
+    settings = load_settings(server_url=server.url, temperature=0.0, max_tokens=16)
+    service = ChatService(settings, home=tmp_path / "home")
+    try:
+        system = "You are a patient assistant who answers about animals in plain words. " * 3
+        parent = service.start("Tell me about cats.", system_prompt=system).session_id
+        service.send(parent, "And dogs?")
+        service.start("Something else entirely.")  # takes the one slot
+        first_two = service.store.messages(parent)[1].id
+        fork = service.fork(parent, first_two)
+        report = service.send(fork.id, "And birds?")
+        assert report.restore.source == "server" and report.restore.donor == parent
+        assert report.tokens.decoded < 32, report.tokens
+    finally:
+        service.close()

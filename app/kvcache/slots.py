@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from kvchat.engine.base import common_prefix
 from kvchat.engine.server_http import ServerError
 from kvchat.errors import KvchatError
 from kvchat.kvcache.snapshots import RestoreResult
@@ -29,6 +30,8 @@ from kvchat.store.store import StoreFull
 if TYPE_CHECKING:
     from kvchat.engine.server import ServerEngine
 
+# A donor's file is restored only when it saves this many more tokens than the slot holds.
+MIN_DONOR_GAIN = 32
 # Fields of the server's identity whose change makes a slot file unusable, as shown.
 _IDENTITY_NAMES = {
     "model_path": "model file",
@@ -150,9 +153,14 @@ class ServerSlots:
         engine.use_slot(slot, self._tokens[slot])
         self._release(slot)
         row = self.store.get_server_slot(session_id)
+        donor = None
         if row is None:
-            self.misses += 1
-            return RestoreResult("none", reason="no saved KV for this session on the server")
+            wanted = prompt if prompt is not None else (history() if history else None)
+            row = self._donor(wanted or [])
+            if row is None:
+                self.misses += 1
+                return RestoreResult("none", reason="no saved KV for this session on the server")
+            donor = row.session_id
         problem = identity_mismatch(row.fingerprint, self.fingerprint)
         if problem is None and row.n_tokens > engine.n_ctx:
             problem = f"its {row.n_tokens:,} tokens exceed the server's context ({engine.n_ctx:,})"
@@ -181,7 +189,7 @@ class ServerSlots:
         self.mark_hot(session_id)
         self.restores += 1
         try:
-            self.store.touch_server_slot(session_id)
+            self.store.touch_server_slot(row.session_id)
         except StoreFull:
             pass
         return RestoreResult(
@@ -189,7 +197,21 @@ class ServerSlots:
             ms=(time.perf_counter() - started) * 1000,
             bytes=int(result.get("n_read", 0)),
             tokens=restored,
+            donor=donor,
         )
+
+    def _donor(self, prompt: list[int]) -> ServerSlotRow | None:
+        """Another session's slot file sharing the longest prefix with ``prompt`` (a fork,
+        an edit), if it beats what the slot in use holds by :data:`MIN_DONOR_GAIN` tokens."""
+        if not prompt:
+            return None
+        held = common_prefix(self.engine.tokens, prompt)
+        best, best_shared = None, held + MIN_DONOR_GAIN - 1
+        for row in self.store.server_slot_rows():
+            shared = common_prefix(row.token_ids, prompt)
+            if shared > best_shared and row.fingerprint == self.fingerprint:
+                best, best_shared = row, shared
+        return best
 
     def _slot_of(self, session_id: str) -> int | None:
         for index, held in enumerate(self._held):
