@@ -178,15 +178,21 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
 
     def cache_stats(self) -> dict[str, Any]:
         """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
-        return self.tiers.stats()
+        return self._kv().stats()
 
     def cache_gc(self) -> CacheGc:
         """Remove orphaned files and unused chunks, evict snapshots beyond the disk budget."""
-        return self.tiers.gc()
+        return self._kv().gc()
 
     def cache_clear(self, session_id: str | None = None) -> int:
         """Delete the saved KV of one session, or of all; returns snapshots deleted. Text is kept."""
-        return self.tiers.clear(session_id)
+        return self._kv().clear(session_id)
+
+    def _kv(self) -> KVTiers:
+        """The tiers; a llama-server's slot files are known once the engine is open."""
+        if self.settings.engine == "llama-server":
+            self.load_engine()
+        return self.tiers
 
     def make_hot(
         self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None

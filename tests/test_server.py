@@ -132,6 +132,12 @@ def test_a_second_process_resumes_from_the_server_and_after_a_server_restart(
     third = ask(home, server.url, "--session", session, "Why?").json
     assert third["restore"]["from"] == "server", third["restore"]
     assert third["tokens"]["decoded"] < 64
+    cache = run_cli(home, "--server", server.url, "cache", "--json").json
+    assert cache["server"]["url"] == server.url and cache["disk"]["snapshots"] == 1
+    assert cache["counters"]["restores_disk"] == 2
+    assert cache["counters"]["tokens_restored"] == (
+        second["restore"]["tokens"] + third["restore"]["tokens"]
+    )
 
 
 def test_two_sessions_alternate_on_one_slot_without_prefill(server: Server, tmp_path: Path) -> None:

@@ -71,8 +71,6 @@ class ServerSlots:
         self._used: list[float] = [0.0] * engine.n_slots
         self._hot: str | None = None
         self._dirty = False
-        self.restores = 0
-        self.misses = 0
 
     # --- the engine and the hot session (as KVTiers) ------------------------------------
 
@@ -158,7 +156,7 @@ class ServerSlots:
             wanted = prompt if prompt is not None else (history() if history else None)
             row = self._donor(wanted or [])
             if row is None:
-                self.misses += 1
+                self._count(server_misses=1)
                 return RestoreResult("none", reason="no saved KV for this session on the server")
             donor = row.session_id
         problem = identity_mismatch(row.fingerprint, self.fingerprint)
@@ -167,27 +165,31 @@ class ServerSlots:
         if problem is None and not row.n_tokens:
             problem = "its saved KV holds no tokens"
         if problem is not None:
-            self.misses += 1
+            self._count(server_misses=1)
             return RestoreResult("none", reason=f"{problem}: full prefill")
         started = time.perf_counter()
         try:
             result = engine.slot_restore(row.filename)
         except ServerError as exc:
             engine.clear()
-            self.misses += 1
+            self._count(server_misses=1)
             return RestoreResult("none", reason=f"the server could not restore it ({exc})")
         restored = int(result.get("n_restored", -1))
         if restored != row.n_tokens:
             # Never trust a slot whose tokens are not exactly the recorded ones.
             engine.clear()
-            self.misses += 1
+            self._count(server_misses=1)
             return RestoreResult(
                 "none",
                 reason=f"the server restored {restored:,} of {row.n_tokens:,} tokens: full prefill",
             )
         engine.use_slot(slot, row.token_ids)
         self.mark_hot(session_id)
-        self.restores += 1
+        self._count(
+            server_restores=1,
+            server_tokens_restored=restored,
+            server_bytes_restored=int(result.get("n_read", 0)),
+        )
         try:
             self.store.touch_server_slot(row.session_id)
         except StoreFull:
@@ -212,6 +214,13 @@ class ServerSlots:
             if shared > best_shared and row.fingerprint == self.fingerprint:
                 best, best_shared = row, shared
         return best
+
+    def _count(self, **deltas: int) -> None:
+        """Bump the persistent counters (their own names: not the local tiers')."""
+        try:
+            self.store.bump_counters(**deltas)
+        except StoreFull:
+            pass
 
     def _slot_of(self, session_id: str) -> int | None:
         for index, held in enumerate(self._held):
@@ -266,6 +275,7 @@ class ServerSlots:
                 generation=generation,
             )
             self.store.put_server_slot(row)
+            self._count(server_bytes_written=row.n_bytes)
         except (KvchatError, OSError) as exc:
             return SnapshotWrite(error=f"could not save the server's slot: {exc}")
         self._dirty = False
@@ -301,6 +311,7 @@ class ServerSlots:
     def stats(self) -> dict[str, Any]:
         """The shape of KVTiers.stats (RAM: slots held; disk: slot files) plus the server."""
         rows = self.store.server_slot_rows()
+        counters = self.store.counters()
         held = sum(1 for s in self._held if s is not None)
         return {
             "ram": {"entries": held, "bytes": 0, "budget_bytes": 0, "hits": 0, "misses": 0},
@@ -313,11 +324,11 @@ class ServerSlots:
             },
             "counters": {
                 "restores_ram": 0,
-                "restores_disk": self.restores,
-                "misses": self.misses,
-                "tokens_restored": 0,
-                "bytes_restored": 0,
-                "bytes_written": 0,
+                "restores_disk": counters.get("server_restores", 0),
+                "misses": counters.get("server_misses", 0),
+                "tokens_restored": counters.get("server_tokens_restored", 0),
+                "bytes_restored": counters.get("server_bytes_restored", 0),
+                "bytes_written": counters.get("server_bytes_written", 0),
             },
             "server": {
                 "url": self.engine.server_url,
