@@ -174,7 +174,8 @@ class ModelChoices(ServiceParts):
             if extra is not None and extra.is_file():
                 info, problem = _read(extra)
                 add(str(extra), model_label(extra), "file", extra, info, _size(extra), problem)
-        return choices
+        # What is here first (in the order above), then what `kvchat models pull` can get.
+        return sorted(choices, key=lambda c: not c.present)
 
     @property
     def loaded_model_path(self) -> Path | None:
