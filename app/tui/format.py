@@ -50,8 +50,8 @@ def gauge(used: int, total: int, width: int = 10) -> str:
 
 def restore_phrase(result: RestoreResult) -> str:
     """How the open session got its KV, e.g. "restored 3,812 tokens from disk in 41 ms"."""
-    if result.source in ("ram", "disk"):
-        tier = KV_LABELS[result.source]
+    if result.source in ("ram", "disk", "server"):
+        tier = KV_LABELS.get(result.source, result.source)  # "server": a llama-server's file
         shared = " · shared prefix" if result.donor else ""
         return f"restored {result.tokens:,} tokens from {tier} in {result.ms:,.0f} ms{shared}"
     if result.source == "hot":
