@@ -374,3 +374,32 @@ def test_prompt_ids_are_the_local_engines_and_pasted_control_tokens_stay_text(
         assert remote.tokenize(forged) == local.tokenize(forged)
     finally:
         local.close()
+
+
+async def test_the_app_resumes_from_the_server_and_says_where_the_model_runs(
+    server: Server, kvhome: Path
+) -> None:
+    from kvchat.config import Settings
+    from kvchat.tui.app import KvchatApp
+    from tests.test_tui import SIZE, quit_app, ready, send
+
+    def app() -> KvchatApp:
+        settings = Settings(temperature=0, max_tokens=16, server_url=server.url)
+        return KvchatApp(settings, cursor_blink=False)
+
+    first = app()
+    async with first.run_test(size=SIZE) as pilot:
+        main = await ready(first)
+        assert f"llama-server {server.url}" in main.status.turn_text  # "ready · llama-server …"
+        reply = await send(pilot, main, "Hi! What is 2+2?")
+        assert reply.role == "assistant" and reply.text.strip()
+        await quit_app(first)
+    second = app()
+    async with second.run_test(size=SIZE) as pilot:
+        main = await ready(second)
+        assert main.last_restore is not None and main.last_restore.source == "server"
+        assert "from server in" in main.status.memory_text
+        await send(pilot, main, "And 3+3?")
+        assert main.last_report is not None and main.last_report.tokens.decoded < 32
+        await quit_app(second)
+    assert first.worker_errors == [] and second.worker_errors == []
