@@ -1,4 +1,4 @@
-"""Picking the model inside the app (F9), and saying which model a session was made with.
+"""Picking the model inside the app (F9 in the key table), and saying which model a session was made with.
 
 A mixin of MainScreen. The choices are listed on the store thread (the catalog, the
 models dir and the planner's fit: no model work); the switch runs on the engine thread,
@@ -15,11 +15,15 @@ from textual import work
 
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
+from kvchat.tui.keys import KEYS
 from kvchat.tui.opening import READY_PLACEHOLDER
 from kvchat.tui.screens.models import ModelScreen
 
 if TYPE_CHECKING:
     from kvchat.model_choice import ModelChoice, SessionModel
+
+# The picker's key, as the key table names it.
+PICK_KEY = next(k.label for k in KEYS if k.action == "pick_model")
 
 
 class ModelActions(ScreenBase):
@@ -70,9 +74,12 @@ class ModelActions(ScreenBase):
             name, n_ctx, note = await self.on_engine(self._engine_switch, str(choice.path))
         except KvchatError as exc:
             self.notify(str(exc), title="Model not switched", severity="error", markup=False)
-            name, n_ctx, note = await self.on_engine(self._engine_load)
-        finally:
-            self.ready = True
+            try:  # the service loaded the previous model again
+                name, n_ctx, note = await self.on_engine(self._engine_load)
+            except KvchatError as again:
+                self.kv_app.show_model_error(again)
+                return
+        self.ready = True
         self._hot_id = None  # the new context holds no session's KV
         self.status.set_model(name, n_ctx)
         self.status.set_context(0)
@@ -90,7 +97,7 @@ class ModelActions(ScreenBase):
         """Name the model ``session_id`` was made with when it is another one that is here."""
         remembered = await self._other_model(session_id)
         if remembered is not None and session_id == self.session_id and self.turn is None:
-            self.status.set_turn(f"{_made_with(remembered)} · F9 switches")
+            self.status.set_turn(f"{_made_with(remembered)} · {PICK_KEY} switches")
 
     async def _other_model(self, session_id: str | None) -> SessionModel | None:
         """The model the session last ran with, when it is here and not the loaded one."""
