@@ -85,6 +85,22 @@ class SessionBook(ServiceParts):
     def messages(self, session_id: str) -> list[Message]:
         return self.store.messages(session_id)
 
+    def changed_at(self, session_id: str) -> str:
+        """When the session last changed, by any process: one row read by its key (the app
+        polls it to show what another kvchat wrote to the open session)."""
+        return self.store.get_session(session_id).updated
+
+    def turn_holder(self, session_id: str) -> str | None:
+        """Why a turn on the session would wait now (another process holds its turn lock),
+        or None when it is free: one try of the lock, let go at once."""
+        from kvchat.store.locks import SessionBusy
+
+        try:
+            with self.locks.hold(session_id, wait_s=0):  # ChatService's SessionLocks
+                return None
+        except SessionBusy as exc:
+            return str(exc)
+
     def add_message(
         self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
     ) -> Message:
