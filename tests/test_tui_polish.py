@@ -673,14 +673,16 @@ async def test_real_turns_numbers_details_and_figures_agree(kvhome: Path, no_tmu
             await pilot.press("enter")
             await _wait(lambda b=before: main.last_turn is not b and main.turn is None, 120)
         await _settled(pilot)
+        report = main.last_report
+        assert report is not None and report.snapshot.written > 0
+        # The last reply, when cut at max_tokens, says so and how to go on (issue 11.4).
+        cut = " · stopped at the token limit (F12 continues)"
         assert [header(v) for v in main.conversation.views] == [
             "You · #1",
             "Assistant · #2",
             "You · #3",
-            "Assistant · #4",
+            "Assistant · #4" + (cut if report.finish_reason == "length" else ""),
         ]
-        report = main.last_report
-        assert report is not None and report.snapshot.written > 0
         # The memory line says what the turn wrote (a few chunks), not the snapshot's size.
         assert main.status.memory_text.startswith("KV: hot · wrote ")
         assert report.snapshot.written <= report.snapshot.bytes

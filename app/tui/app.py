@@ -125,6 +125,13 @@ class KvchatApp(App[None]):
     def _close_service(self) -> None:
         if self.service is not None and not self._closed:
             self._closed = True
+            main = self.screen_stack[0] if self.screen_stack else None
+            if isinstance(main, MainScreen) and main.session_id is not None:
+                # The next launch reopens the session the user was in.
+                try:
+                    self.service.remember_open(main.session_id)
+                except KvchatError:
+                    pass  # a convenience: closing goes on
             self.service.close()
 
     def shutdown(self) -> None:

@@ -16,11 +16,12 @@ from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
     from textual.screen import Screen
+    from textual.timer import Timer
     from textual.worker import Worker
 
-    from kvchat.chat import ChatService, TurnReport
+    from kvchat.chat import ChatService, RestoreResult, TurnReport
     from kvchat.tui.app import KvchatApp
-    from kvchat.tui.main import ActiveTurn
+    from kvchat.tui.replies import ActiveTurn
     from kvchat.tui.widgets.sidebar import SessionRow
 
     _Base = Screen[None]
@@ -37,10 +38,23 @@ class ScreenBase(_Base):
         ready: bool
         _shown_id: str | None
         _hot_id: str | None
+        seen_change: tuple[str, str] | None
+        last_turn: ActiveTurn | None
+        last_report: TurnReport | None
+        last_restore: RestoreResult | None
+        last_switch_ms: float | None
+        last_jump_ms: float | None
+        _flusher: Timer | None
         # The figures of the turns of this run, by the id of the reply each produced.
         turn_figures: dict[int, TurnReport]
 
         async def refresh_sessions(self) -> None: ...
+        def request_refresh(self) -> Worker[None]: ...
+        async def show_latest(self, focus_last: bool = False) -> None: ...
+        async def _show_stored(
+            self, session_id: str, highlight: int | None = None, lazy: bool = True
+        ) -> None: ...
+        async def _flush(self) -> None: ...
         def _session_rows(self) -> list[SessionRow]: ...
         async def _new_session_id(self) -> str: ...
         def open_session(

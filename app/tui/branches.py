@@ -92,7 +92,7 @@ class BranchActions(ScreenBase):
 
         Without a selected message it edits your last one. The original is kept.
         """
-        from kvchat.tui.main import ActiveTurn
+        from kvchat.tui.replies import ActiveTurn
 
         session_id = self.session_id
         if view is None:

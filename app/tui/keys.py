@@ -43,6 +43,13 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("ctrl+g", "Ctrl+G", "settings", "Session settings: system prompt and sampling"),
     Key("ctrl+r", "Ctrl+R", "regenerate", "Regenerate the last reply"),
+    # Not F6/F7 (the input takes them), F10 (GNOME Terminal's menu), F11 (full screen).
+    Key(
+        "f12",
+        "F12",
+        "continue_reply",
+        "Continue the last reply (one stopped at the token limit) from where it stopped",
+    ),
     Key("ctrl+t", "Ctrl+T", "branch", "Branch a new session at the selected message (or the last)"),
     Key("f4", "F4", "edit_message", "Edit your selected (or last) message: new branch, new reply"),
     Key("ctrl+o", "Ctrl+O", "copy_message", "Copy the selected message (or the last reply)"),
@@ -53,6 +60,13 @@ KEYS: tuple[Key, ...] = (
         "F3",
         "message_details",
         "Time and figures of the selected message (or the last reply)",
+    ),
+    # Not F7 (nor F6): the message input, a TextArea, takes them (select all / select line).
+    Key(
+        "f9",
+        "F9",
+        "pick_model",
+        "Pick a model (catalog and local files, with what fits this machine)",
     ),
     Key("ctrl+l", "Ctrl+L", "focus_sessions", "Go to the sessions list (Enter opens a session)"),
     Key(

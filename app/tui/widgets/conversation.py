@@ -142,6 +142,7 @@ class MessageView(Vertical, can_focus=True):
         self.streaming = streaming
         self.number = number  # 1-based position in the session's messages
         self.stream: MarkdownStream | None = None
+        self.cut = False  # a reply stopped at the token limit (F12 continues it)
 
     @classmethod
     def from_message(cls, message: Message, number: int | None = None) -> MessageView:
@@ -172,7 +173,19 @@ class MessageView(Vertical, can_focus=True):
             return f"{name} ▍"
         if self.partial:
             return f"{name} · partial (stopped)"
+        if self.cut:
+            return f"{name} · stopped at the token limit (F12 continues)"
         return name
+
+    def _show_header(self) -> None:
+        for label in self.query(".message-role").results(Label):
+            label.update(self._header())
+
+    def set_cut(self, cut: bool) -> None:
+        """Mark (or unmark) the reply as stopped at the token limit, in its header."""
+        if cut != self.cut:
+            self.cut = cut
+            self._show_header()
 
     @property
     def body(self) -> Markdown:
@@ -180,6 +193,7 @@ class MessageView(Vertical, can_focus=True):
 
     def start_stream(self) -> MarkdownStream:
         self.streaming = True
+        self._show_header()  # a continued reply shows it is streaming again
         self.stream = markdown_widget().get_stream(self.body)
         return self.stream
 
@@ -202,7 +216,7 @@ class MessageView(Vertical, can_focus=True):
         if self.body.source != shown:  # e.g. a chunk raced the end of the stream
             await self.body.update(shown)
         self.set_class(partial, "-partial")
-        self.query_one(".message-role", Label).update(self._header())
+        self._show_header()
 
     def on_key(self, event: events.Key) -> None:
         if event.is_printable and event.character and event.key not in self.OWN_KEYS:

@@ -46,16 +46,20 @@ class SessionItem(ListItem):
     def __init__(self, row: SessionRow) -> None:
         super().__init__()
         self.row = row
+        # Held, not queried: an item removed while it mounts has no children to find.
+        self._title_label = Label(classes="session-title", markup=False)
+        self._info_label = Label(classes="session-info")
+        self._badge_label = Label(classes="kv-badge")
 
     @property
     def session_id(self) -> str:
         return self.row.id
 
     def compose(self) -> ComposeResult:
-        yield Label(classes="session-title", markup=False)
+        yield self._title_label
         with Horizontal(classes="session-meta"):
-            yield Label(classes="session-info")
-            yield Label(classes="kv-badge")
+            yield self._info_label
+            yield self._badge_label
 
     def on_mount(self) -> None:
         self.update_row(self.row)
@@ -64,11 +68,11 @@ class SessionItem(ListItem):
         """Show ``row`` (same session) without rebuilding the item."""
         self.row = row
         s = row.summary
-        self.query_one(".session-title", Label).update(visible(s.session.title))
+        self._title_label.update(visible(s.session.title))
         # The figure first: a narrow sidebar cuts the time, not the number.
         info = f"{row.tokens:,} tok · {ago(s.session.updated)}"
-        self.query_one(".session-info", Label).update(info)
-        badge = self.query_one(".kv-badge", Label)
+        self._info_label.update(info)
+        badge = self._badge_label
         kind = row.badge
         badge.update(KV_LABELS.get(kind, kind))
         for kv in KV_LABELS:

@@ -1,0 +1,227 @@
+"""Turns on the main screen: send, regenerate, continue a cut reply; the reply streams in.
+
+A mixin of MainScreen. The model runs on the engine thread, which buffers the reply's
+pieces in the turn's sink; the UI draws them ``FLUSH_HZ`` times a second. Before a turn
+starts, the session's turn lock is tried: while another kvchat process runs a turn on the
+session, sending says so and keeps the message in the input instead of colliding.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from textual import work
+
+from kvchat.errors import KvchatError
+from kvchat.tui.base import ScreenBase
+from kvchat.tui.format import restore_phrase, saved_phrase
+from kvchat.tui.widgets.conversation import MessageView
+
+if TYPE_CHECKING:
+    from kvchat.chat import TurnReport
+
+# Streamed tokens are buffered by the engine thread and drawn this often.
+FLUSH_HZ = 25
+CONTINUE_HINT = "F12 continues it"
+
+
+@dataclass
+class ActiveTurn:
+    """A reply being generated: the engine thread appends to ``sink``; the UI drains it."""
+
+    kind: str  # "send", "regenerate" or "continue"
+    session_id: str | None
+    text: str | None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    sink: deque[str] = field(default_factory=deque)
+    view: MessageView | None = None
+    pieces: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    before: str = ""  # a continued reply: its text before this turn
+
+
+class TurnActions(ScreenBase):
+    """Send, regenerate, continue and stop replies (see the module docstring)."""
+
+    def submit(self, text: str) -> None:
+        """Enter in the input: send ``text`` (the input is cleared once the turn starts)."""
+        text = text.strip()
+        if not text:
+            return
+        if not self.ready:
+            self.notify("The model is still loading; your message is kept", severity="warning")
+            return
+        if self.turn is not None:
+            self.notify("Wait for the reply, or press Esc to stop it", severity="warning")
+            return
+        self.turn = ActiveTurn("send", self.session_id, text)
+        self.run_turn(self.turn)
+
+    def action_regenerate(self) -> None:
+        if not self.ready or self.turn is not None:
+            self.notify("Wait for the model to be ready and idle", severity="warning")
+            return
+        views = self.conversation.views
+        if self.session_id is None or not views:
+            self.notify("Nothing to regenerate yet", severity="warning")
+            return
+        self.turn = ActiveTurn("regenerate", self.session_id, None)
+        self.run_turn(self.turn)
+
+    def action_continue_reply(self) -> None:
+        """F12: go on with the last reply (one cut at the token limit) from the hot KV."""
+        if not self.ready or self.turn is not None:
+            self.notify("Wait for the model to be ready and idle", severity="warning")
+            return
+        views = self.conversation.views
+        if self.session_id is None or not views or views[-1].role != "assistant":
+            self.notify("Nothing to continue: the session does not end with a reply")
+            return
+        if self.conversation.later:
+            self.notify("Go to the latest messages first (↓ on the last one shown)")
+            return
+        self.turn = ActiveTurn("continue", self.session_id, None)
+        self.run_turn(self.turn)
+
+    async def _busy_elsewhere(self, turn: ActiveTurn) -> bool:
+        """True (and said) when another process runs a turn on the turn's session."""
+        if turn.session_id is None:
+            return False
+        # On the engine thread: behind this app's own turn work, which holds the lock too.
+        holder = await self.on_engine(self.service.turn_holder, turn.session_id)
+        if holder is None:
+            return False
+        self.turn = None
+        kept = "; your message is kept" if turn.kind == "send" else ""
+        self.status.set_turn("another kvchat is replying in this session", "warning")
+        self.notify(f"{holder}{kept}", severity="warning", markup=False)
+        return True
+
+    @work(group="turn", exit_on_error=False)
+    async def run_turn(self, turn: ActiveTurn) -> None:
+        conversation = self.conversation
+        try:
+            if await self._busy_elsewhere(turn):
+                return
+            if turn.session_id is None:
+                turn.session_id = self.session_id = await self._new_session_id()
+                self._shown_id = turn.session_id
+                self.request_refresh()
+            if conversation.later:  # a jump left the latest messages out: back to them
+                await self.show_latest()
+            for view in conversation.views:
+                view.set_cut(False)
+            if turn.kind == "send":
+                assert turn.text is not None
+                self.prompt.clear()
+                await conversation.add(MessageView("user", turn.text))
+            elif turn.kind == "regenerate":
+                views = conversation.views
+                if views and views[-1].role == "assistant":
+                    await views[-1].remove()
+            if turn.kind == "continue":
+                turn.view = conversation.views[-1]
+                turn.before = turn.view.text
+            else:
+                turn.view = await conversation.add(MessageView("assistant", streaming=True))
+            turn.view.start_stream()
+            self.status.set_turn("reading the prompt…  (Esc stops)", "busy")
+            assert self._flusher is not None
+            self._flusher.resume()
+            try:
+                report, used = await self.on_engine(self._engine_turn, turn)
+            finally:
+                self._flusher.pause()
+                await self._flush()
+        except Exception as exc:
+            # The service committed what it could; show the store's truth, then report.
+            self.turn = None
+            self._hot_id = None
+            self.status.set_turn(str(exc) or type(exc).__name__, "error")
+            if turn.view is not None and turn.view.stream is not None:
+                await turn.view.stream.stop()
+            if turn.session_id is not None and turn.session_id == self.session_id:
+                await self._show_stored(turn.session_id, lazy=False)
+            self.request_refresh()
+            if not isinstance(exc, KvchatError):
+                raise  # a bug: the worker-error handler reports it
+            self.notify(str(exc), severity="error", markup=False)
+            return
+        self.turn = None
+        self.last_turn = turn
+        await self._finish_turn(turn, report, used)
+
+    def _engine_turn(self, turn: ActiveTurn) -> tuple[TurnReport, int]:
+        service = self.service
+        assert turn.session_id is not None
+        on_token, cancel = turn.sink.append, turn.cancel.is_set
+        if turn.kind == "send":
+            assert turn.text is not None
+            report = service.send(turn.session_id, turn.text, on_token=on_token, cancel=cancel)
+        elif turn.kind == "continue":
+            report = service.continue_reply(turn.session_id, on_token=on_token, cancel=cancel)
+        else:
+            report = service.regenerate(turn.session_id, on_token=on_token, cancel=cancel)
+        return report, service.context_tokens
+
+    async def _flush(self) -> None:
+        """Move buffered pieces from the engine thread into the Markdown stream."""
+        turn = self.turn
+        if turn is None or turn.view is None:
+            return
+        chunks: list[str] = []
+        while turn.sink:
+            chunks.append(turn.sink.popleft())
+        if not chunks:
+            return
+        turn.pieces += len(chunks)
+        if not turn.cancel.is_set():
+            self.status.set_turn(f"generating · {turn.pieces:,} tokens  (Esc stops)", "busy")
+        await turn.view.write("".join(chunks))
+
+    async def _finish_turn(self, turn: ActiveTurn, report: TurnReport, used: int) -> None:
+        view = turn.view
+        assert view is not None
+        self.last_report = report
+        self._hot_id = turn.session_id
+        if report.message_id is None and turn.kind == "continue":
+            await view.finish(text=turn.before, message_id=view.message_id, partial=view.partial)
+        elif report.message_id is None:
+            await view.finish(text="", message_id=None, partial=True)
+            await view.remove()
+            if report.finish_reason == "cancelled":
+                self.notify("Stopped before the first token: no reply to keep")
+        else:
+            self.turn_figures[report.message_id] = report
+            text = turn.before + report.reply if turn.kind == "continue" else report.reply
+            await view.finish(text=text, message_id=report.message_id, partial=report.partial)
+        cut = report.finish_reason == "length" and view.message_id is not None
+        view.set_cut(cut)
+        summary = report.summary() + (f" · {CONTINUE_HINT}" if cut else "")
+        self.status.set_turn(summary, "warning" if report.partial or cut else "")
+        self.status.set_context(used)
+        restore = report.restore
+        if restore.source in ("disk", "ram"):
+            self.last_restore = restore
+            self.status.set_memory(f"KV: {restore_phrase(restore)}", restore.source)
+        elif restore.source == "none" or not (
+            self.last_restore is not None and self.last_restore.source in ("disk", "ram")
+        ):
+            # Keep showing how the session came back (after a restore); else what was saved.
+            self.last_restore = restore
+            self.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
+        if report.snapshot.error:
+            self.notify(report.snapshot.error, severity="warning", markup=False)
+        self.request_refresh()
+
+    def action_cancel(self) -> None:
+        """Esc: stop the reply; the engine thread sees the flag between tokens."""
+        if self.turn is not None and not self.turn.cancel.is_set():
+            self.turn.cancel.set()
+            self.status.set_turn("stopping…", "busy")
+        elif self.focused is not self.prompt:
+            self.prompt.focus()

@@ -1,0 +1,274 @@
+"""Pilot tests of issue 11's and 14's app items on the real app and the real model:
+relaunch reopens the session the user was in, resume before Enter, Continue after a reply
+cut at the token limit, and the app's watch on another kvchat writing the open session.
+
+Asserted by counts (tokens reused and decoded, messages shown), never by timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from textual.pilot import Pilot
+
+from kvchat.chat import ChatService
+from kvchat.config import Settings
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.main import MainScreen
+from kvchat.tui.widgets.conversation import MessageView
+from tests.conftest import FAST, REPO
+
+pytestmark = pytest.mark.e2e
+
+SIZE = (100, 30)
+
+
+def make_settings(**overrides: object) -> Settings:
+    values: dict[str, object] = {"temperature": 0, "max_tokens": 16, "n_ctx": 1024, "n_threads": 1}
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+_apps: list[KvchatApp] = []
+
+
+def make_app(**overrides: object) -> KvchatApp:
+    app = KvchatApp(make_settings(**overrides), cursor_blink=False)
+    _apps.append(app)
+    return app
+
+
+@pytest.fixture(autouse=True)
+def no_background_failures() -> object:
+    """Background work reports failures as notices; in a test any failure is a bug."""
+    _apps.clear()
+    yield
+    for app in _apps:
+        assert app.worker_errors == [], app.worker_errors
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+        await asyncio.sleep(0.05)
+
+
+async def ready(app: KvchatApp) -> MainScreen:
+    main = app.main
+    await wait_until(lambda: main.ready)
+    await wait_until(lambda: main.session_id is None or main.last_restore is not None)
+    return main
+
+
+async def send(pilot: Pilot[None], main: MainScreen, text: str) -> MessageView:
+    main.prompt.focus()
+    main.prompt.insert(text)
+    before = main.last_turn
+    await pilot.press("enter")
+    await wait_until(lambda: main.last_turn is not before and main.turn is None)
+    await pilot.pause()
+    return main.conversation.views[-1]
+
+
+async def pick_in_sidebar(pilot: Pilot[None], main: MainScreen, session_id: str) -> None:
+    """Ctrl+L, move to the session, Enter: as a user opens one."""
+    await pilot.press("ctrl+l")
+    await wait_until(lambda: any(r.id == session_id for r in main.sessions.rows))
+    main.sessions.index = next(i for i, r in enumerate(main.sessions.rows) if r.id == session_id)
+    await pilot.press("enter")
+
+
+async def quit_app(app: KvchatApp) -> None:
+    app.simulate_key("ctrl+q")
+    await wait_until(lambda: app._closed)
+
+
+def texts(main: MainScreen) -> list[str]:
+    return [v.text for v in main.conversation.views]
+
+
+# --- issue 11.2: relaunch opens the session the user was in -----------------------------------
+
+
+async def test_relaunch_reopens_the_session_open_at_quit(kvhome: Path) -> None:
+    service = ChatService(make_settings())
+    older = service.new_session("Older")
+    service.add_message(older.id, "user", "older question")
+    newer = service.new_session("Newer")  # the last made: what a first launch opens
+    service.add_message(newer.id, "user", "newer question")
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id == newer.id
+        await pick_in_sidebar(pilot, main, older.id)
+        await wait_until(lambda: main.session_id == older.id and main._hot_id == older.id)
+        await quit_app(app)
+
+    again = make_app()
+    async with again.run_test(size=SIZE):
+        main = await ready(again)
+        assert main.session_id == older.id
+        await wait_until(lambda: texts(main) == ["older question"])
+        await quit_app(again)
+
+
+# --- issue 14.5: resume before Enter ---------------------------------------------------------
+
+
+async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itself(
+    kvhome: Path,
+) -> None:
+    service = ChatService(make_settings())
+    a = service.new_session("A")
+    service.send(a.id, "Name a color.")
+    b = service.new_session("B")
+    service.send(b.id, "Name a fruit.")
+    a_history = service.tiers.snapshot(a.id)
+    assert a_history is not None and a_history.n_tokens > 0
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        # The session reopened at launch came back before any key: from disk.
+        assert main.session_id == b.id and main._hot_id == b.id
+        assert main.last_restore is not None and main.last_restore.source == "disk"
+        assert "the next message reads only itself" in main.status.turn_text
+
+        await pick_in_sidebar(pilot, main, a.id)
+        await wait_until(lambda: main._hot_id == a.id)  # restored with no message sent
+        restore = main.last_restore
+        assert restore is not None and restore.source in ("ram", "disk")
+        assert restore.tokens == a_history.n_tokens
+        assert main.status.turn_text.startswith("KV ready: restored")
+        assert main.status.memory_text.startswith("KV: restored")
+
+        await send(pilot, main, "And another?")
+        report = main.last_report
+        assert report is not None
+        # The turn found the session hot: it reused the whole restored history and
+        # decoded only the new message (its template markup included).
+        assert report.restore.source == "hot"
+        assert report.tokens.reused >= restore.tokens - 1
+        assert report.tokens.decoded == report.tokens.prompt - report.tokens.reused
+        assert report.tokens.decoded < 20 < restore.tokens
+        assert main.status.turn_text.startswith("hot context, reused")
+        await quit_app(app)
+
+
+# --- issue 11.4: a reply cut at the token limit, and Continue --------------------------------
+
+
+async def test_a_reply_cut_at_the_token_limit_offers_continue(kvhome: Path) -> None:
+    app = make_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        reply = await send(pilot, main, "Write a long story about a lighthouse keeper.")
+        report = main.last_report
+        assert report is not None and report.finish_reason == "length"
+        assert "stopped at the token limit" in main.status.turn_text
+        assert "F12 continues" in main.status.turn_text
+        header = str(reply.query_one(".message-role").render())
+        assert "stopped at the token limit (F12 continues)" in header
+        first_part = reply.text
+        session_id = main.session_id
+        assert session_id is not None
+
+        before = main.last_turn
+        await pilot.press("f12")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await pilot.pause()
+        more = main.last_report
+        assert more is not None and more.tokens.generated > 0
+        # From the hot KV: the cut reply was already in the context, nothing re-read.
+        assert more.restore.source == "hot"
+        assert more.tokens.decoded <= 2 and more.tokens.reused > 0
+        # One reply, longer, shown and stored alike.
+        views = main.conversation.views
+        assert [v.role for v in views] == ["user", "assistant"] and views[-1] is reply
+        assert reply.text.startswith(first_part) and len(reply.text) > len(first_part)
+        stored = app.service.messages(session_id)  # type: ignore[union-attr]
+        assert len(stored) == 2 and stored[-1].content == reply.text
+        await quit_app(app)
+
+
+def test_continue_is_a_key_and_in_the_palette() -> None:
+    from kvchat.tui.commands import KvchatCommands
+    from kvchat.tui.keys import KEYS
+
+    key = next(k for k in KEYS if k.action == "continue_reply")
+    assert key.keys == "f12" and key.palette
+    entries = {action for _, action, _ in KvchatCommands._entries(None)}  # type: ignore[arg-type]
+    assert "continue_reply" in entries
+    assert hasattr(MainScreen, "action_continue_reply")
+
+
+# --- issue 11.5: another kvchat writing to the open session ------------------------------------
+
+
+def _ask(home: Path, session_id: str, text: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env["KVCHAT_HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "kvchat", "ask", "--session", session_id, text, *FAST],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+async def test_another_process_writing_the_open_session_shows_and_its_lock_is_kept(
+    kvhome: Path,
+) -> None:
+    service = ChatService(make_settings())
+    session = service.new_session("Shared")
+    service.add_message(session.id, "user", "first question")
+    service.add_message(session.id, "assistant", "first answer")
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id == session.id and len(main.conversation.views) == 2
+
+        # Another process runs a turn on the open session: its two messages show up.
+        proc = await asyncio.to_thread(_ask, kvhome, session.id, "Question from a shell")
+        assert proc.returncode == 0, proc.stderr
+        stored = [m.content for m in app.service.messages(session.id)]  # type: ignore[union-attr]
+        assert len(stored) == 4 and stored[2] == "Question from a shell"
+        # (A reply saved as it streams may show first, then its final text.)
+        await wait_until(lambda: texts(main) == stored, timeout=30)
+        assert "from another kvchat" in main.status.turn_text
+
+        # While another process holds the session's turn lock, Enter says so and keeps
+        # the message; nothing is stored or shown.
+        locks = app.service.locks  # type: ignore[union-attr]
+        with locks.hold(session.id):
+            main.prompt.focus()
+            main.prompt.insert("mine")
+            await pilot.press("enter")
+            await wait_until(lambda: "another kvchat is replying" in main.status.turn_text)
+            assert main.prompt.text == "mine" and main.turn is None
+            assert len(main.conversation.views) == 4
+            assert any("is busy" in n.message for n in app._notifications)
+        assert len(app.service.messages(session.id)) == 4  # type: ignore[union-attr]
+
+        # Free again: the same Enter sends it.
+        before = main.last_turn
+        await pilot.press("enter")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        assert texts(main)[4] == "mine" and len(main.conversation.views) == 6
+        await quit_app(app)
