@@ -162,6 +162,8 @@ class TurnReport:
             head = f"hot context, reused {self.tokens.reused:,} tokens"
         elif r.source in ("ram", "disk", "server"):
             head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
+            if self.tokens.reused < r.tokens:  # the prompt left the rest: say what served
+                head += f", reused {self.tokens.reused:,}"
         else:
             head = f"full prefill: {r.reason}"
         parts = [head, f"decoded {self.tokens.decoded:,}"]

@@ -72,3 +72,83 @@ def test_plain_ask_streams_the_reply_and_reports_on_stderr(kvhome: Path, cli):
     assert listed[0]["messages"] == 2
     assert listed[0]["snapshot_bytes"] > 0
     assert result.stdout.strip() in cli(kvhome, "export", listed[0]["id"]).stdout
+
+
+# --- KV per setting (issue 11 item 3) ---------------------------------------------------------
+
+NORMAL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "2048", "--threads", "1"]
+SMALL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "1024", "--threads", "1"]
+_NOTE_WORDS = (
+    "river mountain library garden engine signal theory market history music science planet "
+    "ocean village lantern harbour meadow orchard bridge valley forest desert island canyon"
+).split()
+
+
+def note(i: int, words: int = 170) -> str:
+    """A long user message (~250 tokens) that differs per turn: history grows fast and cheap."""
+    body = " ".join(_NOTE_WORDS[(i * 7 + k * 3) % len(_NOTE_WORDS)] for k in range(words))
+    return f"Note {i}: {body}. Reply with one short sentence."
+
+
+def snapshot_tokens(home: Path, session_id: str) -> int:
+    with sqlite3.connect(home / "kvchat.db") as db:
+        row = db.execute(
+            "SELECT n_tokens FROM kv_snapshots WHERE session_id=?", (session_id,)
+        ).fetchone()
+    return int(row[0])
+
+
+def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_normal_turn(
+    kvhome: Path, cli
+) -> None:
+    from kvchat.chat import open_service
+    from kvchat.config import load_settings
+
+    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=16, n_threads=1)
+    with open_service(settings, home=kvhome) as svc:
+        session_id = svc.start(note(0)).session_id
+        for i in range(1, 5):
+            svc.send(session_id, note(i))
+    long_tokens = snapshot_tokens(kvhome, session_id)
+    assert long_tokens > 1024  # more than n_ctx 1024 holds
+
+    small = cli(kvhome, "ask", "--session", session_id, "Which note was first?", "--json", *SMALL)
+    small = small.json
+    assert small["window"]["dropped_messages"] > 0
+    assert small["restore"]["from"] == "none"  # the long snapshot does not fit n_ctx 1024
+    assert snapshot_tokens(kvhome, session_id) < 1024  # this setting's own snapshot
+
+    normal = cli(kvhome, "ask", "--session", session_id, "And the last?", "--json", *NORMAL)
+    normal = normal.json
+    # The long snapshot was kept for this setting: restored, and the history not re-read.
+    assert normal["restore"]["from"] == "disk"
+    assert normal["restore"]["tokens"] == long_tokens
+    assert normal["tokens"]["reused"] == long_tokens
+    # Decoded: the small run's question and reply, and this message; never the history.
+    assert normal["tokens"]["decoded"] == normal["tokens"]["prompt"] - long_tokens < 128
+
+    # And the small setting's own snapshot was kept for it in turn.
+    again = cli(kvhome, "ask", "--session", session_id, "Which note?", "--json", *SMALL).json
+    assert again["restore"]["from"] == "disk"
+    assert again["restore"]["tokens"] == again["tokens"]["reused"] < 1024
+    assert again["tokens"]["decoded"] < 128
+
+
+def test_a_turn_line_never_claims_a_restore_the_prompt_does_not_use(kvhome: Path, cli) -> None:
+    first = cli(kvhome, "ask", "--new", note(0), "--json", *NORMAL).json
+    session_id = first["session"]
+    cli(kvhome, "ask", "--session", session_id, note(1), "--json", *NORMAL)
+    cli(kvhome, "ask", "--session", session_id, note(2), "--json", *NORMAL)
+    cli(kvhome, "ask", "--session", session_id, note(3), "--json", *NORMAL)
+    cli(kvhome, "ask", "--session", session_id, note(4), "--json", *NORMAL)
+    small = cli(kvhome, "ask", "--session", session_id, "First?", "--json", *SMALL).json
+    assert small["window"]["dropped_messages"] > 0
+    with sqlite3.connect(kvhome / "kvchat.db") as db:
+        db.execute("DELETE FROM kv_snapshot_shelf")  # (as if evicted for the disk budget)
+
+    result = cli(kvhome, "ask", "--session", session_id, "Last?", *NORMAL)
+
+    # Only the small run's window is saved: it shares just the system prompt with this one.
+    line = next(line for line in result.stderr.splitlines() if "decoded" in line)
+    assert "restored" not in line
+    assert "full prefill: its saved KV" in line and "shares only" in line

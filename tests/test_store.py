@@ -84,3 +84,64 @@ def test_delete_session_removes_its_messages_and_snapshot_row(tmp_path: Path):
     assert [s.session.id for s in store.list_sessions()] == [kept.id]
     assert store.search("bye") == []
     assert [m.content for m in store.messages(kept.id)] == ["stay"]
+
+
+# --- the snapshot shelf: KV kept per setting (issue 11 item 3) --------------------------------
+
+
+def _chunk_row(session_id: str, tokens: list[int], fingerprint: dict, keys: list[str]):
+    from kvchat.store import SnapshotRow
+
+    return SnapshotRow(
+        session_id,
+        "",
+        len(tokens),
+        tokens,
+        fingerprint,
+        4 * len(tokens),
+        "sum",
+        format="chunks",
+        chunk_keys=keys,
+        layout={},
+    )
+
+
+def _chunk(key: str):
+    from kvchat.store import ChunkRow
+
+    return ChunkRow(key, f"{key[:2]}/{key}.kvc", 0, 1, 10, "sum", "", "")
+
+
+def test_a_snapshot_not_continued_by_the_next_is_shelved_per_fingerprint(tmp_path: Path):
+    store = Store(tmp_path / "kvchat.db")
+    sid = store.create_session("s").id
+    f16, q8 = {"type_k": "f16"}, {"type_k": "q8_0"}
+    long = _chunk_row(sid, list(range(100)), f16, ["aa1"])
+    store.put_snapshot(long, [_chunk("aa1")])
+    store.put_snapshot(_chunk_row(sid, list(range(120)), f16, ["aa1", "aa2"]), [_chunk("aa2")])
+    assert store.shelved_snapshots(sid) == []  # a continuation replaces its start
+
+    window = _chunk_row(sid, [0, 50, 51], f16, ["bb1"])  # another n_ctx's window
+    store.put_snapshot(window, [_chunk("bb1")])
+    assert store.get_snapshot(sid).n_tokens == 3
+    assert [r.n_tokens for r in store.shelved_snapshots(sid)] == [120]
+    # A shorter row never replaces a longer one of its fingerprint on the shelf.
+    store.put_snapshot(_chunk_row(sid, [0, 60], f16, ["cc1"]), [_chunk("cc1")])
+    assert [r.n_tokens for r in store.shelved_snapshots(sid)] == [120]
+    # A run with other KV types: its snapshot is current, the f16 one stays shelved.
+    store.put_snapshot(_chunk_row(sid, [7, 8], q8, ["dd1"]), [_chunk("dd1")])
+    assert store.get_snapshot(sid).fingerprint == q8
+    assert [r.n_tokens for r in store.shelved_snapshots(sid)] == [120]
+    # Shelved chains keep their chunks; the dropped window's chunks are unused.
+    assert {c.key for c in store.unreferenced_chunks()} == {"bb1", "cc1"}
+
+    assert store.promote_snapshot(sid, f16)
+    assert store.get_snapshot(sid).n_tokens == 120
+    # The q8_0 one takes its own place on the shelf.
+    shelved = {r.fingerprint["type_k"]: r.n_tokens for r in store.shelved_snapshots(sid)}
+    assert shelved == {"q8_0": 2}
+    assert not store.promote_snapshot(sid, {"type_k": "q4_0"})
+
+    store.delete_snapshot(sid)
+    assert store.get_snapshot(sid) is None and store.shelved_snapshots(sid) == []
+    store.close()

@@ -135,7 +135,7 @@ class Housekeeper:
                 self._remove(self.chunk_path(chunk.key))
 
     def unreferenced_chunks(self) -> list[ChunkRow]:
-        """Chunks that no snapshot's chain uses any more.
+        """Chunks that no snapshot's chain uses any more (current or shelved).
 
         Worked out here from parsed rows rather than with SQLite's ``json_each`` (which
         fails on the whole query when one row's ``chunk_keys`` is not JSON). Chunks are
@@ -145,7 +145,7 @@ class Housekeeper:
         chunks = self.store.all_chunks()
         used = {
             key
-            for row in self.store.snapshots()
+            for row in self.store.snapshots() + self.store.shelved_snapshots()
             if row.format == "chunks"
             for key in row.chunk_keys + window_keys(row)
         }
@@ -276,7 +276,8 @@ class Housekeeper:
         return sum(_count(index[key].n_bytes) for key in keys if key in index)
 
     def enforce_budget(self, budget_bytes: int | None, keep: str | None = None) -> list[str]:
-        """Evict least recently used snapshots (never ``keep``) until ``budget_bytes`` holds.
+        """Evict least recently used snapshots (never ``keep``) until ``budget_bytes`` holds,
+        those shelved for other settings first.
 
         Each evicted session's next restore says it was evicted, and for what budget.
         """
@@ -284,6 +285,13 @@ class Housekeeper:
             return []
         evicted: list[str] = []
         used = self.disk_bytes()
+        # Snapshots kept for other settings go first (least recently used first).
+        for row in self.store.shelved_snapshots():
+            if used <= budget_bytes:
+                return evicted
+            self.store.delete_shelved(row.session_id, row.fingerprint)
+            self.drop_unreferenced_chunks()
+            used = self.disk_bytes()
         for row in self.store.snapshots():
             if used <= budget_bytes:
                 break

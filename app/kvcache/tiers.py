@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.engine import Engine
+from kvchat.engine import Engine, common_prefix
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore, windows
 from kvchat.kvcache.warm import WarmTier
@@ -26,6 +26,9 @@ from kvchat.store.store import DamagedDatabase, StoreFull
 if TYPE_CHECKING:
     from kvchat.config import Settings
 
+# A snapshot sharing fewer tokens than this with the prompt (and not wholly in it) is not
+# restored: the prefill would re-read nearly everything anyway.
+USEFUL_PREFIX = 64
 # Counters kept in the store, as ``kvchat cache`` names them.
 _COUNTERS = {
     "restores_ram": "restores_ram",
@@ -172,6 +175,12 @@ class KVTiers:
                     "ram", ms=elapsed, bytes=entry.n_bytes, tokens=len(entry.tokens)
                 )
             self.warm.drop(session_id)
+        prompt = self._choose_snapshot(session_id, prompt, history)
+        unused = self._unused_snapshot(session_id, prompt)
+        if unused is not None:
+            engine.clear()
+            self._hot = session_id
+            return RestoreResult("none", reason=unused)
         try:
             result = self.cold.restore(session_id, engine, fingerprint, prompt)
         except StoreFull as exc:
@@ -181,6 +190,53 @@ class KVTiers:
             result = RestoreResult("none", reason=f"{exc}: full prefill")
         self._hot = session_id
         return result
+
+    def _choose_snapshot(
+        self,
+        session_id: str,
+        prompt: list[int] | None,
+        history: Callable[[], list[int] | None] | None,
+    ) -> list[int] | None:
+        """Of the session's current and shelved snapshots (one per setting: see
+        ``Store.shelved_snapshots``), make current the one this context can load that shares
+        the most with the prompt; returns the prompt (the history's when none was given and
+        there is a choice to make)."""
+        engine, fingerprint = self._attached()
+        shelved = self.store.shelved_snapshots(session_id)
+        if not shelved:
+            return prompt
+        if prompt is None and history is not None:
+            prompt = history()
+
+        def reach(row: SnapshotRow | None) -> int:
+            if row is None or row.damage or row.n_tokens > engine.n_ctx:
+                return -1
+            if fingerprint.mismatch(row.fingerprint) is not None:
+                return -1
+            return row.n_tokens if prompt is None else common_prefix(row.token_ids, prompt)
+
+        best = max(shelved, key=reach)
+        if reach(best) > reach(self.store.get_snapshot(session_id)):
+            try:
+                self.store.promote_snapshot(session_id, best.fingerprint)
+            except KvchatError:
+                pass  # (a full disk) the current one is restored, or its reason given
+        return prompt
+
+    def _unused_snapshot(self, session_id: str, prompt: list[int] | None) -> str | None:
+        """Why the session's snapshot is not worth restoring for this prompt (it shares only
+        the first few tokens: another n_ctx's window, an edited start), or None. A turn
+        line then says so instead of "restored N tokens" that the prefill would not use."""
+        row = self.store.get_snapshot(session_id)
+        if prompt is None or row is None or row.damage:
+            return None
+        shared = common_prefix(row.token_ids, prompt)
+        if shared >= min(row.n_tokens, USEFUL_PREFIX):
+            return None
+        return (
+            f"its saved KV ({row.n_tokens:,} tokens) shares only {shared:,} tokens with "
+            "this prompt: full prefill"
+        )
 
     @staticmethod
     def _can_cut(

@@ -147,6 +147,41 @@ def m008_session_model(db: sqlite_utils.Database) -> None:
     )
 
 
+def m009_snapshot_shelf(db: sqlite_utils.Database) -> None:
+    """Snapshots kept per setting: a session's earlier snapshot that a save of another
+    setting (n_ctx window, KV types, ...) did not continue stays here, one per fingerprint,
+    with the columns of ``kv_snapshots`` (see SnapshotsSql.shelved_snapshots)."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS kv_snapshot_shelf (
+            session_id TEXT NOT NULL REFERENCES sessions(id),
+            shelf_key TEXT NOT NULL,
+            path TEXT NOT NULL,
+            n_tokens INTEGER NOT NULL,
+            token_ids BLOB NOT NULL,
+            model_id TEXT,
+            llama_cpp_version TEXT,
+            type_k TEXT,
+            type_v TEXT,
+            flash_attn INTEGER,
+            rope_freq_base FLOAT,
+            rope_freq_scale FLOAT,
+            n_swa INTEGER,
+            fingerprint TEXT NOT NULL,
+            n_bytes INTEGER NOT NULL,
+            checksum TEXT NOT NULL,
+            created TEXT,
+            last_used TEXT,
+            format TEXT NOT NULL DEFAULT 'blob',
+            chunk_keys TEXT,
+            layout TEXT,
+            checkpoints TEXT,
+            PRIMARY KEY (session_id, shelf_key)
+        )
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -155,6 +190,7 @@ MIGRATIONS: list[Migration] = [
     m005_window_checkpoints,
     m007_server_slots,
     m008_session_model,
+    m009_snapshot_shelf,
 ]
 
 

@@ -217,6 +217,7 @@ class SessionsSql(SqlBase):
         """Delete a session, its messages and its snapshot row (the caller removes files)."""
         with self._tx() as conn:
             conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM kv_snapshot_shelf WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM messages WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM sessions WHERE id=?", (session_id,))
 

@@ -1,8 +1,13 @@
-"""The KV snapshot index: one row per session snapshot, the chunks they share, counters."""
+"""The KV snapshot index: one current row per session, earlier rows kept per setting (the
+shelf), the chunks they share, counters."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sqlite3
 from collections.abc import Sequence
+from typing import Any
 
 from kvchat.store.base import SqlBase, now
 from kvchat.store.models import ChunkRow, SnapshotRow
@@ -18,7 +23,10 @@ class SnapshotsSql(SqlBase):
     def put_snapshot(self, row: SnapshotRow, new_chunks: Sequence[ChunkRow] = ()) -> None:
         """Insert or replace a session's snapshot row and index its new chunks, atomically.
 
-        Called after the files were renamed into place.
+        Called after the files were renamed into place. A previous row that the new one does
+        not continue (another n_ctx's window, other KV types, another branch of the reply)
+        is not thrown away: it goes to the shelf, one row per fingerprint, where a longer
+        row is never replaced by a shorter one (see :meth:`shelved_snapshots`).
         """
         stamp = now()
         row.created = row.created or stamp
@@ -43,6 +51,11 @@ class SnapshotsSql(SqlBase):
                         stamp,
                     ),
                 )
+            previous = _one(conn, "SELECT * FROM kv_snapshots WHERE session_id=?", row.session_id)
+            if previous is not None:
+                old = SnapshotRow.from_row(previous)
+                if old.token_ids != row.token_ids[: len(old.token_ids)]:
+                    _shelve(conn, old)  # not a continuation: kept for its own setting
             conn.execute(
                 f"INSERT OR REPLACE INTO kv_snapshots ({columns}) VALUES ({marks})",
                 tuple(values.values()),
@@ -66,18 +79,23 @@ class SnapshotsSql(SqlBase):
         return [ChunkRow(**r) for r in self._rows("SELECT * FROM kv_chunks")]
 
     def unreferenced_chunks(self) -> list[ChunkRow]:
-        """Chunks that no snapshot's chain (or window checkpoint list) uses any more."""
+        """Chunks that no snapshot's chain (or window checkpoint list) uses any more, current
+        or shelved."""
         rows = self._rows(
             """
+            WITH rows AS (
+                SELECT format, chunk_keys, checkpoints FROM kv_snapshots
+                UNION ALL SELECT format, chunk_keys, checkpoints FROM kv_snapshot_shelf
+            )
             SELECT c.* FROM kv_chunks c
             WHERE NOT EXISTS (
-                SELECT 1 FROM kv_snapshots s, json_each(
+                SELECT 1 FROM rows s, json_each(
                     CASE WHEN json_valid(s.chunk_keys) THEN s.chunk_keys ELSE '[]' END
                 ) k
                 WHERE s.format = 'chunks' AND k.value = c.key
             )
             AND NOT EXISTS (
-                SELECT 1 FROM kv_snapshots s, json_each(
+                SELECT 1 FROM rows s, json_each(
                     CASE WHEN json_valid(s.checkpoints) THEN s.checkpoints ELSE '[]' END
                 ) k
                 WHERE s.format = 'chunks' AND json_extract(k.value, '$[2]') = c.key
@@ -111,10 +129,98 @@ class SnapshotsSql(SqlBase):
             )
 
     def delete_snapshot(self, session_id: str) -> None:
+        """Forget a session's saved KV: its current row and its shelved ones."""
         with self._tx() as conn:
             conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM kv_snapshot_shelf WHERE session_id=?", (session_id,))
 
     def snapshot_paths(self) -> set[str]:
         """Every file a row points to: blob snapshots and chunks."""
         blobs = {r["path"] for r in self._rows("SELECT path FROM kv_snapshots WHERE format='blob'")}
         return blobs | {r["path"] for r in self._rows("SELECT path FROM kv_chunks")}
+
+    # --- the shelf: earlier snapshots of a session, one per fingerprint ---------------------
+
+    def shelved_snapshots(self, session_id: str | None = None) -> list[SnapshotRow]:
+        """A session's shelved rows (all sessions' when None), least recently used first.
+
+        A shelved row is a snapshot the session's current one replaced without continuing
+        it; a restore under a setting it suits takes it back (:meth:`promote_snapshot`).
+        Its chunks stay referenced: only chunked rows are shelved (a blob's file is
+        rewritten in place by the next save).
+        """
+        where, params = ("WHERE session_id=?", (session_id,)) if session_id else ("", ())
+        rows = self._rows(
+            f"SELECT * FROM kv_snapshot_shelf {where} ORDER BY last_used, session_id", params
+        )
+        return [SnapshotRow.from_row(r) for r in rows]
+
+    def promote_snapshot(self, session_id: str, fingerprint: dict[str, Any]) -> bool:
+        """Make the shelved row of this fingerprint the session's current snapshot, and
+        shelve the current one, in one transaction. False when no such row is shelved."""
+        key = shelf_key(fingerprint)
+        with self._tx() as conn:
+            shelved = _one(
+                conn,
+                "SELECT * FROM kv_snapshot_shelf WHERE session_id=? AND shelf_key=?",
+                session_id,
+                key,
+            )
+            if shelved is None:
+                return False
+            conn.execute(
+                "DELETE FROM kv_snapshot_shelf WHERE session_id=? AND shelf_key=?",
+                (session_id, key),
+            )
+            current = _one(conn, "SELECT * FROM kv_snapshots WHERE session_id=?", session_id)
+            if current is not None:
+                _shelve(conn, SnapshotRow.from_row(current))
+            shelved.pop("shelf_key")
+            shelved["last_used"] = now()
+            columns = ", ".join(shelved)
+            conn.execute(
+                f"INSERT OR REPLACE INTO kv_snapshots ({columns})"
+                f" VALUES ({', '.join('?' for _ in shelved)})",
+                tuple(shelved.values()),
+            )
+        return True
+
+    def delete_shelved(self, session_id: str, fingerprint: dict[str, Any]) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                "DELETE FROM kv_snapshot_shelf WHERE session_id=? AND shelf_key=?",
+                (session_id, shelf_key(fingerprint)),
+            )
+
+
+def shelf_key(fingerprint: dict[str, Any]) -> str:
+    """The shelf's key for a fingerprint: one shelved row per setting that made the KV."""
+    text = json.dumps(fingerprint, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _one(conn: sqlite3.Connection, sql: str, *params: Any) -> dict[str, Any] | None:
+    cursor = conn.execute(sql, params)
+    row = cursor.fetchone()
+    return None if row is None else dict(zip([d[0] for d in cursor.description], row))
+
+
+def _shelve(conn: sqlite3.Connection, row: SnapshotRow) -> None:
+    """Keep ``row`` on the shelf (in the caller's transaction), unless the shelf already
+    holds a longer row of its fingerprint: a longer usable snapshot is never replaced by a
+    shorter one. Blob rows and damaged rows are not kept."""
+    if row.format != "chunks" or row.damage:
+        return
+    key = shelf_key(row.fingerprint)
+    held = conn.execute(
+        "SELECT n_tokens FROM kv_snapshot_shelf WHERE session_id=? AND shelf_key=?",
+        (row.session_id, key),
+    ).fetchone()
+    if held is not None and isinstance(held[0], int) and held[0] > row.n_tokens:
+        return
+    values = {**row.to_row(), "shelf_key": key}
+    conn.execute(
+        f"INSERT OR REPLACE INTO kv_snapshot_shelf ({', '.join(values)})"
+        f" VALUES ({', '.join('?' for _ in values)})",
+        tuple(values.values()),
+    )
