@@ -3,12 +3,13 @@
 A chunk file holds its cells' bytes in the order of the state's layout: the cell
 metadata, then each layer's K rows, then each layer's V (rows, or with flash attention off
 the transposed form: per V dimension, one element of every cell). Each of those runs lands
-in one contiguous range of the whole state, so one ``preadv`` per chunk reads the file
-straight into its places in the state buffer (no mapping, no copy in Python); transposed
-V, whose dimensions are spread over the state, is read into a small per-thread scratch
-buffer and placed by numpy. The chunk's checksum is taken over the same ranges right
-after they arrive, while they are still in the CPU's cache, in the file's order, so it is
-the checksum the file was written with.
+in one contiguous range of the whole state, so ``preadv`` reads the file straight into
+its places in the state buffer (no mapping, no copy in Python), :data:`BATCH_BYTES` at a
+time; transposed V, whose dimensions are spread over the state, is read into a small
+per-thread scratch buffer and placed by numpy. The chunk's checksum is taken over each
+batch right after it arrives, while it is still in the core's cache, in the file's order,
+so it is the checksum the file was written with. Bytes land before they are verified,
+but the buffer reaches llama.cpp only when every chunk checked out.
 
 Anything unexpected (a file whose size or header is not what its index row gives, a chunk
 the restore cuts short) is left to the mapped reader (:func:`kvchat.kvcache.format.read_chunk`
