@@ -25,8 +25,6 @@ from kvchat.tui.main import MainScreen
 from kvchat.tui.widgets.conversation import MessageView
 from tests.conftest import FAST, REPO
 
-pytestmark = pytest.mark.e2e
-
 SIZE = (100, 30)
 
 
@@ -99,6 +97,7 @@ def texts(main: MainScreen) -> list[str]:
 # --- issue 11.2: relaunch opens the session the user was in -----------------------------------
 
 
+@pytest.mark.e2e
 async def test_relaunch_reopens_the_session_open_at_quit(kvhome: Path) -> None:
     service = ChatService(make_settings())
     older = service.new_session("Older")
@@ -126,6 +125,7 @@ async def test_relaunch_reopens_the_session_open_at_quit(kvhome: Path) -> None:
 # --- issue 14.5: resume before Enter ---------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itself(
     kvhome: Path,
 ) -> None:
@@ -170,6 +170,7 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
 # --- issue 11.4: a reply cut at the token limit, and Continue --------------------------------
 
 
+@pytest.mark.e2e
 async def test_a_reply_cut_at_the_token_limit_offers_continue(kvhome: Path) -> None:
     app = make_app(max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
@@ -230,6 +231,7 @@ def _ask(home: Path, session_id: str, text: str) -> subprocess.CompletedProcess[
     )
 
 
+@pytest.mark.e2e
 async def test_another_process_writing_the_open_session_shows_and_its_lock_is_kept(
     kvhome: Path,
 ) -> None:
@@ -272,3 +274,37 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
         await wait_until(lambda: main.last_turn is not before and main.turn is None)
         assert texts(main)[4] == "mine" and len(main.conversation.views) == 6
         await quit_app(app)
+
+
+# --- issue 14.3: the first frame needs nothing heavy; the UI bench's bounds ----------------------
+
+HEAVY = ("pydantic", "llama_cpp", "kvchat.config", "kvchat.chat", "kvchat.planner", "markdown_it")
+
+
+def test_nothing_heavy_is_imported_with_the_app() -> None:
+    """The first frame is drawn before the settings (pydantic), the service (llama.cpp),
+    the catalog and the Markdown parser are imported: the app module needs none of them."""
+    code = (
+        "import sys, kvchat.tui.app, kvchat.tui.bench\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_ui_bench_report_states_each_bound() -> None:
+    from kvchat.tui.bench_report import Switch, UiReport
+
+    report = UiReport(first_paint_ms=420, jump_ms=250, echo_ms=[10.0] * 19 + [80.0])
+    report.switches = [Switch("disk", 4000, 90.0, 120.0, 60.0, 30.0)]
+    report.machine = {"cores": 2}
+    data = report.to_json()
+    bounds = data["bounds"]
+    assert bounds["first_paint_ms"] == {"bound": 500.0, "measured": 420.0, "met": True}
+    assert bounds["switch_over_restore_ms"]["met"] is True
+    assert bounds["jump_ms"]["met"] is False
+    assert bounds["echo_p95_ms"] == {"bound": 50.0, "measured": 10.0, "met": True}
+    assert data["echo_max_ms"] == 80.0 and data["echo_keys"] == 20

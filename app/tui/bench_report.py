@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ ECHO_P95_BOUND_MS = 50.0
 LONG_SESSION = 300  # messages in the session a search jump lands in
 
 
+@dataclass
 class Switch:
     """One session switch: when it was drawn, and its restore."""
 
@@ -82,11 +84,12 @@ class UiReport:
 
 
 def _percentile(values: list[float], pct: float) -> float:
+    """The nearest-rank percentile: the smallest value with ``pct`` % of them at or below it."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(pct / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = min(len(ordered), max(1, math.ceil(pct / 100 * len(ordered) - 1e-9)))
+    return ordered[rank - 1]
 
 
 def format_ui_report(report: UiReport) -> str:
