@@ -16,19 +16,11 @@ from textual import work
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
 from kvchat.tui.format import shorten, slug, visible
-from kvchat.tui.presets import load_presets
-from kvchat.tui.screens.dialogs import (
-    ConfirmDialog,
-    ExportDialog,
-    ExportRequest,
-    SessionSettings,
-    SettingsDialog,
-    TextDialog,
-)
-from kvchat.tui.screens.search import SearchScreen
 
+# The dialogs and screens are imported when first opened, not before the first frame.
 if TYPE_CHECKING:
     from kvchat.chat import SearchHit
+    from kvchat.tui.screens.dialogs import ExportRequest, SessionSettings
 
 
 class SessionActions(ScreenBase):
@@ -51,6 +43,8 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_rename(self) -> None:
+        from kvchat.tui.screens.dialogs import TextDialog
+
         session_id = self._need_session("rename")
         if session_id is None:
             return
@@ -68,6 +62,8 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_delete(self) -> None:
+        from kvchat.tui.screens.dialogs import ConfirmDialog
+
         session_id = self._need_session("delete")
         if session_id is None or not self._idle("delete a session"):
             return
@@ -94,6 +90,8 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_search(self) -> None:
+        from kvchat.tui.screens.search import SearchScreen
+
         async def searcher(query: str) -> list[SearchHit]:
             result: list[SearchHit] = await self.on_store(self.service.search, query)
             return result
@@ -104,6 +102,8 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_export(self) -> None:
+        from kvchat.tui.screens.dialogs import ExportDialog
+
         session_id = self._need_session("export")
         if session_id is None:
             return
@@ -127,6 +127,9 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_settings(self) -> None:
+        from kvchat.tui.presets import load_presets
+        from kvchat.tui.screens.dialogs import SettingsDialog
+
         session_id = self.session_id
         if session_id is None:
             session_id = self.session_id = await self._new_session_id()

@@ -14,7 +14,6 @@ from textual import work
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
 from kvchat.tui.format import shorten, visible
-from kvchat.tui.screens.dialogs import EditDialog
 from kvchat.tui.widgets.conversation import MessageView
 
 
@@ -114,6 +113,8 @@ class BranchActions(ScreenBase):
         if message_id is None:
             return
         original = visible(view.text)  # what the message shows
+        from kvchat.tui.screens.dialogs import EditDialog
+
         text: str | None = await self.app.push_screen_wait(EditDialog(original))
         if text is None:
             return

@@ -14,8 +14,6 @@ from textual import work
 from kvchat.tui.base import ScreenBase
 from kvchat.tui.clipboard import CopyOutcome, choose_route, deliver
 from kvchat.tui.format import code_blocks, local_time, turn_lines
-from kvchat.tui.screens.details import DetailsDialog
-from kvchat.tui.screens.dialogs import CodePickerDialog
 from kvchat.tui.widgets.conversation import ROLE_NAMES, MessageView
 
 if TYPE_CHECKING:
@@ -52,6 +50,8 @@ class MessageActions(ScreenBase):
         if len(blocks) == 1:
             self._copy(blocks[0], "code block")
             return
+        from kvchat.tui.screens.dialogs import CodePickerDialog
+
         picked = await self.app.push_screen_wait(CodePickerDialog(blocks[::-1]))
         if picked is not None:
             self._copy(picked, "code block")
@@ -106,6 +106,8 @@ class MessageActions(ScreenBase):
                 lines += turn_lines(report)
             else:
                 lines.append("Turn figures: kept for the replies generated since kvchat started")
+        from kvchat.tui.screens.details import DetailsDialog
+
         await self.app.push_screen_wait(DetailsDialog(title, lines))
 
 
