@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import sqlite3
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,12 +227,16 @@ class KVTiers:
     def _unused_snapshot(self, session_id: str, prompt: list[int] | None) -> str | None:
         """Why the session's snapshot is not worth restoring for this prompt (it shares only
         the first few tokens: another n_ctx's window, an edited start), or None. A turn
-        line then says so instead of "restored N tokens" that the prefill would not use."""
+        line then says so instead of "restored N tokens" that the prefill would not use.
+        A snapshot that holds what follows the shared start further on is used: the turn
+        shifts the messages that left the window out of it."""
         row = self.store.get_snapshot(session_id)
         if prompt is None or row is None or row.damage:
             return None
         shared = common_prefix(row.token_ids, prompt)
-        if shared >= min(row.n_tokens, USEFUL_PREFIX):
+        if shared >= min(row.n_tokens, USEFUL_PREFIX) or _holds_later(
+            row.token_ids, prompt, shared
+        ):
             return None
         return (
             f"its saved KV ({row.n_tokens:,} tokens) shares only {shared:,} tokens with "
@@ -357,6 +362,19 @@ class KVTiers:
         else:
             self.warm.drop(session_id)
         return self.cold.clear(session_id)
+
+
+def _holds_later(held: list[int], prompt: list[int], start: int, probe: int = 32) -> bool:
+    """Whether ``held`` contains the prompt's next ``probe`` tokens after ``start`` somewhere
+    further on (a window shift would reuse them)."""
+    needle = array("i", prompt[start : start + probe]).tobytes()
+    if len(needle) < 4 * min(probe, 8):
+        return False
+    hay = array("i", held[start:]).tobytes()
+    at = hay.find(needle)
+    while at != -1 and at % 4:
+        at = hay.find(needle, at + 1)
+    return at != -1
 
 
 def _save_error(exc: BaseException) -> str:
