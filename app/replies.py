@@ -1,4 +1,5 @@
-"""Turns on the last reply: regenerate it, continue it (mixed into ChatService)."""
+"""Turns on the last reply: regenerate it (a new version), continue it, switch between its
+versions (mixed into ChatService)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from kvchat.engine import CancelCheck, GenerationStats
 from kvchat.errors import KvchatError
 from kvchat.generation import stream_reply
 from kvchat.service_parts import ServiceParts
+from kvchat.store import Message
 from kvchat.turns import TokenCallback, TurnReport, generation_params
 
 
@@ -23,9 +25,10 @@ class ReplyTurns(ServiceParts):
         no_restore: bool = False,
         **overrides: Any,
     ) -> TurnReport:
-        """Replace the last reply with a new one (the prompt is already in the context).
+        """A new version of the last reply (the prompt is already in the context).
 
-        The old reply is deleted only once the new one is stored.
+        The earlier versions are kept (see :meth:`switch_version`); the new one becomes
+        current once it is stored, in one transaction with the version list.
         """
         session = self.store.get_session(session_id)
         params = generation_params(self.settings, session.settings, overrides)
@@ -102,3 +105,28 @@ class ReplyTurns(ServiceParts):
                 base = prompt  # cut short: nothing to settle (see _after_reply)
             self._after_reply(report, session, base)
             return report
+
+    # --- reply versions ---------------------------------------------------------------------
+
+    def reply_versions(self, message_id: int) -> tuple[int, int]:
+        """(the 1-based position of the message's current version, how many it has); a
+        message never regenerated is (1, 1)."""
+        return self.store.version_of(message_id)
+
+    def switch_version(self, message_id: int, step: int) -> Message | None:
+        """Make the previous (``step`` -1) or next (+1) version of the last reply current and
+        return it; None at either end. Only the session's last reply switches (the messages
+        after an earlier one answer the version they followed).
+
+        Nothing is decoded here: the next turn's prefill reuses the context up to where the
+        versions differ, so it decodes this version's reply and the new message only.
+        """
+        message = self.store.get_message(message_id)
+        with self._turn_lock(message.session_id):
+            history = self.store.messages(message.session_id)
+            if not history or history[-1].id != message_id:
+                raise KvchatError(
+                    "only the last reply's versions can be switched: the messages after this "
+                    "one answer the version they followed"
+                )
+            return self.store.switch_version(message_id, step)

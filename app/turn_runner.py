@@ -59,7 +59,8 @@ class TurnRunner(ServiceParts):
         replaces: int | None = None,
     ) -> TurnReport:
         """Run the model on the session's history (without message ``replaces``) and store
-        its reply (then delete ``replaces``). Called with the session's turn lock held."""
+        its reply (as a new version of ``replaces``: the earlier ones are kept). Called with
+        the session's turn lock held."""
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.load_engine()
@@ -108,7 +109,11 @@ class TurnRunner(ServiceParts):
         # From here on the reply exists: whatever fails is reported, never raised.
         if reply.strip():
             try:
-                if streamed is not None:  # the final commit replaces the streamed text
+                if replaces is not None:  # a new version; the earlier ones are kept
+                    message = self.store.add_version(
+                        replaces, reply, token_count=stats.generated, partial=report.partial
+                    )
+                elif streamed is not None:  # the final commit replaces the streamed text
                     message = self.store.update_message(
                         streamed, reply, report.partial, token_count=stats.generated
                     )
@@ -129,10 +134,5 @@ class TurnRunner(ServiceParts):
                 self.store.delete_message(streamed)
             except KvchatError:
                 pass
-        if replaces is not None and report.message_id is not None:
-            try:
-                self.store.delete_message(replaces)
-            except KvchatError as exc:
-                report.reply_error = f"the old reply could not be removed: {exc}"
         self._after_reply(report, session, prompt, dropped)
         return report

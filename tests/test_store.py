@@ -145,3 +145,41 @@ def test_a_snapshot_not_continued_by_the_next_is_shelved_per_fingerprint(tmp_pat
     store.delete_snapshot(sid)
     assert store.get_snapshot(sid) is None and store.shelved_snapshots(sid) == []
     store.close()
+
+
+# --- reply versions (issue 11 item 10) ---------------------------------------------------------
+
+
+def test_reply_versions_keep_every_reply_and_the_row_holds_the_current_one(tmp_path: Path):
+    store = Store(tmp_path / "kvchat.db")
+    sid = store.create_session("s").id
+    store.add_message(sid, "user", "Hi")
+    first = store.add_message(sid, "assistant", "Hello there", token_count=2)
+    assert store.version_of(first.id) == (1, 1)
+    assert store.switch_version(first.id, -1) is None
+
+    second = store.add_version(first.id, "Howdy partner", token_count=3)
+    third = store.add_version(first.id, "Greetings", token_count=1, partial=True)
+    assert second.id == third.id == first.id  # one message, three versions
+    assert store.version_of(first.id) == (3, 3)
+    assert [m.content for m in store.messages(sid)] == ["Hi", "Greetings"]
+    assert store.messages(sid)[-1].partial
+    assert store.switch_version(first.id, +1) is None  # the newest is current
+
+    back = store.switch_version(first.id, -1)
+    assert back is not None and back.content == "Howdy partner" and back.token_count == 3
+    assert store.version_of(first.id) == (2, 3) and not back.partial
+    # Search sees the current version only.
+    assert [h.message.content for h in store.search("Howdy")] == ["Howdy partner"]
+    assert store.search("Greetings") == []
+    # Continuing the current version keeps its version in step.
+    store.update_message(first.id, "Howdy partner, welcome", False, token_count=5)
+    store.switch_version(first.id, -1)
+    assert store.get_message(first.id).content == "Hello there"
+    again = store.switch_version(first.id, +1)
+    assert again is not None and again.content == "Howdy partner, welcome"
+
+    store.delete_session(sid)  # its versions go with its messages
+    with sqlite3.connect(tmp_path / "kvchat.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM reply_versions").fetchone() == (0,)
+    store.close()

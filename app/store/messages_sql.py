@@ -7,6 +7,7 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.store.base import SqlBase, now
 from kvchat.store.models import Message, SearchHit
+from kvchat.store.versions_sql import sync_current_version
 
 
 class MessagesSql(SqlBase):
@@ -98,6 +99,7 @@ class MessagesSql(SqlBase):
             )
             if cursor.rowcount == 0:
                 raise KvchatError(f"no message with id {message_id}")
+            sync_current_version(conn, message_id)
             conn.execute(
                 "UPDATE sessions SET updated=? WHERE id=(SELECT session_id FROM messages"
                 " WHERE id=?)",

@@ -113,6 +113,26 @@ def m005_window_checkpoints(db: sqlite_utils.Database) -> None:
         snapshots.add_column("checkpoints", str)
 
 
+def m006_reply_versions(db: sqlite_utils.Database) -> None:
+    """Reply versions: every version of a regenerated reply, numbered from 1; the message
+    row holds the current one and ``messages.version`` says which (see versions_sql)."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS reply_versions (
+            message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+            n INTEGER NOT NULL,
+            content TEXT NOT NULL,
+            token_count INTEGER NOT NULL DEFAULT 0,
+            partial INTEGER NOT NULL DEFAULT 0,
+            created TEXT NOT NULL,
+            PRIMARY KEY (message_id, n)
+        )
+        """
+    )
+    if "version" not in set(db["messages"].columns_dict):
+        db["messages"].add_column("version", int)
+
+
 def m007_server_slots(db: sqlite_utils.Database) -> None:
     """llama-server engine: per session, the slot file kvchat named, its exact token ids
     and the fingerprint of the server that wrote it (see kvchat.kvcache.slots)."""
@@ -188,6 +208,7 @@ MIGRATIONS: list[Migration] = [
     m003_kv_snapshots,
     m004_kv_chunks,
     m005_window_checkpoints,
+    m006_reply_versions,
     m007_server_slots,
     m008_session_model,
     m009_snapshot_shelf,

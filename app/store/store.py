@@ -27,6 +27,7 @@ from kvchat.store.server_slots import ServerSlotsSql
 from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
+from kvchat.store.versions_sql import VersionsSql
 
 __all__ = ["DamagedDatabase", "Store", "StoreFull", "damaged_message", "now"]
 
@@ -40,7 +41,15 @@ def _create_private_file(path: Path) -> None:
     os.chmod(path, 0o600)
 
 
-class Store(SessionsSql, MessagesSql, SnapshotsSql, ImportsSql, ServerSlotsSql, SessionModelsSql):
+class Store(
+    SessionsSql,
+    MessagesSql,
+    VersionsSql,
+    SnapshotsSql,
+    ImportsSql,
+    ServerSlotsSql,
+    SessionModelsSql,
+):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
     Opening checks the file (``PRAGMA quick_check``) and runs the migrations while holding

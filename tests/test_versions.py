@@ -1,0 +1,76 @@
+"""Reply versions (issue 11 item 10), service side, with the real model.
+
+Regenerate keeps the earlier reply; switching back makes it current (the conversation, its
+search and its exports read it), and the next turn reuses the context up to where the two
+versions differ: it decodes that version's reply and the new message, never the history.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvchat.chat import ChatService
+from kvchat.config import load_settings
+from kvchat.errors import KvchatError
+
+pytestmark = pytest.mark.e2e
+
+_WORDS = "river mountain library garden engine signal theory market history music".split()
+
+
+def note(i: int, words: int = 120) -> str:
+    """A long user message: a history worth not re-reading."""
+    body = " ".join(_WORDS[(i * 3 + k * 7) % len(_WORDS)] for k in range(words))
+    return f"Note {i}: {body}. Reply with one short sentence."
+
+
+def service(home: Path) -> ChatService:
+    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=24, n_threads=1)
+    return ChatService(settings, home=home)
+
+
+def test_switching_back_to_an_earlier_reply_reuses_the_shared_prefix(kvhome: Path) -> None:
+    svc = service(kvhome)
+    try:
+        sid = svc.start(note(0)).session_id
+        svc.send(sid, note(1))
+        asked = svc.send(sid, "Name one colour and say why you like it.")
+        reply_id = asked.message_id
+        assert reply_id is not None and svc.reply_versions(reply_id) == (1, 1)
+
+        again = svc.regenerate(sid, temperature=1.2, seed=11)
+        assert again.message_id == reply_id  # the same message, a second version
+        assert again.reply != asked.reply
+        assert svc.reply_versions(reply_id) == (2, 2)
+        assert svc.messages(sid)[-1].content == again.reply
+        assert svc.switch_version(reply_id, +1) is None  # already the newest
+
+        shown = svc.switch_version(reply_id, -1)
+        assert shown is not None and shown.content == asked.reply
+        assert svc.reply_versions(reply_id) == (1, 2)
+        assert svc.switch_version(reply_id, -1) is None  # the first version
+        assert [m.content for m in svc.messages(sid)][-1] == asked.reply
+        exported = json.loads(svc.export(sid, "json"))  # exports hold current versions
+        assert exported["messages"][-1]["content"] == asked.reply
+        assert again.reply not in svc.export(sid, "md")
+
+        after = svc.send(sid, "Thanks.")
+
+        # The context held the second version; the prompt has the first: the turn reused
+        # everything up to the reply and decoded the first version and the new message.
+        history = again.tokens.prompt  # the prompt up to the reply (the same for both)
+        assert after.restore.source == "hot"
+        assert history <= after.tokens.reused < history + svc.engine.count_tokens(asked.reply)
+        new_part = svc.engine.count_tokens(asked.reply) + svc.engine.count_tokens("Thanks.")
+        assert after.tokens.decoded == after.tokens.prompt - after.tokens.reused
+        assert after.tokens.decoded <= new_part + 16  # + the template's few markers
+        assert history > 300  # a history worth not re-reading, and it was not
+
+        # Versions of an earlier reply no longer switch: later messages answer it.
+        with pytest.raises(KvchatError, match="only the last reply"):
+            svc.switch_version(reply_id, +1)
+    finally:
+        svc.close()
