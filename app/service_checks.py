@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import errno
-import os
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 from kvchat.engine import Engine
 
-# Free space below which a disk counts as full (SQLite needs a few pages to open a file).
-FULL_BELOW_BYTES = 64 * 1024
+# disk_full is the store's (it names SQLite's "disk I/O error" on a full disk as such).
+from kvchat.store.base import disk_full as disk_full
 
 
 def check_engine_config(engine: Engine, wanted: Any, explicit: set[str]) -> None:
@@ -31,17 +29,6 @@ def check_engine_config(engine: Engine, wanted: Any, explicit: set[str]) -> None
     ]
     if differ:
         raise ValueError(f"the engine given to ChatService has other settings: {', '.join(differ)}")
-
-
-def disk_full(directory: Path) -> bool:
-    """Whether the filesystem holding ``directory`` (or its nearest parent) has no room."""
-    for place in (directory, *directory.parents):
-        try:
-            stat = os.statvfs(place)
-        except OSError:
-            continue
-        return stat.f_bavail * stat.f_frsize < FULL_BELOW_BYTES
-    return False
 
 
 def os_error_line(what: str, exc: OSError) -> str:

@@ -213,3 +213,38 @@ def test_doctor_salvages_the_text_and_keeps_the_damaged_file(tmp_path: Path):
     texts = [m.content for m in store.messages(session_id)]
     assert len(texts) == report.messages and texts[0].startswith("message 0 ")
     assert doctor.check(path).ok
+
+
+def test_a_turn_lock_holds_when_a_full_disk_refuses_its_holder_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import errno
+
+    from kvchat.store import locks as locks_module
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    locks = SessionLocks(tmp_path / "locks")
+    with monkeypatch.context() as patch:
+        patch.setattr(locks_module.os, "pwrite", full)
+        with locks.hold("0123abcd", 0):
+            with pytest.raises(SessionBusy):  # the lock is held all the same
+                with SessionLocks(tmp_path / "locks").hold("0123abcd", 0):
+                    pass
+    with locks.hold("0123abcd", 0):  # and let go
+        pass
+
+
+def test_sqlite_disk_io_error_on_a_full_disk_is_named_a_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from kvchat.store import base
+    from kvchat.store.store import StoreFull
+
+    error = sqlite3.OperationalError("disk I/O error")
+    assert type(base._translate(tmp_path / "kvchat.db", error)) is KvchatError  # room left
+    monkeypatch.setattr(base, "disk_full", lambda _directory: True)
+    translated = base._translate(tmp_path / "kvchat.db", error)
+    assert isinstance(translated, StoreFull)
+    assert str(translated).startswith("the disk is full: could not write to")

@@ -3,6 +3,7 @@ translated into one clear line."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -14,6 +15,9 @@ from typing import Any
 import sqlite_utils
 
 from kvchat.errors import KvchatError
+
+# Free space below which a disk counts as full (SQLite needs a few pages to open a file).
+FULL_BELOW_BYTES = 64 * 1024
 
 
 def now() -> str:
@@ -43,13 +47,25 @@ def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
     text = str(exc)
     if isinstance(exc, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.InterfaceError):
         return exc
-    if "full" in text:
+    if "full" in text or ("disk I/O error" in text and disk_full(path.parent)):
+        # SQLite reports a full disk as an I/O error when a page or its -shm can't grow.
         return StoreFull(f"the disk is full: could not write to {path} ({text})")
     if "locked" in text or "busy" in text:
         return KvchatError(f"the database {path} is busy (another kvchat is writing): {text}")
     if "malformed" in text or "not a database" in text or "encrypted" in text:
         return DamagedDatabase(damaged_message(path, text))
     return KvchatError(f"database error in {path}: {text}")
+
+
+def disk_full(directory: Path) -> bool:
+    """Whether the filesystem holding ``directory`` (or its nearest parent) has no room."""
+    for place in (directory, *directory.parents):
+        try:
+            stat = os.statvfs(place)
+        except OSError:
+            continue
+        return stat.f_bavail * stat.f_frsize < FULL_BELOW_BYTES
+    return False
 
 
 class SqlBase:

@@ -79,8 +79,11 @@ class SessionLocks:
                             "on it; try again when it has finished"
                         ) from None
                     time.sleep(0.05)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"process {os.getpid()}".encode(), 0)
+            try:  # who holds it, for the busy message; a full disk may refuse: the lock holds
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"process {os.getpid()}".encode(), 0)
+            except OSError:
+                pass
             yield
         finally:
             os.close(fd)
