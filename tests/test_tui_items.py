@@ -94,6 +94,10 @@ def texts(main: MainScreen) -> list[str]:
     return [v.text for v in main.conversation.views]
 
 
+def header(view: MessageView) -> str:
+    return str(view.query_one(".message-role").render())
+
+
 # --- issue 11.2: relaunch opens the session the user was in -----------------------------------
 
 
@@ -180,8 +184,7 @@ async def test_a_reply_cut_at_the_token_limit_offers_continue(kvhome: Path) -> N
         assert report is not None and report.finish_reason == "length"
         assert "stopped at the token limit" in main.status.turn_text
         assert "F12 continues" in main.status.turn_text
-        header = str(reply.query_one(".message-role").render())
-        assert "stopped at the token limit (F12 continues)" in header
+        assert "stopped at the token limit (F12 continues)" in header(reply)
         first_part = reply.text
         session_id = main.session_id
         assert session_id is not None
@@ -253,7 +256,9 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
         assert len(stored) == 4 and stored[2] == "Question from a shell"
         # (A reply saved as it streams may show first, then its final text.)
         await wait_until(lambda: texts(main) == stored, timeout=30)
-        assert "from another kvchat" in main.status.turn_text
+        # "2 new messages from another kvchat", or "… updated by another kvchat" when the
+        # reply showed as it streamed and then its final text.
+        assert main.status.turn_text.endswith("another kvchat")
 
         # While another process holds the session's turn lock, Enter says so and keeps
         # the message; nothing is stored or shown.
@@ -273,6 +278,48 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
         await pilot.press("enter")
         await wait_until(lambda: main.last_turn is not before and main.turn is None)
         assert texts(main)[4] == "mine" and len(main.conversation.views) == 6
+        await quit_app(app)
+
+
+# --- issue 11.10: reply versions, ←/→ on the last reply ----------------------------------------
+
+
+@pytest.mark.e2e
+async def test_left_and_right_on_the_last_reply_switch_its_versions(kvhome: Path) -> None:
+    app = make_app(max_tokens=8, temperature=1.0)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        first = await send(pilot, main, "Name a color.")
+        first_text, reply_id = first.text, first.message_id
+        assert reply_id is not None and "reply 1/" not in header(first)
+        before = main.last_turn
+        await pilot.press("ctrl+r")  # a second version; the first is kept
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await pilot.pause()
+        reply = main.conversation.views[-1]
+        second_text = reply.text
+        assert reply.message_id == reply_id and "reply 2/2" in header(reply)
+        service = app.service
+        assert service is not None and main.session_id is not None
+        session_id = main.session_id
+
+        def stored() -> list[str]:
+            return [m.content for m in service.messages(session_id)]
+
+        reply.focus()
+        await pilot.press("left")
+        await wait_until(lambda: reply.version == (1, 2))
+        assert "reply 1/2" in header(reply) and reply.text == first_text
+        # The store's conversation reads as shown: the first version is current.
+        assert stored() == [v.text for v in main.conversation.views] and len(stored()) == 2
+        assert stored()[-1] == first_text
+
+        await pilot.press("left")  # no earlier version: it says so and stays
+        await wait_until(lambda: any("first version" in n.message for n in app._notifications))
+        assert reply.version == (1, 2)
+        await pilot.press("right")
+        await wait_until(lambda: reply.version == (2, 2))
+        assert reply.text == second_text and stored()[-1] == second_text
         await quit_app(app)
 
 

@@ -85,6 +85,13 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "",
+        "← / → (on the last reply)",
+        None,
+        "Previous / next version of the reply (Ctrl+R makes a new one; the header shows 2/3)",
+        palette=False,
+    ),
+    Key(
+        "",
         "c / b / i (on a message)",
         None,
         "Copy that message / a code block of it / show its details",

@@ -30,7 +30,6 @@ from kvchat.tui.messages import MessageActions
 from kvchat.tui.model_actions import ModelActions
 from kvchat.tui.opening import LOADING_PLACEHOLDER, SessionOpening
 from kvchat.tui.replies import FLUSH_HZ, ActiveTurn, TurnActions
-from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.watch import SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
@@ -123,6 +122,10 @@ class MainScreen(
         elif event.view.text:
             self._copy(event.view.text, "message")
 
+    @on(MessageView.VersionRequested)
+    def _version_requested(self, event: MessageView.VersionRequested) -> None:
+        self.switch_version(event.view, event.step)
+
     @on(MessageView.DetailsRequested)
     def _details_requested(self, event: MessageView.DetailsRequested) -> None:
         self.action_message_details(event.view)
@@ -184,4 +187,6 @@ class MainScreen(
         self.sessions.focus()
 
     def action_help(self) -> None:
+        from kvchat.tui.screens.help import HelpScreen
+
         self.app.push_screen(HelpScreen())

@@ -138,12 +138,24 @@ class SessionOpening(ScreenBase):
     ) -> None:
         """Show the session's stored messages (the latest, or a window around
         ``highlight``); note when they last changed, for the watch on other processes."""
-        service = self.service
-        stamp = await self.on_store(service.changed_at, session_id)
-        messages: list[Message] = await self.on_store(service.messages, session_id)
+        stamp, messages, version = await self.on_store(self._stored, session_id)
         await self.conversation.show(messages, around=highlight, lazy=lazy)
+        last = self.conversation.last_view
+        if last is not None and not self.conversation.later and last.role == "assistant":
+            last.set_version(*version)
         self.seen_change = (session_id, stamp)
         self._shown_id = session_id
+
+    def _stored(self, session_id: str) -> tuple[str, list[Message], tuple[int, int]]:
+        """On the store thread: when the session last changed, its messages, and which
+        version of its last reply is current, of how many (only that reply switches)."""
+        service = self.service
+        stamp, messages = service.changed_at(session_id), service.messages(session_id)
+        last = messages[-1] if messages else None
+        version = (1, 1)
+        if last is not None and last.role == "assistant":
+            version = service.reply_versions(last.id)
+        return stamp, messages, version
 
     @work(group="open", exclusive=True, exit_on_error=False)
     async def open_session(

@@ -199,6 +199,8 @@ class TurnActions(ScreenBase):
             self.turn_figures[report.message_id] = report
             text = turn.before + report.reply if turn.kind == "continue" else report.reply
             await view.finish(text=text, message_id=report.message_id, partial=report.partial)
+        if view.message_id is not None:
+            view.set_version(*await self.on_store(self.service.reply_versions, view.message_id))
         cut = report.finish_reason == "length" and view.message_id is not None
         view.set_cut(cut)
         summary = report.summary() + (f" · {CONTINUE_HINT}" if cut else "")
@@ -216,6 +218,32 @@ class TurnActions(ScreenBase):
             self.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
         if report.snapshot.error:
             self.notify(report.snapshot.error, severity="warning", markup=False)
+        self.request_refresh()
+
+    @work(group="action", exit_on_error=False)
+    async def switch_version(self, view: MessageView, step: int) -> None:
+        """←/→ on the last reply: make its previous / next version current and show it."""
+        if not self._idle("switch a reply's version"):
+            return
+        views = self.conversation.views
+        if view.message_id is None or not views or view is not views[-1]:
+            self.notify("Only the last reply has versions to switch (Ctrl+R makes a new one)")
+            return
+        try:
+            # On the engine thread: it takes the session's turn lock, like a turn.
+            message = await self.on_engine(self.service.switch_version, view.message_id, step)
+        except KvchatError as exc:
+            self.notify(str(exc), severity="warning", markup=False)
+            return
+        if message is None:
+            edge = "first" if step < 0 else "last"
+            self.notify(f"This is the {edge} version of the reply (Ctrl+R makes a new one)")
+            return
+        position, count = await self.on_store(self.service.reply_versions, message.id)
+        await view.show_version(message, position, count)
+        self.status.set_turn(
+            f"reply version {position} of {count}: the next message reuses the KV up to it"
+        )
         self.request_refresh()
 
     def action_cancel(self) -> None:

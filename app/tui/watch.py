@@ -55,7 +55,7 @@ class SessionWatch(ScreenBase):
             plural = "s" if added != 1 else ""
             self.status.set_turn(f"{added} new message{plural} from another kvchat")
         else:
-            self.status.set_turn("updated by another kvchat")
+            self.status.set_turn("messages updated by another kvchat")
         self.request_refresh()
 
     def _shown_count(self) -> int:

@@ -92,6 +92,8 @@ class MessageView(Vertical, can_focus=True):
         Binding("e", "edit", "Edit message", show=False),
         Binding("up", "move(-1)", "Previous message", show=False),
         Binding("down", "move(1)", "Next message", show=False),
+        Binding("left", "version(-1)", "Previous version of the reply", show=False),
+        Binding("right", "version(1)", "Next version of the reply", show=False),
     ]
     OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
 
@@ -111,6 +113,13 @@ class MessageView(Vertical, can_focus=True):
         """``e``: edit this message as a new branch."""
 
         view: MessageView
+
+    @dataclass
+    class VersionRequested(TextualMessage):
+        """←/→ on a reply: show its previous (-1) or next (+1) version."""
+
+        view: MessageView
+        step: int
 
     @dataclass
     class DetailsRequested(TextualMessage):
@@ -143,6 +152,7 @@ class MessageView(Vertical, can_focus=True):
         self.number = number  # 1-based position in the session's messages
         self.stream: MarkdownStream | None = None
         self.cut = False  # a reply stopped at the token limit (F12 continues it)
+        self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
 
     @classmethod
     def from_message(cls, message: Message, number: int | None = None) -> MessageView:
@@ -169,6 +179,8 @@ class MessageView(Vertical, can_focus=True):
         name = ROLE_NAMES.get(self.role, self.role)
         if self.number is not None:
             name = f"{name} · #{self.number}"
+        if self.version[1] > 1:
+            name = f"{name} · reply {self.version[0]}/{self.version[1]} (←/→)"
         if self.streaming:
             return f"{name} ▍"
         if self.partial:
@@ -180,6 +192,23 @@ class MessageView(Vertical, can_focus=True):
     def _show_header(self) -> None:
         for label in self.query(".message-role").results(Label):
             label.update(self._header())
+
+    def set_version(self, position: int, count: int) -> None:
+        """Show which version of the reply this is, of how many."""
+        if (position, count) != self.version:
+            self.version = (position, count)
+            self._show_header()
+
+    async def show_version(self, message: Message, position: int, count: int) -> None:
+        """Show another version of this reply in place."""
+        self.message_id = message.id
+        self.partial = message.partial
+        self.text = message.content
+        self.cut = False
+        self.version = (position, count)
+        await self.body.update(self._shown(self.text))
+        self.set_class(self.partial, "-partial")
+        self._show_header()
 
     def set_cut(self, cut: bool) -> None:
         """Mark (or unmark) the reply as stopped at the token limit, in its header."""
@@ -231,6 +260,10 @@ class MessageView(Vertical, can_focus=True):
     def action_move(self, step: int) -> None:
         if isinstance(self.parent, Conversation):
             self.parent.move(self, step)
+
+    def action_version(self, step: int) -> None:
+        if self.role == "assistant":
+            self.post_message(self.VersionRequested(self, step))
 
     def action_details(self) -> None:
         self.post_message(self.DetailsRequested(self))
