@@ -10,6 +10,9 @@ Files are written atomically (:mod:`kvchat.kvcache.files`) in the formats of
 :mod:`kvchat.kvcache.format`, and only then are the rows committed, so a crash leaves
 the old snapshot or the new one, never a row pointing at a broken file. Deleting,
 budgets and orphans are :mod:`kvchat.kvcache.housekeeping`'s. Data dir 0700, files 0600.
+Writing is :mod:`kvchat.kvcache.snapshot_write`'s, loading
+:mod:`kvchat.kvcache.snapshot_read`'s (chunks read straight into the state buffer by
+:mod:`kvchat.kvcache.chunk_read`); this class picks the row and composes them.
 
 File names derive from keys (the session id, a chunk key), never from a stored path. The
 snapshot directory and its ``chunks/`` directory are used only when each is a real
