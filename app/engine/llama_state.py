@@ -24,6 +24,8 @@ MAX_PENDING_CHECKPOINTS = 2
 # Buffers are sized in whole huge pages, with room to grow: a state grows every turn.
 HUGE_PAGE = 2 << 20
 GROWTH = 1.25
+# ... but never more than this beyond what was asked (a long context's state is gigabytes).
+MAX_HEADROOM = 64 << 20
 
 
 class StateBuffer:
@@ -39,6 +41,7 @@ class StateBuffer:
         """A buffer of at least ``size`` bytes (its contents are whatever was there)."""
         if self._array is None or len(self._array) < size:
             grown = int(len(self._array) * GROWTH) if self._array is not None else 0
+            grown = min(grown, size + MAX_HEADROOM)
             capacity = -(-max(size, grown, 1) // HUGE_PAGE) * HUGE_PAGE
             mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             advice = getattr(mmap, "MADV_HUGEPAGE", None)
