@@ -230,8 +230,11 @@ class KVTiers:
         line then says so instead of "restored N tokens" that the prefill would not use.
         A snapshot that holds what follows the shared start further on is used: the turn
         shifts the messages that left the window out of it."""
+        engine, fingerprint = self._attached()
         row = self.store.get_snapshot(session_id)
-        if prompt is None or row is None or row.damage:
+        if prompt is None or row is None or row.damage or row.n_tokens > engine.n_ctx:
+            return None  # the restore says why it cannot load it
+        if fingerprint.mismatch(row.fingerprint) is not None:
             return None
         shared = common_prefix(row.token_ids, prompt)
         if shared >= min(row.n_tokens, USEFUL_PREFIX) or _holds_later(
