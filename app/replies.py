@@ -113,6 +113,11 @@ class ReplyTurns(ServiceParts):
         message never regenerated is (1, 1)."""
         return self.store.version_of(message_id)
 
+    def reply_versions_in(self, session_id: str) -> dict[int, tuple[int, int]]:
+        """:meth:`reply_versions` of every reply of the session with more than one version,
+        by message id, in one query."""
+        return self.store.versions_in(session_id)
+
     def switch_version(self, message_id: int, step: int) -> Message | None:
         """Make the previous (``step`` -1) or next (+1) version of the last reply current and
         return it; None at either end. Only the session's last reply switches (the messages

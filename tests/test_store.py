@@ -162,6 +162,7 @@ def test_reply_versions_keep_every_reply_and_the_row_holds_the_current_one(tmp_p
     third = store.add_version(first.id, "Greetings", token_count=1, partial=True)
     assert second.id == third.id == first.id  # one message, three versions
     assert store.version_of(first.id) == (3, 3)
+    assert store.versions_in(sid) == {first.id: (3, 3)}
     assert [m.content for m in store.messages(sid)] == ["Hi", "Greetings"]
     assert store.messages(sid)[-1].partial
     assert store.switch_version(first.id, +1) is None  # the newest is current

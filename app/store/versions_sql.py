@@ -52,6 +52,17 @@ class VersionsSql(SqlBase):
             return 1, 1
         return int(row[0]), int(count)
 
+    def versions_in(self, session_id: str) -> dict[int, tuple[int, int]]:
+        """{message id: (current position, count)} for the session's replies that have more
+        than one version, in one query (a UI marks them all when it draws a session)."""
+        rows = self._rows(
+            "SELECT m.id, m.version, COUNT(v.n) AS count FROM messages m"
+            " JOIN reply_versions v ON v.message_id = m.id"
+            " WHERE m.session_id=? AND m.version IS NOT NULL GROUP BY m.id",
+            (session_id,),
+        )
+        return {r["id"]: (r["version"], r["count"]) for r in rows if r["count"] > 1}
+
     def switch_version(self, message_id: int, step: int) -> Message | None:
         """Make the version ``step`` away (-1: previous, +1: next) current; None when there
         is none there (either end, or a reply with one version)."""
