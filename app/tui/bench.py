@@ -255,7 +255,10 @@ async def _drive(app: KvchatApp, homes: Homes, rounds: int, keys: int, say: Say)
         await _switch(app, frames, homes.a)
         say("ui: typing while a reply streams…")
         report.echo_ms = await _echo(app, frames, keys, say)
-        await app.action_quit()
+        # Quit as a user does, from the app's own loop: awaiting action_quit from here
+        # raced run_test's shutdown with the app's exit, and the exit never finished.
+        _press(app, "ctrl+q")
+        await _wait(lambda: app._closed, 120)
     return report
 
 
