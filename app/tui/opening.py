@@ -187,7 +187,8 @@ class SessionOpening(ScreenBase):
             if highlight is not None:
                 self.last_jump_ms = (time.perf_counter() - started) * 1000
             elif focus_prompt:
-                self.prompt.focus()
+                # Now, not after this frame (Widget.focus waits for one): one frame for all.
+                self.set_focus(self.prompt, scroll_visible=False)
         await self.on_store(self.service.remember_open, session_id)
         # Resume before Enter: the restore starts as soon as the session is drawn (not
         # together with the drawing: both would share the interpreter's lock).
