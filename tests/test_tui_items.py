@@ -11,8 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,57 +22,21 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.main import MainScreen
 from kvchat.tui.widgets.conversation import MessageView
 from tests.conftest import FAST, REPO
+from tests.test_tui import SIZE, ready, send, wait_until
+from tests.test_tui import make_app as tui_app
+from tests.test_tui import make_settings as tui_settings
+from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
 
-SIZE = (100, 30)
+# Shorter replies and context than test_tui's apps: these tests count tokens, not text.
+ITEM_SETTINGS: dict[str, object] = {"max_tokens": 16, "n_ctx": 1024}
 
 
 def make_settings(**overrides: object) -> Settings:
-    values: dict[str, object] = {"temperature": 0, "max_tokens": 16, "n_ctx": 1024, "n_threads": 1}
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
-
-
-_apps: list[KvchatApp] = []
+    return tui_settings(**{**ITEM_SETTINGS, **overrides})
 
 
 def make_app(**overrides: object) -> KvchatApp:
-    app = KvchatApp(make_settings(**overrides), cursor_blink=False)
-    _apps.append(app)
-    return app
-
-
-@pytest.fixture(autouse=True)
-def no_background_failures() -> object:
-    """Background work reports failures as notices; in a test any failure is a bug."""
-    _apps.clear()
-    yield
-    for app in _apps:
-        assert app.worker_errors == [], app.worker_errors
-
-
-async def wait_until(predicate: Callable[[], object], timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
-        await asyncio.sleep(0.05)
-
-
-async def ready(app: KvchatApp) -> MainScreen:
-    main = app.main
-    await wait_until(lambda: main.ready)
-    await wait_until(lambda: main.session_id is None or main.last_restore is not None)
-    return main
-
-
-async def send(pilot: Pilot[None], main: MainScreen, text: str) -> MessageView:
-    main.prompt.focus()
-    main.prompt.insert(text)
-    before = main.last_turn
-    await pilot.press("enter")
-    await wait_until(lambda: main.last_turn is not before and main.turn is None)
-    await pilot.pause()
-    return main.conversation.views[-1]
+    return tui_app(**{**ITEM_SETTINGS, **overrides})
 
 
 async def pick_in_sidebar(pilot: Pilot[None], main: MainScreen, session_id: str) -> None:
