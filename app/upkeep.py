@@ -68,6 +68,12 @@ class ContextUpkeep(ServiceParts):
         any thread (a UI calls it before queueing the new turn on its engine thread)."""
         self._yield_now.set()
 
+    def allow_housekeeping(self) -> None:
+        """Housekeeping may run again: an interrupt that no turn followed (a switch of
+        version, a fork) would otherwise stop every later :meth:`housekeep` at once. A UI
+        calls it on its engine thread as each user action's work starts."""
+        self._yield_now.clear()
+
     @property
     def housekeeping_pending(self) -> bool:
         """Whether the last turn's settle or snapshot write has not run (or not finished)."""

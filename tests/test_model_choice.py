@@ -181,6 +181,7 @@ async def test_pick_another_model_in_the_app_and_sessions_remember_theirs(
             before = main.last_turn
             await pilot.press("enter")
             await wait_until(lambda: main.last_turn is not before and main.turn is None)
+            await wait_until(lambda: main.housekeeping_idle)  # the settle and the save
             await pilot.pause()
             return main.conversation.views[-1].text
 

@@ -80,12 +80,14 @@ async def ready(app: KvchatApp) -> MainScreen:
 
 
 async def send(pilot: Pilot[None], main: MainScreen, text: str, timeout: float = 90) -> MessageView:
-    """Type and send a message, wait for the reply; return the reply's view."""
+    """Type and send a message, wait for the reply and the housekeeping after it (the
+    settle and the snapshot write: what a user who pauses gets); return the reply's view."""
     main.prompt.focus()
     main.prompt.insert(text)
     before = main.last_turn
     await pilot.press("enter")
     await wait_until(lambda: main.last_turn is not before and main.turn is None, timeout)
+    await wait_until(lambda: main.housekeeping_idle, timeout)
     await pilot.pause()
     return main.conversation.views[-1]
 

@@ -1,6 +1,7 @@
 """Pilot tests of issue 11's and 14's app items on the real app and the real model:
 relaunch reopens the session the user was in, resume before Enter, Continue after a reply
-cut at the token limit, and the app's watch on another kvchat writing the open session.
+cut at the token limit, the app's watch on another kvchat writing the open session, and
+housekeeping after a reply (the settle, the snapshot write) yielding to a new message.
 
 Asserted by counts (tokens reused and decoded, messages shown), never by timings.
 """
@@ -19,6 +20,7 @@ from textual.pilot import Pilot
 from kvchat.chat import ChatService
 from kvchat.config import Settings
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.format import snapshot_phrase
 from kvchat.tui.main import MainScreen
 from kvchat.tui.widgets.conversation import MessageView
 from tests.conftest import FAST, REPO
@@ -283,6 +285,127 @@ async def test_left_and_right_on_the_last_reply_switch_its_versions(kvhome: Path
         await wait_until(lambda: reply.version == (2, 2))
         assert reply.text == second_text and stored()[-1] == second_text
         await quit_app(app)
+
+
+# --- issue 14.4: never make the user wait for housekeeping ------------------------------------
+
+FIRST = "Name three colours of the rainbow."
+SECOND = "Which of them is the warmest?"
+THIRD = "And the coldest?"
+
+
+async def send_at_once(main: MainScreen, text: str, timeout: float = 90) -> None:
+    """Send ``text`` the moment the reply ends, before the app could start its housekeeping
+    (as Enter does: ``submit`` with the input's text)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while main.turn is not None:  # every step of the UI's loop: not a 50 ms poll
+        assert asyncio.get_running_loop().time() < deadline, "the reply did not end"
+        await asyncio.sleep(0)
+    before = main.last_turn
+    main.submit(text)
+    assert main.turn is not None  # it started
+    await wait_until(lambda: main.last_turn is not before and main.turn is None, timeout)
+
+
+@pytest.mark.e2e
+async def test_a_message_sent_straight_after_a_reply_does_not_wait_for_housekeeping(
+    kvhome: Path,
+) -> None:
+    app = make_app(max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, FIRST)
+        main.submit(SECOND)  # as Enter does (a key press would wait for the reply's end)
+        assert main.turn is not None
+        await send_at_once(main, THIRD)
+        second = main.turn_figures[main.conversation.views[-3].message_id or 0]
+        third = main.last_report
+        assert third is not None and third is not second
+        assert third.restore.source == "hot"
+        # The settle of the second reply was dropped (and its snapshot write with it): the
+        # context kept the prompt before that reply, so this turn re-read the reply and the
+        # new message, as a full prefill would.
+        assert second.snapshot.bytes == 0
+        assert third.tokens.reused <= second.tokens.prompt
+        assert third.tokens.decoded == third.tokens.prompt - third.tokens.reused
+        assert third.tokens.decoded >= second.tokens.generated
+        # Its own housekeeping runs once the app is idle: the status says what it wrote.
+        await wait_until(lambda: main.housekeeping_idle)
+        await pilot.pause()
+        assert third.snapshot.bytes > 0  # the turn's figures got the write
+        assert main.status.memory_text == f"KV: hot · {snapshot_phrase(third.snapshot)}"
+        session_id = main.session_id
+        assert session_id is not None
+        await quit_app(app)
+    assert app.worker_errors == []
+
+    # The greedy reply is a full prefill's: the same history read from nothing.
+    service = ChatService(make_settings(max_tokens=24))
+    try:
+        baseline = service.regenerate(session_id, no_restore=True)
+    finally:
+        service.close()
+    assert baseline.tokens.reused == 0
+    assert baseline.reply == third.reply
+
+
+@pytest.mark.e2e
+async def test_after_a_pause_the_settle_ran_and_the_next_turn_reads_only_the_message(
+    kvhome: Path,
+) -> None:
+    app = make_app(max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        main.prompt.focus()
+        main.prompt.insert(FIRST)
+        await pilot.press("enter")
+        await wait_until(lambda: main.last_turn is not None and main.turn is None)
+        first = main.last_report
+        assert first is not None
+        # The turn returned before its housekeeping; the idle app runs it.
+        await wait_until(lambda: main.housekeeping_idle)
+        await pilot.pause()
+        assert first.snapshot.bytes > 0 and first.snapshot.written > 0
+        assert main.status.memory_text.startswith("KV: hot · wrote ")
+        assert "to disk in" in main.status.memory_text
+        settled = main.status.used  # the gauge: the context after the settle
+
+        await send(pilot, main, SECOND)
+        second = main.last_report
+        assert second is not None and second.restore.source == "hot"
+        assert second.tokens.reused == settled
+        # The context held the next prompt up to the user's words: only they are decoded.
+        assert second.tokens.reused > first.tokens.prompt + first.tokens.generated
+        assert second.tokens.decoded == second.tokens.prompt - second.tokens.reused
+        assert second.tokens.decoded < 24
+        await quit_app(app)
+    assert app.worker_errors == []
+
+
+@pytest.mark.e2e
+async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Path) -> None:
+    app = make_app(max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        main.submit(FIRST)  # as Enter does (a key press would wait for the reply's end)
+        assert main.turn is not None
+        while main.turn is not None:
+            await asyncio.sleep(0)
+        service = app.service
+        assert service is not None and service.housekeeping_pending
+        session_id = main.session_id
+        app.simulate_key("ctrl+q")  # straight after the reply
+        await wait_until(lambda: app._closed)
+    assert app.worker_errors == []
+    # Closing saved the valid prefix: the next launch restores it and reads the rest.
+    again = make_app(max_tokens=24)
+    async with again.run_test(size=SIZE) as pilot:
+        main = await ready(again)
+        assert main.session_id == session_id
+        assert main.last_restore is not None and main.last_restore.source == "disk"
+        await send(pilot, main, SECOND)
+        assert main.conversation.views[-1].text.strip()
+        await quit_app(again)
 
 
 # --- issue 14.3: the first frame needs nothing heavy; the UI bench's bounds ----------------------

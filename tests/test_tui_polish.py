@@ -672,6 +672,7 @@ async def test_real_turns_numbers_details_and_figures_agree(kvhome: Path, no_tmu
             before = main.last_turn
             await pilot.press("enter")
             await _wait(lambda b=before: main.last_turn is not b and main.turn is None, 120)
+            await _wait(lambda: main.housekeeping_idle, 120)  # the settle and the save
         await _settled(pilot)
         report = main.last_report
         assert report is not None and report.snapshot.written > 0

@@ -119,6 +119,8 @@ class KvchatApp(App[None]):
             main.turn.cancel.set()
         if self.service is not None and not self._closed:
             main.status.set_turn("saving the session's memory…", "busy")
+            # A settle under way stops at its next batch; closing saves the valid prefix.
+            self.service.interrupt_housekeeping()
             await self.engine_thread.run(self._close_service)
         self.exit(return_code=EXIT_FATAL if self.fatal else 0)
 
@@ -147,6 +149,8 @@ class KvchatApp(App[None]):
         if isinstance(main, MainScreen) and main.turn is not None:
             main.turn.cancel.set()
         if not self._closed:
+            if self.service is not None:
+                self.service.interrupt_housekeeping()
             self.engine_thread.call(self._close_service)
         self.engine_thread.shutdown()
         self.store_thread.shutdown()

@@ -47,6 +47,13 @@ class ScreenBase(_Base):
         _flusher: Timer | None
         # The figures of the turns of this run, by the id of the reply each produced.
         turn_figures: dict[int, TurnReport]
+        # User actions queued on the engine thread so far / not finished yet (housekeeping
+        # runs only when none is in flight, and not once a later one was queued).
+        _engine_actions: int
+        _engine_jobs: int
+        _housekeeping: bool  # a housekeep() queued or running on the engine thread
+
+        def start_housekeeping(self) -> None: ...
 
         async def refresh_sessions(self) -> None: ...
         def request_refresh(self) -> Worker[None]: ...
@@ -74,8 +81,23 @@ class ScreenBase(_Base):
         return service
 
     def on_engine(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the engine thread (anything touching the model); await the result."""
-        return self.kv_app.engine_thread.run(fn, *args, **kwargs)
+        """Run ``fn`` on the engine thread (anything touching the model); await the result.
+
+        Every call is a user's action: housekeeping running or queued ahead of it (the
+        settle and the snapshot write after a reply) yields first, so the action starts
+        at once; as the action's work starts, housekeeping is allowed again.
+        """
+        app = self.kv_app
+        if app.service is not None:
+            app.service.interrupt_housekeeping()
+        self._engine_actions += 1
+        self._engine_jobs += 1
+        future = app.engine_thread.run(_user_job, app, fn, *args, **kwargs)
+        future.add_done_callback(self._engine_job_done)
+        return future
+
+    def _engine_job_done(self, _future: object) -> None:
+        self._engine_jobs -= 1
 
     def on_store(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` on the store thread (reads and store-only writes); await the result."""
@@ -107,3 +129,10 @@ class ScreenBase(_Base):
     def _focused_message(self) -> MessageView | None:
         focused = self.focused
         return focused if isinstance(focused, MessageView) else None
+
+
+def _user_job(app: KvchatApp, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """On the engine thread: a user's action starts; housekeeping may run again after it."""
+    if app.service is not None:
+        app.service.allow_housekeeping()
+    return fn(*args, **kwargs)

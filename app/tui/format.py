@@ -10,7 +10,7 @@ from kvchat.text import visible
 from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
-    from kvchat.chat import RestoreResult, TurnReport
+    from kvchat.chat import RestoreResult, SnapshotWrite, TurnReport
 
 KV_LABELS = {"hot": "hot", "ram": "RAM", "disk": "disk", "none": "none"}
 _FENCE = re.compile(r"^(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
@@ -65,7 +65,11 @@ def saved_phrase(report: TurnReport) -> str:
     What was written (only new chunks), not the snapshot's size: a long session's
     snapshot is large while a turn adds little to it.
     """
-    snap = report.snapshot
+    return snapshot_phrase(report.snapshot)
+
+
+def snapshot_phrase(snap: SnapshotWrite) -> str:
+    """What a snapshot write put on disk (see :func:`saved_phrase`)."""
     if snap.error:
         return "not saved to disk (see the notice)"
     if snap.written:

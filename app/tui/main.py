@@ -78,6 +78,10 @@ class MainScreen(
         self.last_jump_ms: float | None = None
         self.turn_figures: dict[int, TurnReport] = {}
         self._flusher: Timer | None = None
+        # Engine-thread work: user actions queued / in flight, and housekeeping running.
+        self._engine_actions = 0
+        self._engine_jobs = 0
+        self._housekeeping = False
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):

@@ -72,6 +72,9 @@ class SessionOpening(ScreenBase):
             await self._make_hot(self.session_id, note=note)
 
     def _engine_load(self) -> tuple[str, int, str | None]:
+        # A turn returns once its reply is stored; the app runs the settle and the snapshot
+        # write while idle, and a new message makes them yield (see replies).
+        self.service.defer_housekeeping = True
         engine = self.service.load_engine()
         return engine.config.model_path.stem, engine.n_ctx, self.service.plan_note
 

@@ -4,6 +4,11 @@ A mixin of MainScreen. The model runs on the engine thread, which buffers the re
 pieces in the turn's sink; the UI draws them ``FLUSH_HZ`` times a second. Before a turn
 starts, the session's turn lock is tried: while another kvchat process runs a turn on the
 session, sending says so and keeps the message in the input instead of colliding.
+
+The user never waits for housekeeping: a turn returns as soon as its reply is stored
+(the service's ``defer_housekeeping``), and the re-decode of the reply (the settle) and
+the snapshot write run afterwards on the engine thread, while the app is idle. Any new
+action (see ``ScreenBase.on_engine``) makes them yield at their next batch.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from textual import work
 
 from kvchat.errors import KvchatError
 from kvchat.tui.base import ScreenBase
-from kvchat.tui.format import restore_phrase, saved_phrase
+from kvchat.tui.format import restore_phrase, saved_phrase, snapshot_phrase
 from kvchat.tui.widgets.conversation import MessageView
 
 if TYPE_CHECKING:
-    from kvchat.chat import TurnReport
+    from kvchat.chat import SnapshotWrite, TurnReport
+    from kvchat.turns import Housekeeping
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
 FLUSH_HZ = 25
@@ -219,6 +225,78 @@ class TurnActions(ScreenBase):
         if report.snapshot.error:
             self.notify(report.snapshot.error, severity="warning", markup=False)
         self.request_refresh()
+        self.start_housekeeping()  # the settle and the snapshot write, unless a message waits
+
+    # --- housekeeping after a reply -------------------------------------------------------
+
+    @property
+    def housekeeping_idle(self) -> bool:
+        """No housekeeping runs here, and the last turn left none pending."""
+        service = self.kv_app.service
+        pending = service is not None and service.housekeeping_pending
+        return not self._housekeeping and not pending
+
+    def start_housekeeping(self) -> None:
+        """Run what the last turn left (the settle, the snapshot write) on the engine thread,
+        one at a time, while no reply runs and no action of the user's is in flight."""
+        service = self.kv_app.service
+        if (
+            service is None
+            or self._housekeeping
+            or not self.ready
+            or self.turn is not None
+            or self._engine_jobs
+            or self.kv_app.closing
+            or not service.housekeeping_pending
+        ):
+            return
+        self._housekeeping = True
+        self._housekeep(self._engine_actions)
+
+    @work(group="housekeeping", exit_on_error=False)
+    async def _housekeep(self, actions: int) -> None:
+        report = self.last_report
+        try:
+            # Straight onto the engine thread, not on_engine: that would make it yield to itself.
+            ran = await self.kv_app.engine_thread.run(self._engine_housekeep, actions)
+        finally:
+            self._housekeeping = False
+        if ran is None or self.kv_app.closing:
+            return
+        done, used = ran
+        if report is not None and report is self.last_report:
+            # The figures of the turn that left it (the details dialog shows them).
+            if done.snapshot is not None:
+                report.snapshot = done.snapshot
+            if done.finished and done.note:
+                report.window_note = done.note
+            if self.turn is None and report.session_id == self.session_id == self._hot_id:
+                # The settle left the context holding the next prompt up to the user's words.
+                self.status.set_context(used)
+                self.request_refresh()
+        if done.snapshot is not None:
+            self._show_snapshot(done.snapshot, report)
+
+    def _engine_housekeep(self, actions: int) -> tuple[Housekeeping, int] | None:
+        """On the engine thread; nothing when an action of the user's was queued meanwhile
+        (it runs first; the idle poll tries again after it). With the context's size after."""
+        if actions != self._engine_actions:
+            return None
+        done = self.service.housekeep()
+        return done, self.service.context_tokens
+
+    def _show_snapshot(self, snapshot: SnapshotWrite, report: TurnReport | None) -> None:
+        """The status bar's memory part says what was written (as after a turn that saved)."""
+        if (
+            report is not None
+            and report is self.last_report
+            and report.session_id == self.session_id
+            and self.last_restore is report.restore
+            and report.restore.source not in ("disk", "ram")  # it shows how the KV came back
+        ):
+            self.status.set_memory(f"KV: hot · {snapshot_phrase(snapshot)}", "hot")
+        if snapshot.error:
+            self.notify(snapshot.error, severity="warning", markup=False)
 
     @work(group="action", exit_on_error=False)
     async def switch_version(self, view: MessageView, step: int) -> None:

@@ -1,7 +1,7 @@
 """The watch on other processes: what another kvchat writes to the open session shows up.
 
 A mixin of MainScreen. Every ``WATCH_S`` seconds, while no reply is being generated here,
-the store thread reads when the open session last changed (one row by its key). Only when
+housekeeping left pending runs (see replies), and the store thread reads when the open session last changed (one row by its key). Only when
 that moved are its messages read, and shown again if they differ from what is on screen
 (a ``kvchat ask --session`` from a shell, or a second app: its reply shows as it is saved).
 """
@@ -28,6 +28,9 @@ class SessionWatch(ScreenBase):
         self.set_interval(WATCH_S, self._watch_tick)
 
     def _watch_tick(self) -> None:
+        if self.ready and self.turn is None:
+            # Housekeeping a user's action made yield (and no turn dropped) runs again.
+            self.start_housekeeping()
         if self.ready and self.turn is None and self.session_id is not None:
             self.check_for_changes()
 
