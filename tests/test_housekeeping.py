@@ -74,7 +74,7 @@ def test_deferred_housekeeping_finishes_later_and_the_next_turn_decodes_only_the
         waited = svc.housekeep()
         assert not waited.finished and waited.settled == 0 and waited.snapshot is None
         assert svc.housekeeping_pending
-        svc._yield_now.clear()  # (the message went away; the UI goes idle again)
+        svc.allow_housekeeping()  # (the message went away; the UI goes idle again)
 
         done = svc.housekeep()
         assert done.finished and not svc.housekeeping_pending
