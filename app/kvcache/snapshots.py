@@ -146,13 +146,7 @@ class SnapshotStore:
     def chunk_plan(
         self, fingerprint: Fingerprint, tokens: list[int], base: list[int]
     ) -> list[tuple[int, int, str]]:
-        """(start, end, key) of every chunk of ``tokens``; see :func:`chunking.chunk_plan`.
-
-        ``base`` lists chunk ends already stored for a prefix of ``tokens`` (the previous
-        snapshot's, or the donor's): they are kept, so what a turn appends becomes new
-        chunks and nothing stored is rewritten. After them, chunks end on multiples of
-        ``chunk_tokens`` (so unrelated sessions cut shared prefixes alike), plus a tail.
-        """
+        """(start, end, key) of every chunk of ``tokens`` (see the writer's ``chunk_plan``)."""
         return self._writer.chunk_plan(fingerprint, tokens, base)
 
     # --- restore --------------------------------------------------------------------------
