@@ -184,3 +184,62 @@ def test_reply_versions_keep_every_reply_and_the_row_holds_the_current_one(tmp_p
     with sqlite3.connect(tmp_path / "kvchat.db") as db:
         assert db.execute("SELECT COUNT(*) FROM reply_versions").fetchone() == (0,)
     store.close()
+
+
+def test_forks_and_edits_record_their_parent_and_delete_reparents(
+    kvhome: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Issue 11.11: the branch view's tree comes from ``parent_id``."""
+    from kvchat.chat import ChatService
+    from kvchat.config import Settings
+
+    class Counting:  # edit counts the edited message's tokens; no model needed here
+        @staticmethod
+        def count_tokens(text: str) -> int:
+            return len(text.split())
+
+    monkeypatch.setattr(ChatService, "engine", property(lambda self: Counting()))
+    service = ChatService(Settings())
+    try:
+        root = service.new_session("Root")
+        question = service.add_message(root.id, "user", "first question")
+        service.add_message(root.id, "assistant", "first answer")
+        assert root.parent_id is None
+        fork = service.fork(root.id)
+        edit = service.edit(root.id, question.id, "edited question")
+        grandchild = service.fork(fork.id)
+        assert fork.parent_id == root.id and edit.parent_id == root.id
+        assert grandchild.parent_id == fork.id
+        parents = {s.session.id: s.session.parent_id for s in service.list_sessions()}
+        assert parents == {
+            root.id: None,
+            fork.id: root.id,
+            edit.id: root.id,
+            grandchild.id: fork.id,
+        }
+
+        service.delete(fork.id)  # its branch moves up to the grandparent
+        assert service.resolve(grandchild.id).parent_id == root.id
+        service.delete(root.id)  # and to no parent at the top
+        parents = {s.session.id: s.session.parent_id for s in service.list_sessions()}
+        assert parents == {edit.id: None, grandchild.id: None}
+    finally:
+        service.close()
+
+
+def test_a_database_before_m010_gets_parent_ids_null(tmp_path: Path):
+    path = tmp_path / "kv.db"
+    store = Store(path)
+    made = store.create_session("Old")
+    store.close()
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("ALTER TABLE sessions DROP COLUMN parent_id")
+        db.execute("DELETE FROM _migrations WHERE name='m010_session_parent'")
+    db.close()
+    again = Store(path)
+    assert again.applied_migrations == ["m010_session_parent"]
+    assert again.get_session(made.id).parent_id is None
+    copy = again.copy_session(made.id, "Old (fork)")
+    assert copy.parent_id == made.id
+    again.close()

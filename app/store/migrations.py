@@ -202,6 +202,13 @@ def m009_snapshot_shelf(db: sqlite_utils.Database) -> None:
     )
 
 
+def m010_session_parent(db: sqlite_utils.Database) -> None:
+    """Branch view: the session a fork or an edit was made from (NULL for a session made
+    new or imported). Deleting a parent hands its branches to the grandparent (or NULL)."""
+    if "parent_id" not in set(db["sessions"].columns_dict):
+        db["sessions"].add_column("parent_id", str)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -212,6 +219,7 @@ MIGRATIONS: list[Migration] = [
     m007_server_slots,
     m008_session_model,
     m009_snapshot_shelf,
+    m010_session_parent,
 ]
 
 

@@ -16,6 +16,7 @@ class Session:
     settings: dict[str, Any]
     created: str
     updated: str
+    parent_id: str | None = None  # the session a fork or an edit was made from
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,15 @@ def insert_session(
     system_prompt: str | None,
     settings: dict[str, Any] | None,
     stamp: str | None = None,
+    parent_id: str | None = None,
 ) -> str:
     """Insert a new session row (in the caller's transaction); returns its fresh id."""
     stamp = stamp or now()
     session_id = new_session_id(conn)
     conn.execute(
-        "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
-        " VALUES (?, ?, ?, ?, ?, ?)",
-        (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp),
+        "INSERT INTO sessions (id, title, system_prompt, settings, created, updated, parent_id)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp, parent_id),
     )
     return session_id
 
@@ -59,6 +60,7 @@ class SessionsSql(SqlBase):
             settings=json.loads(row["settings"] or "{}"),
             created=row["created"],
             updated=row["updated"],
+            parent_id=row.get("parent_id"),
         )
 
     def get_session(self, session_id: str) -> Session:
@@ -142,11 +144,14 @@ class SessionsSql(SqlBase):
     ) -> Session:
         """A new session with ``source_id``'s settings and messages (up to and including
         ``upto_message``; all by default), plus ``then`` = (role, content, token_count)
-        appended: all in one transaction, so a kill leaves the whole copy or nothing."""
+        appended: all in one transaction, so a kill leaves the whole copy or nothing. The
+        copy records ``source_id`` as its parent (the sidebar's branch view)."""
         source = self.get_session(source_id)
         stamp = now()
         with self._tx() as conn:
-            session_id = insert_session(conn, title, source.system_prompt, source.settings, stamp)
+            session_id = insert_session(
+                conn, title, source.system_prompt, source.settings, stamp, parent_id=source_id
+            )
             last = upto_message if upto_message is not None else 2**62
             conn.execute(
                 "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
@@ -214,8 +219,14 @@ class SessionsSql(SqlBase):
         return True
 
     def delete_session(self, session_id: str) -> None:
-        """Delete a session, its messages and its snapshot row (the caller removes files)."""
+        """Delete a session, its messages and its snapshot row (the caller removes files);
+        its branches move up to its own parent (or become roots)."""
         with self._tx() as conn:
+            conn.execute(
+                "UPDATE sessions SET parent_id=(SELECT parent_id FROM sessions WHERE id=?)"
+                " WHERE parent_id=?",
+                (session_id, session_id),
+            )
             conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM kv_snapshot_shelf WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM messages WHERE session_id=?", (session_id,))

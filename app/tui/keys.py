@@ -71,6 +71,13 @@ KEYS: tuple[Key, ...] = (
     Key("ctrl+l", "Ctrl+L", "focus_sessions", "Go to the sessions list (Enter opens a session)"),
     Key(
         "",
+        "Space (on a session)",
+        None,
+        "Fold / unfold the branches (forks and edits) under a session in the list",
+        palette=False,
+    ),
+    Key(
+        "",
         "Tab / Shift+Tab",
         None,
         "Move between the input, the sessions and the messages",

@@ -1,0 +1,67 @@
+"""Pilot test of issue 11.11, the branch view: forks and edits are shown in the sidebar
+under the session they were made from, and Space folds and unfolds them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import Label
+
+from kvchat.chat import ChatService
+from kvchat.tui.main import MainScreen
+from kvchat.tui.widgets.sidebar import SessionItem
+from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
+from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
+
+
+def titles(main: MainScreen) -> list[str]:
+    """The sidebar's title lines, top to bottom, as shown."""
+    return [
+        str(item.query_one(".session-title", Label).content)
+        for item in main.sessions.query(SessionItem)
+    ]
+
+
+@pytest.mark.e2e
+async def test_the_sidebar_shows_forks_under_their_parent_and_folds_them(kvhome: Path) -> None:
+    service = ChatService(make_settings())
+    alpha = service.new_session("Alpha")
+    service.add_message(alpha.id, "user", "alpha question")
+    service.add_message(alpha.id, "assistant", "alpha answer")
+    beta = service.new_session("Beta")
+    service.add_message(beta.id, "user", "beta question")
+    fork = service.fork(alpha.id)  # the newest: listed first were it not Alpha's branch
+    service.remember_open(beta.id)
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id == beta.id
+        await wait_until(lambda: len(main.sessions.rows) == 3)
+        # Roots by last update; the fork right under its parent, indented.
+        assert [r.id for r in main.sessions.rows] == [beta.id, alpha.id, fork.id]
+        await wait_until(lambda: titles(main) == ["Beta", "▾ Alpha", "└ Alpha (fork)"])
+
+        await pilot.press("ctrl+l")
+        main.sessions.index = 1  # Alpha
+        await pilot.press("space")
+        await wait_until(lambda: [r.id for r in main.sessions.rows] == [beta.id, alpha.id])
+        await wait_until(lambda: titles(main) == ["Beta", "▸ +1 Alpha"])  # says what it hides
+        assert main.sessions.index == 1
+
+        await pilot.press("space")
+        await wait_until(lambda: [r.id for r in main.sessions.rows] == [beta.id, alpha.id, fork.id])
+        assert titles(main) == ["Beta", "▾ Alpha", "└ Alpha (fork)"]
+
+        # Space on the branch folds its parent's branches too; opening a folded branch
+        # (here as a search jump would) unfolds its ancestors: it stays visible.
+        main.sessions.index = 2
+        await pilot.press("space")
+        await wait_until(lambda: [r.id for r in main.sessions.rows] == [beta.id, alpha.id])
+        main.open_session(fork.id)
+        await wait_until(lambda: main.session_id == fork.id)
+        main.request_refresh()
+        await wait_until(lambda: [r.id for r in main.sessions.rows][-1:] == [fork.id])
+        assert main.sessions.rows[main.sessions.index or 0].id == fork.id
