@@ -68,13 +68,16 @@ class Markup:
             text = fixed
         return text
 
-    def split(self, text: str) -> Iterator[tuple[str, Special | None]]:
-        """``(text, None)`` for plain text and ``(spelling, token)`` for a special token."""
+    def split(self, text: str, shortest: int = 1) -> Iterator[tuple[str, Special | None]]:
+        """``(text, None)`` for plain text and ``(spelling, token)`` for a special token
+        (spelled in at least ``shortest`` characters; shorter spellings stay text)."""
         if self._pattern is None:
             yield text, None
             return
         at = 0
         for match in self._pattern.finditer(text):
+            if len(match.group()) < shortest:
+                continue  # left in the text before the next match
             if match.start() > at:
                 yield text[at : match.start()], None
             yield match.group(), self.tokens[match.group()]
@@ -156,26 +159,38 @@ class ChatTokensMixin:
         for index, piece in enumerate(pieces):
             if index % 2:  # a message's content
                 run.add(contents[int(piece)])
-                continue
-            for text, special in self._markup.split(piece):
-                if special is None:
-                    run.add(text)
-                    continue
-                if special.lstrip:
-                    run.strip_end()
-                tokens += self.tokenize(run.take())
-                tokens.append(special.id)
-                run.strip_next = special.rstrip
+            else:
+                self._add_markup(piece, run, tokens)
         tokens += self.tokenize(run.take())
         return tokens
+
+    def _add_markup(self, text: str, run: TextRun, tokens: list[int], shortest: int = 1) -> None:
+        """Template text: its special tokens' spellings (of ``shortest`` characters or more)
+        become their ids, each ending the text run before it; the rest joins ``run``."""
+        for plain, special in self._markup.split(text, shortest):
+            if special is None:
+                run.add(plain)
+                continue
+            if special.lstrip:
+                run.strip_end()
+            tokens += self.tokenize(run.take())
+            tokens.append(special.id)
+            run.strip_next = special.rstrip
 
     def _defanged_tokens(
         self, messages: Sequence[dict[str, str]], contents: list[str]
     ) -> list[int]:
-        """The prompt of a template that changes message text: the real messages, with no
-        special token's spelling left in their content, tokenized with ``special=True``."""
+        """The prompt of a template that changes message text: the real messages rendered
+        with every special token's spelling in their content broken, read like template text.
+
+        Never through llama.cpp's ``special=True``: a one-character spelling cannot be
+        broken, so only spellings of two or more characters become special tokens here (a
+        template's own one-character special token is read as text in this rare case).
+        """
         safe = [{**m, "content": self._markup.defang(c)} for m, c in zip(messages, contents)]
         rendered = self.render(safe)
-        return self.llm.tokenize(
-            rendered.encode("utf-8"), add_bos=self._add_bos(rendered), special=True
-        )
+        tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
+        run = TextRun()
+        self._add_markup(rendered, run, tokens, shortest=2)
+        tokens += self.tokenize(run.take())
+        return tokens
