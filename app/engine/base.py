@@ -8,6 +8,7 @@ here imports llama.cpp, so the value types can be used without loading a model.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -231,3 +232,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def split_spellings(
+    pattern: re.Pattern[str] | None, text: str, shortest: int = 1
+) -> Iterator[tuple[str, bool]]:
+    """``text`` cut at the matches of ``pattern`` (special-token spellings): ``(match, True)``
+    for a match of at least ``shortest`` characters, ``(text, False)`` for what lies between
+    (a shorter match stays in that text)."""
+    if pattern is None:
+        yield text, False
+        return
+    at = 0
+    for match in pattern.finditer(text):
+        if len(match.group()) < shortest:
+            continue  # left in the text before the next match
+        if match.start() > at:
+            yield text[at : match.start()], False
+        yield match.group(), True
+        at = match.end()
+    if at < len(text):
+        yield text[at:], False

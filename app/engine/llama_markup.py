@@ -11,6 +11,8 @@ from typing import Any
 
 import llama_cpp
 
+from kvchat.engine.base import split_spellings
+
 # Tokens that llama.cpp parses out of text when asked to (``special=True``).
 SPECIAL_ATTRS = (
     llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
@@ -71,19 +73,8 @@ class Markup:
     def split(self, text: str, shortest: int = 1) -> Iterator[tuple[str, Special | None]]:
         """``(text, None)`` for plain text and ``(spelling, token)`` for a special token
         (spelled in at least ``shortest`` characters; shorter spellings stay text)."""
-        if self._pattern is None:
-            yield text, None
-            return
-        at = 0
-        for match in self._pattern.finditer(text):
-            if len(match.group()) < shortest:
-                continue  # left in the text before the next match
-            if match.start() > at:
-                yield text[at : match.start()], None
-            yield match.group(), self.tokens[match.group()]
-            at = match.end()
-        if at < len(text):
-            yield text[at:], None
+        for piece, special in split_spellings(self._pattern, text, shortest):
+            yield piece, self.tokens[piece] if special else None
 
 
 def break_spelling(match: re.Match[str]) -> str:

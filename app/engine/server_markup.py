@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvchat.engine.base import split_spellings
 from kvchat.engine.server_http import ServerClient, ServerError
 from kvchat.errors import KvchatError
 
@@ -107,18 +108,8 @@ class ServerPrompts:
 
     def _split_markup(self, text: str) -> Iterator[tuple[str, int | None]]:
         """``(text, None)`` for plain text and ``(spelling, id)`` for a control token."""
-        pattern = self._specials_pattern
-        if pattern is None:
-            yield text, None
-            return
-        at = 0
-        for match in pattern.finditer(text):
-            if match.start() > at:
-                yield text[at : match.start()], None
-            yield match.group(), self._specials[match.group()]
-            at = match.end()
-        if at < len(text):
-            yield text[at:], None
+        for piece, special in split_spellings(self._specials_pattern, text):
+            yield piece, self._specials[piece] if special else None
 
     def _bos_tokens(self, rendered: str) -> list[int]:
         """[BOS] when the vocabulary adds one and the rendering does not spell it."""
