@@ -43,37 +43,12 @@ class Assembler:
 
         Chunks cover disjoint cells, so several may be placed at once from threads.
         """
-        layout, out = self.layout, self.out
         start, n = struct.unpack_from("<II", chunk, 0)
         if start != expected_start or len(chunk) != 8 + n * self._per_cell:
             raise LayoutError("chunks do not tile the token range")
         cut = max(0, min(n, self.n_cells - start))
-        end = start + cut
-        meta_size = layout.cell_meta_size
-        pos = 8
-        dst = PREAMBLE + start * meta_size
-        out[dst : dst + cut * meta_size] = chunk[pos : pos + cut * meta_size]
-        pos += n * meta_size
-        for layer in layout.k_layers:
-            size = layer.row_size
-            out[layer.offset + start * size : layer.offset + end * size] = chunk[
-                pos : pos + cut * size
-            ]
-            pos += n * size
-        for layer in layout.v_layers:
-            size = layer.row_size
-            if layout.v_trans:
-                grid = out[
-                    layer.offset : layer.offset + size * layer.n_dims * self.n_cells
-                ].reshape(layer.n_dims, self.n_cells * size)
-                src = chunk[pos : pos + n * size * layer.n_dims].reshape(layer.n_dims, n * size)
-                grid[:, start * size : end * size] = src[:, : cut * size]
-                pos += n * size * layer.n_dims
-            else:
-                out[layer.offset + start * size : layer.offset + end * size] = chunk[
-                    pos : pos + cut * size
-                ]
-                pos += n * size
+        if cut:
+            self.place_cells(chunk, 0, cut, start)
         return cut
 
     def place_cells(self, chunk: np.ndarray, first: int, count: int, at: int) -> None:
