@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats
+from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
 from kvchat.errors import KvchatError
 from kvchat.store import Store
 from kvchat.turns import TokenCallback
@@ -15,25 +15,26 @@ STREAM_SAVE_EVERY_S = 1.0
 
 def stream_reply(
     engine: Engine,
+    prefill: PrefillResult,
     params: GenerationParams,
     stats: GenerationStats,
     cancel: CancelCheck | None,
     on_token: TokenCallback | None,
-    pieces: list[str],
-    *,
-    complete_prompt: bool,
     saver: StreamSaver | None = None,
-) -> None:
-    """Generate into ``pieces`` (and ``on_token``); a prefill cut short is a cancelled turn."""
-    if not complete_prompt:
+) -> str:
+    """Generate after ``prefill`` and return the reply, streamed to ``on_token`` (and
+    ``saver``) as it comes; a prefill cut short is a cancelled turn with no reply."""
+    if prefill.reused + prefill.decoded < prefill.prompt:
         stats.finish_reason = "cancelled"
-        return
+        return ""
+    pieces: list[str] = []
     for piece in engine.generate(params, stats, cancel):
         pieces.append(piece)
         if on_token is not None:
             on_token(piece)
         if saver is not None:
             saver.tick(pieces, stats.generated)
+    return "".join(pieces)
 
 
 class StreamSaver:

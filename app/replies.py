@@ -64,8 +64,8 @@ class ReplyTurns(ServiceParts):
             engine = self.load_engine()
             self._remember(session_id)
             head = self._system_head(session)
-            prompt = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
-            prompt += engine.tokenize(last.content)
+            base = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
+            prompt = base + engine.tokenize(last.content)
             if len(prompt) + 1 >= engine.n_ctx:
                 raise KvchatError(
                     f"the context is full ({len(prompt):,} of {engine.n_ctx:,} tokens): "
@@ -76,17 +76,7 @@ class ReplyTurns(ServiceParts):
             self.tiers.mark_hot(session_id)
             prefill = engine.prefill(prompt, cancel)
             self.tiers.mark_dirty()
-            pieces: list[str] = []
-            stream_reply(
-                engine,
-                params,
-                stats,
-                cancel,
-                on_token,
-                pieces,
-                complete_prompt=(prefill.reused + prefill.decoded >= len(prompt)),
-            )
-            more = "".join(pieces)
+            more = stream_reply(engine, prefill, params, stats, cancel, on_token)
             report = TurnReport.of_run(session_id, more, restore, prefill, stats)
             if more:
                 try:
@@ -100,7 +90,6 @@ class ReplyTurns(ServiceParts):
                     report.reply_error = f"the continued reply could not be saved: {exc}"
                 else:
                     report.message_id = message.id
-            base = engine.chat_tokens(head + [m.as_chat() for m in history[:-1]])
             if engine.n_tokens < len(prompt):
                 base = prompt  # cut short: nothing to settle (see _after_reply)
             self._after_reply(report, session, base)

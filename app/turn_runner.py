@@ -75,7 +75,6 @@ class TurnRunner(ServiceParts):
         shift = self._shift_window(head, chat, prompt, dropped)
         prefill = engine.prefill(prompt, cancel)
         self.tiers.mark_dirty()
-        pieces: list[str] = []
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.
         saver = (
@@ -83,17 +82,7 @@ class TurnRunner(ServiceParts):
             if replaces is None
             else None
         )
-        stream_reply(
-            engine,
-            params,
-            stats,
-            cancel,
-            on_token,
-            pieces,
-            complete_prompt=prefill.reused + prefill.decoded >= len(prompt),
-            saver=saver,
-        )
-        reply = "".join(pieces)
+        reply = stream_reply(engine, prefill, params, stats, cancel, on_token, saver)
         streamed = saver.message_id if saver is not None else None
         report = TurnReport.of_run(
             session_id,
