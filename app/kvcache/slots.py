@@ -22,7 +22,7 @@ from kvchat.engine.base import common_prefix
 from kvchat.engine.server_http import ServerError
 from kvchat.errors import KvchatError
 from kvchat.kvcache.snapshots import RestoreResult
-from kvchat.kvcache.tiers import CacheGc, SnapshotWrite
+from kvchat.kvcache.tiers import CacheGc, HotSession, SnapshotWrite
 from kvchat.store import Store
 from kvchat.store.server_slots import ServerSlotRow
 from kvchat.store.store import StoreFull
@@ -58,10 +58,11 @@ def identity_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | N
     return None
 
 
-class ServerSlots:
+class ServerSlots(HotSession):
     """Sessions' KV in a llama-server's slots and slot files (the tiers of that engine)."""
 
     def __init__(self, store: Store, engine: ServerEngine) -> None:
+        super().__init__()
         self.store = store
         self.engine = engine
         self.fingerprint = engine.identity()
@@ -69,8 +70,6 @@ class ServerSlots:
         self._held: list[str | None] = [None] * engine.n_slots
         self._tokens: list[list[int]] = [[] for _ in range(engine.n_slots)]
         self._used: list[float] = [0.0] * engine.n_slots
-        self._hot: str | None = None
-        self._dirty = False
 
     # --- the engine and the hot session (as KVTiers) ------------------------------------
 
@@ -82,14 +81,6 @@ class ServerSlots:
         if self._dirty and self._hot:
             self.save_hot()
 
-    @property
-    def hot_session_id(self) -> str | None:
-        return self._hot
-
-    @property
-    def dirty(self) -> bool:
-        return self._dirty
-
     def mark_hot(self, session_id: str | None) -> None:
         """The current slot now holds ``session_id``'s KV (None: no session's)."""
         slot = self.engine.slot
@@ -99,9 +90,6 @@ class ServerSlots:
         self._held[slot] = session_id
         self._used[slot] = time.monotonic()
         self._hot = session_id
-
-    def mark_dirty(self) -> None:
-        self._dirty = True
 
     @property
     def note(self) -> str:

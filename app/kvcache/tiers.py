@@ -66,18 +66,39 @@ class CacheGc:
     evicted: list[str] = field(default_factory=list)
 
 
-class KVTiers:
+class HotSession:
+    """Which session's KV the hot tier holds, and whether it has changed since its last save
+    (shared by the local tiers and a llama-server's slots)."""
+
+    def __init__(self) -> None:
+        self._hot: str | None = None
+        # The hot KV holds what no saved copy has yet (e.g. a failed save).
+        self._dirty = False
+
+    @property
+    def hot_session_id(self) -> str | None:
+        """The session whose KV the hot tier holds (None: no session's)."""
+        return self._hot
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def mark_dirty(self) -> None:
+        """The hot KV has changed since its last save."""
+        self._dirty = True
+
+
+class KVTiers(HotSession):
     """Sessions' KV across the context, RAM and disk; the engine is attached once loaded."""
 
     def __init__(self, store: Store, cold: SnapshotStore, warm: WarmTier) -> None:
+        super().__init__()
         self.store = store
         self.cold = cold
         self.warm = warm
         self.engine: Engine | None = None
         self.fingerprint: Fingerprint | None = None
-        self._hot: str | None = None
-        # The context holds KV that no snapshot has yet (e.g. a failed save).
-        self._dirty = False
 
     @classmethod
     def open(cls, directory: Path, store: Store, settings: Settings) -> KVTiers:
@@ -108,22 +129,9 @@ class KVTiers:
             self.save_hot()
         self.engine = None
 
-    @property
-    def hot_session_id(self) -> str | None:
-        """The session whose KV the context holds (None: no session's)."""
-        return self._hot
-
-    @property
-    def dirty(self) -> bool:
-        return self._dirty
-
     def mark_hot(self, session_id: str | None) -> None:
         """The context now holds ``session_id``'s KV (None: nothing a session can reuse)."""
         self._hot = session_id
-
-    def mark_dirty(self) -> None:
-        """The hot context has changed since its last snapshot."""
-        self._dirty = True
 
     def _attached(self) -> tuple[Engine, Fingerprint]:
         if self.engine is None or self.fingerprint is None:
