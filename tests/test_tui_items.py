@@ -221,8 +221,10 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
         # (A reply saved as it streams may show first, then its final text.)
         await wait_until(lambda: texts(main) == stored, timeout=30)
         # "2 new messages from another kvchat", or "… updated by another kvchat" when the
-        # reply showed as it streamed and then its final text.
-        assert main.status.turn_text.endswith("another kvchat")
+        # reply showed as it streamed and then its final text (the status line is set just
+        # after the messages are drawn: waited for, not read in between).
+        await wait_until(lambda: main.status.turn_text.endswith("another kvchat"), timeout=10)
+        assert texts(main) == stored
 
         # While another process holds the session's turn lock, Enter says so and keeps
         # the message; nothing is stored or shown.
