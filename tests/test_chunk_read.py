@@ -1,7 +1,9 @@
-"""Chunk restores read each chunk file straight into the state buffer (issue 14 item 1):
-the state they rebuild is byte for byte the saved one in both V layouts (rows with flash
-attention on, transposed with it off), a chunk the restore cuts short or a file unlike its
-row goes through the mapped reader, and a damaged chunk is a fallback with its reason.
+"""Chunk restores read each chunk file straight into llama.cpp's layout (issue 14 item 1):
+one chunk at a time into the engine when its KV is in host memory, else into one whole
+state buffer. The state they rebuild is byte for byte the saved one in both V layouts
+(rows with flash attention on, transposed with it off), a chunk the restore cuts short or
+a file unlike its row goes through the mapped reader, and a damaged chunk is a fallback
+with its reason.
 
 Model-free tests first (a synthetic state in llama.cpp's layout); the end-to-end ones run
 the real model and compare the continuation with a full prefill's.
@@ -19,10 +21,11 @@ import pytest
 
 from kvchat.chat import ChatService
 from kvchat.config import Settings
+from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunk_read import ChunkReader
+from kvchat.kvcache.chunk_read import ChunkReader, Piece, PieceReader
 from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.store import Store
 
@@ -51,6 +54,9 @@ def seq_state(n_cells: int, seed: int, v_trans: int) -> bytes:
 
 class Engine:
     """The seq-state side of an engine, holding a synthetic state."""
+
+    # The whole-state path: a synthetic state can't be appended piece by piece.
+    capabilities = EngineCapabilities(seq_state=True)
 
     def __init__(self, tokens: list[int], v_trans: int, seed: int = 0) -> None:
         self.tokens = tokens
@@ -83,10 +89,12 @@ class Engine:
 
 
 class Spy:
-    """Counts the chunks the direct reader placed and those it left to the mapped reader."""
+    """Counts the chunks the direct readers took (``pieces``: one at a time into the
+    engine, as the real engine on a CPU loads them) and those left to the mapped reader."""
 
     def __init__(self) -> None:
         self.direct = 0
+        self.pieces = 0
         self.mapped = 0
 
 
@@ -94,6 +102,7 @@ class Spy:
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     counts = Spy()
     read = ChunkReader.read
+    read_piece = PieceReader.read
 
     def counted(self: ChunkReader, *args: Any) -> int | None:
         placed = read(self, *args)
@@ -103,7 +112,17 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
             counts.direct += 1
         return placed
 
+    def counted_piece(self: PieceReader, *args: Any) -> Piece | None:
+        piece = read_piece(self, *args)
+        if piece is None:
+            counts.mapped += 1
+        else:
+            counts.direct += 1
+            counts.pieces += 1
+        return piece
+
     monkeypatch.setattr(ChunkReader, "read", counted)
+    monkeypatch.setattr(PieceReader, "read", counted_piece)
     return counts
 
 
@@ -250,8 +269,53 @@ def test_e2e_chunk_restore_continues_like_the_hot_context(
     resumed.close()
     assert restored.restore.source == "disk", restored.restore.reason
     assert restored.tokens.reused == kept.tokens.reused == restored.restore.tokens
-    assert spy.direct >= 3 and spy.mapped == 0
+    # One chunk at a time into llama.cpp, none through a whole state's buffer.
+    assert spy.pieces == spy.direct >= 3 and spy.mapped == 0
     assert restored.reply == kept.reply
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["v-transposed", "v-rows"])
+def test_e2e_chunks_loaded_one_at_a_time_rebuild_the_saved_state_byte_for_byte(
+    tmp_path: Path, flash_attn: bool, spy: Spy
+) -> None:
+    """The real engine on a CPU takes a chain one chunk at a time (through its scratch
+    sequence): the context then holds exactly the state it saved, and a prefix of the
+    chain (another session's, as a donor) exactly that state cut where the prompts part."""
+    service = ChatService(Settings(**SMALL_CHUNKS, flash_attn=flash_attn), home=tmp_path)
+    engine = service.load_engine()
+    assert engine.capabilities.appends_state
+    session = service.new_session()
+    service.send(session.id, "Name three rivers and say where each one flows.")
+    tiers = service.tiers
+    row = tiers.snapshot(session.id)
+    assert row is not None and row.format == "chunks"
+    assert engine.tokens == row.token_ids  # the context holds what was saved
+    saved = bytes(engine.state_get())
+    fingerprint = tiers.fingerprint
+    assert fingerprint is not None
+
+    tiers.mark_hot(None)
+    engine.clear()
+    result = tiers.cold.restore(session.id, engine, fingerprint)
+    assert result.source == "disk", result.reason
+    assert spy.pieces == len(row.chunk_keys) >= 3 and spy.mapped == 0
+    assert engine.tokens == row.token_ids
+    assert bytes(engine.state_get()) == saved
+
+    keep = 37  # inside a chunk: the chain's last chunk used is cut short
+    other = service.new_session()
+    prompt = [*row.token_ids[:keep], *row.token_ids[keep:][::-1]]
+    engine.clear()
+    result = tiers.cold.restore(other.id, engine, fingerprint, prompt=prompt)
+    assert (result.source, result.tokens, result.donor) == ("disk", keep, session.id)
+    assert engine.tokens == row.token_ids[:keep]
+    cut = bytes(engine.state_get())
+    ptr = ctypes.cast(ctypes.c_char_p(saved), ctypes.POINTER(ctypes.c_uint8))
+    assert engine.state_set(ptr, len(saved), row.token_ids)
+    engine.truncate(keep)
+    assert cut == bytes(engine.state_get())
+    service.close()
 
 
 @pytest.mark.e2e

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache.chunking import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain
@@ -49,6 +50,9 @@ def seq_state(n_cells: int, seed: int) -> bytes:
 
 class FakeEngine:
     """Enough of an engine for both snapshot formats (``chunked``: a parseable state)."""
+
+    # The whole-state path: a synthetic state can't be appended piece by piece.
+    capabilities = EngineCapabilities(seq_state=True)
 
     def __init__(self, tokens: list[int], *, chunked: bool = True, seed: int = 0) -> None:
         self.tokens = tokens

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotRejected, SnapshotStore
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache.chunking import chunk_plan
@@ -121,6 +122,9 @@ def test_chunk_plan_keeps_base_cuts_and_shares_prefix_keys() -> None:
 
 class FakeEngine:
     """Just enough of an engine for blob snapshots (kv_shape None: no layout)."""
+
+    # The whole-state path: a synthetic state can't be appended piece by piece.
+    capabilities = EngineCapabilities(seq_state=True)
 
     def __init__(self, tokens: list[int], state: bytes, n_ctx: int = 1024) -> None:
         self.tokens = tokens

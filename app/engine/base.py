@@ -83,6 +83,8 @@ class EngineCapabilities:
     # The KV lives in a llama-server's slots, saved and restored as slot files on the server
     # (kvchat.kvcache.slots) instead of the RAM and disk tiers.
     server_slots: bool = False
+    # A state can be loaded one piece (a run of cells) at a time: state_append/state_adopt.
+    appends_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,16 @@ class Engine(Protocol):
 
     def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
         """Load ``size`` state bytes; on success the context holds ``tokens``, else it is empty."""
+        ...
+
+    def state_append(self, buf: Any, size: int, below: int) -> bool:
+        """Add a state's cells with positions below ``below`` after those the context holds
+        (capabilities.appends_state); on failure the context is empty."""
+        ...
+
+    def state_adopt(self, tokens: Sequence[int]) -> bool:
+        """After appending: the context holds ``tokens`` if its cells are exactly their
+        positions, else it is emptied (False)."""
         ...
 
     def state_save_file(self, path: Path) -> int: ...

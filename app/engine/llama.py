@@ -34,7 +34,7 @@ from kvchat.engine.base import (
 )
 from kvchat.engine.llama_markup import ChatTokensMixin
 from kvchat.engine.llama_spec import read_spec, uniform_shape
-from kvchat.engine.llama_state import SEQ_ID, SeqStateMixin, StateBuffer
+from kvchat.engine.llama_state import SEQ_ID, SeqStateMixin, StateBuffer, scratch_sequence
 from kvchat.engine.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 from kvchat.errors import KvchatError
 
@@ -66,23 +66,24 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 "set flash_attn = true or keep type_v = f16"
             )
         try:
-            self.llm = llama_cpp.Llama(
-                model_path=str(config.model_path),
-                n_ctx=config.n_ctx,
-                n_batch=config.n_batch,
-                n_ubatch=config.n_batch,
-                n_threads=config.n_threads,
-                n_threads_batch=config.n_threads,
-                n_gpu_layers=config.n_gpu_layers,
-                type_k=GGML_TYPES[config.type_k],
-                type_v=GGML_TYPES[config.type_v],
-                flash_attn=config.flash_attn,
-                # Sliding-window layers keep every cell in the context (llama.cpp's default,
-                # said here because kvchat relies on it: prefix reuse cuts the context back).
-                swa_full=True,
-                seed=config.seed,
-                verbose=False,
-            )
+            with scratch_sequence():
+                self.llm = llama_cpp.Llama(
+                    model_path=str(config.model_path),
+                    n_ctx=config.n_ctx,
+                    n_batch=config.n_batch,
+                    n_ubatch=config.n_batch,
+                    n_threads=config.n_threads,
+                    n_threads_batch=config.n_threads,
+                    n_gpu_layers=config.n_gpu_layers,
+                    type_k=GGML_TYPES[config.type_k],
+                    type_v=GGML_TYPES[config.type_v],
+                    flash_attn=config.flash_attn,
+                    # Sliding-window layers keep every cell in the context (llama.cpp's default,
+                    # said here because kvchat relies on it: prefix reuse cuts the context back).
+                    swa_full=True,
+                    seed=config.seed,
+                    verbose=False,
+                )
         except (ValueError, RuntimeError) as exc:
             raise KvchatError(f"could not load model {config.model_path}: {exc}") from exc
         self.ctx = self.llm._ctx.ctx
@@ -136,7 +137,10 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
     def capabilities(self) -> EngineCapabilities:
         """Asked each time: whether the cache can shift is known only once the context exists."""
         return EngineCapabilities(
-            seq_state=True, can_shift=self.can_shift(), gpu_offload=self.gpu_offload
+            seq_state=True,
+            can_shift=self.can_shift(),
+            gpu_offload=self.gpu_offload,
+            appends_state=self.appends_state,
         )
 
     def layout(self) -> dict[str, Any]:
@@ -221,8 +225,8 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
     # --- context --------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Empty the context (the KV of sequence 0 and the token list)."""
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, -1, -1)
+        """Empty the context (the KV of every sequence, and the token list)."""
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, -1, -1)
         self.llm.n_tokens = 0
         self._swa_from = 0
         self._pending.clear()

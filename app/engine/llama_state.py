@@ -11,13 +11,19 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
 SEQ_ID = 0
+# llama.cpp loads a seq state only into an emptied sequence, so a state loaded piece by
+# piece goes through this one and its cells are then handed to SEQ_ID (no copy: the
+# context's cache is unified, so the cells just change owner).
+SCRATCH_SEQ = 1
 # Window checkpoints (sliding-window models) kept in memory until the next save: a turn
 # takes two (where a regenerate and where the next turn start), each a whole window.
 MAX_PENDING_CHECKPOINTS = 2
@@ -26,6 +32,32 @@ HUGE_PAGE = 2 << 20
 GROWTH = 1.25
 # ... but never more than this beyond what was asked (a long context's state is gigabytes).
 MAX_HEADROOM = 64 << 20
+
+
+_PARAMS_LOCK = threading.Lock()
+
+
+@contextmanager
+def scratch_sequence() -> Iterator[None]:
+    """Contexts created inside this block (by ``llama_cpp.Llama``, which takes no such
+    argument) get :data:`SCRATCH_SEQ` beside sequence 0, in one unified cache of n_ctx
+    cells: what :meth:`SeqStateMixin.state_append` needs. Decoding one sequence in it is
+    what it is in a single-sequence context."""
+    module = llama_cpp.llama_cpp
+    with _PARAMS_LOCK:
+        defaults = module.llama_context_default_params
+
+        def with_scratch() -> Any:
+            params = defaults()
+            params.n_seq_max = SCRATCH_SEQ + 1
+            params.kv_unified = True
+            return params
+
+        module.llama_context_default_params = with_scratch
+        try:
+            yield
+        finally:
+            module.llama_context_default_params = defaults
 
 
 class StateBuffer:
@@ -66,6 +98,7 @@ class SeqStateMixin:
     _swa_from: int
     _pending: dict[int, ctypes.Array[ctypes.c_uint8]]
     _buffer: StateBuffer
+    config: Any
 
     # --- window checkpoints (sliding-window models) -------------------------------------
 
@@ -122,12 +155,59 @@ class SeqStateMixin:
         if loaded != size:
             self.clear()
             return False
+        self._adopt(tokens)
+        return True
+
+    @property
+    def appends_state(self) -> bool:
+        """Whether :meth:`state_append` works here: the context has the scratch sequence
+        and its KV lives in host memory (on a GPU, many small uploads would cost more than
+        one big one)."""
+        return (
+            int(llama_cpp.llama_n_seq_max(self.ctx)) > SCRATCH_SEQ
+            and not self.interleaved
+            and (self.config.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload())
+        )
+
+    def state_append(self, buf: Any, size: int, below: int) -> bool:
+        """Add the cells of a seq state (``size`` bytes at ``buf``) whose positions are
+        below ``below`` to sequence 0, after the cells it holds; the rest are dropped.
+
+        A whole state can so be loaded one piece at a time, each piece read while it is
+        still in the core's cache (see :mod:`kvchat.kvcache.chunk_read`). Start with
+        :meth:`clear` and end with :meth:`state_adopt`. On failure the context is empty.
+        """
+        if not self.appends_state:
+            raise RuntimeError("this context has no scratch sequence to load pieces through")
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        loaded = llama_cpp.llama_state_seq_set_data(self.ctx, buf, size, SCRATCH_SEQ)
+        if loaded == size:
+            llama_cpp.llama_memory_seq_cp(mem, SCRATCH_SEQ, SEQ_ID, -1, below)
+        llama_cpp.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+        if loaded != size:
+            self.clear()
+            return False
+        return True
+
+    def state_adopt(self, tokens: Sequence[int]) -> bool:
+        """After :meth:`state_append`: the context holds ``tokens`` if sequence 0's cells
+        are exactly positions 0 … len(tokens) - 1; otherwise it is emptied (False)."""
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        n = len(tokens)
+        low = int(llama_cpp.llama_memory_seq_pos_min(mem, SEQ_ID))
+        high = int(llama_cpp.llama_memory_seq_pos_max(mem, SEQ_ID))
+        if (low, high) != ((0, n - 1) if n else (-1, -1)):
+            self.clear()
+            return False
+        self._adopt(tokens)
+        return True
+
+    def _adopt(self, tokens: Sequence[int]) -> None:
         n = len(tokens)
         self.llm.input_ids[:n] = tokens
         self.llm.n_tokens = n
         # A state keeps only the window's cells of its sliding-window layers.
         self._swa_from = max(0, n - self.n_swa) if self.interleaved else 0
-        return True
 
     def state_save_file(self, path: Path) -> int:
         """llama.cpp's own seq-state file writer (the benchmark's reference)."""

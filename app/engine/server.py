@@ -333,6 +333,12 @@ class ServerEngine:
     def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
         raise NotImplementedError("llama-server keeps its KV: use slot files")
 
+    def state_append(self, buf: Any, size: int, below: int) -> bool:
+        raise NotImplementedError("llama-server keeps its KV: use slot files")
+
+    def state_adopt(self, tokens: Sequence[int]) -> bool:
+        raise NotImplementedError("llama-server keeps its KV: use slot files")
+
     def state_save_file(self, path: Path) -> int:
         raise NotImplementedError("llama-server keeps its KV: use slot files")
 

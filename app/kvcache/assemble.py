@@ -8,7 +8,23 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.kvcache.state_layout import PREAMBLE, LayoutError, layout_for
+from kvchat.kvcache.state_layout import PREAMBLE, LayoutError, StateLayout, layout_for
+
+
+def write_headers(out: np.ndarray, layout: StateLayout) -> None:
+    """Write every header of a whole state of ``layout`` into ``out`` (the cells' bytes
+    go between them)."""
+    struct.pack_into("<QII", out, 0, layout.magic, 1, layout.n_cells)
+    struct.pack_into("<II", out, PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
+    for layer in layout.k_layers:
+        struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
+    for layer in layout.v_layers:
+        if layout.v_trans:
+            struct.pack_into(
+                "<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims
+            )
+        else:
+            struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
 
 
 class Assembler:
@@ -25,18 +41,7 @@ class Assembler:
         self.out = out
         self.n_cells = n_cells
         self._per_cell = self.layout.per_cell_bytes()
-        layout = self.layout
-        struct.pack_into("<QII", out, 0, layout.magic, 1, n_cells)
-        struct.pack_into("<II", out, PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
-        for layer in layout.k_layers:
-            struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
-        for layer in layout.v_layers:
-            if layout.v_trans:
-                struct.pack_into(
-                    "<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims
-                )
-            else:
-                struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
+        write_headers(out, self.layout)
 
     def place(self, chunk: np.ndarray, expected_start: int) -> int:
         """Copy one chunk's cells (those below ``n_cells``) into place; returns how many.

@@ -1,7 +1,11 @@
-"""Loading snapshots into the engine: a blob (mapped, verified, loaded) or a chain of chunks
-(each read straight into the state buffer by :mod:`kvchat.kvcache.chunk_read`, verified as
-it arrives, on two threads), with a sliding-window model's window section appended. A
-bad chunk is forgotten, so the next save writes it again. See
+"""Loading snapshots into the engine: a blob (mapped, verified, loaded) or a chain of chunks.
+
+Chunks go one at a time into the engine when it can append a state piece by piece (the
+KV in host memory): each is read, verified and copied into the KV cache while it is still
+in the core's cache. Otherwise (a GPU, a sliding-window model's window section appended)
+each is read straight into one whole state buffer, verified as it arrives, on two
+threads, and the whole state is loaded. Both by :mod:`kvchat.kvcache.chunk_read`. A bad
+chunk is forgotten, so the next save writes it again. See
 :mod:`kvchat.kvcache.snapshots`."""
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from kvchat.kvcache import chunking, windows
 from kvchat.kvcache import files as kvfiles
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunk_read import ChunkReader
+from kvchat.kvcache.chunk_read import ChunkReader, PieceReader
 from kvchat.kvcache.errors import SnapshotRejected
 from kvchat.kvcache.housekeeping import Housekeeper, chunk_row_problem
 from kvchat.store import ChunkRow, SnapshotRow, Store
@@ -37,6 +41,7 @@ class SnapshotLoader:
         self.store = store
         self._housekeeper = housekeeper
         self._workers = workers
+        self._pieces: PieceReader | None = None
 
     def load(
         self, row: SnapshotRow, engine: Engine, keep: int, window: windows.WindowPoint | None
@@ -96,6 +101,9 @@ class SnapshotLoader:
         if file_bytes < row_bytes:
             self._find_bad_chunk(needed)
             raise SnapshotRejected("snapshot chunk files do not match their index rows")
+        if window is None and engine.capabilities.appends_state:
+            self._append_chunks(row, engine, keep, needed)
+            return
         with _ChunkSet() as sections:
             section = self._window_section(row, keep, window, sections)
             extra = len(section) if section is not None else 0
@@ -193,6 +201,42 @@ class SnapshotLoader:
             del view
         if not engine.state_set(out, size, row.token_ids[:keep]):
             raise SnapshotRejected("llama.cpp rejected the reassembled snapshot state")
+
+    def _append_chunks(
+        self, row: SnapshotRow, engine: Engine, keep: int, needed: list[tuple[ChunkRow, int]]
+    ) -> None:
+        """Load the chain one chunk at a time, each read, verified and handed to llama.cpp
+        while it is still in the core's cache (see :class:`PieceReader`). Nothing unverified
+        reaches llama.cpp; a bad chunk leaves the context empty."""
+        assert row.layout is not None
+        reader = self._pieces
+        if reader is None or reader.layout_desc != row.layout:
+            reader = self._pieces = PieceReader(row.layout)
+        loaded = False
+        engine.clear()
+        try:
+            with _ChunkSet() as chunks:
+                for entry, start in needed:
+                    path = self.chunk_dir / fmt.chunk_name(entry.key)
+                    try:
+                        piece = reader.read(path, entry, start)
+                        if piece is None:  # mapped, checked field by field, copied
+                            data = chunks.open(path, entry, start)
+                            piece = reader.piece(entry.n_tokens)
+                            piece.fill(data)
+                    except SnapshotRejected:
+                        self._housekeeper.forget_chunks([entry])
+                        raise
+                    if not engine.state_append(reader.pointer, piece.size, keep):
+                        raise SnapshotRejected("llama.cpp rejected a snapshot chunk")
+            if not engine.state_adopt(row.token_ids[:keep]):
+                raise SnapshotRejected("the snapshot's chunks do not hold its tokens' positions")
+            loaded = True
+        except kvlayout.LayoutError as exc:
+            raise SnapshotRejected(f"snapshot chunks do not fit together: {exc}") from None
+        finally:
+            if not loaded:
+                engine.clear()
 
     def _find_bad_chunk(self, needed: list[tuple[ChunkRow, int]]) -> None:
         """Verify each chunk against its row (missing, a symlink, truncated, foreign, a row
