@@ -11,10 +11,12 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from textual import events
 from textual.app import App
 from textual.screen import Screen
 
 from kvchat.errors import KvchatError
+from kvchat.tui.collector import IdleCollector
 from kvchat.tui.commands import KvchatCommands
 from kvchat.tui.main import MainScreen
 from kvchat.tui.threads import SerialThread
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 ASSETS = resources.files("kvchat.assets")
 # The exit status after an error screen: like the CLI's for an error meant for users.
 EXIT_FATAL = 2
+# How often the app looks for an idle moment to collect garbage in (see collector).
+COLLECT_CHECK_S = 0.5
 
 
 class KvchatApp(App[None]):
@@ -58,6 +62,7 @@ class KvchatApp(App[None]):
         self.fatal = False
         # Failures of background work, shown as notices (tests assert it stays empty).
         self.worker_errors: list[BaseException] = []
+        self.collector = IdleCollector(busy=self._busy)
 
     @property
     def settings(self) -> Settings:
@@ -102,6 +107,35 @@ class KvchatApp(App[None]):
 
         self.fatal = True
         self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
+
+    # --- garbage collection while nobody waits (see kvchat.tui.collector) -----------------
+
+    def on_mount(self) -> None:
+        self.set_interval(COLLECT_CHECK_S, self._collect_when_idle)
+
+    def _busy(self) -> bool:
+        main = self.screen_stack[0] if self.screen_stack else None
+        return isinstance(main, MainScreen) and main.turn is not None
+
+    def _collect_when_idle(self) -> None:
+        if self.collector.started:
+            self.collector.tick()
+        elif self.ready_at is not None:  # the model is loaded: the app is up
+            self.collector.start()
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(
+            event,
+            (
+                events.Key,
+                events.MouseDown,
+                events.MouseScrollDown,
+                events.MouseScrollUp,
+                events.Paste,
+            ),
+        ):
+            self.collector.touch()
+        await super().on_event(event)
 
     # --- quit -----------------------------------------------------------------------------
 
@@ -154,6 +188,7 @@ class KvchatApp(App[None]):
             self.engine_thread.call(self._close_service)
         self.engine_thread.shutdown()
         self.store_thread.shutdown()
+        self.collector.stop()
 
     def on_unmount(self) -> None:
         self.shutdown()
