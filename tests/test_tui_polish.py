@@ -281,7 +281,8 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
 
     def spy(screen: Any, renderable: Any) -> None:
         if renderable is not None and not app._batch_count and screen is main:
-            views = list(main.conversation.query(MessageView))
+            # What is drawn: a page that a show replaced is hidden until it is removed.
+            views = [v for v in main.conversation.query(MessageView) if v.parent.display]
             hit = next((v for v in views if v.text == hit_text), None)
             area = main.conversation.region
             shown = (

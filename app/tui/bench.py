@@ -149,7 +149,14 @@ async def _switch(app: KvchatApp, frames: _Frames, session_id: str) -> Switch:
     await _wait(lambda: not any(w.is_running for w in main.workers))  # the sidebar refreshed
     await asyncio.sleep(0.2)
     rows = main.sessions.rows
-    main.sessions.index = next(i for i, r in enumerate(rows) if r.id == session_id)
+    target = next(i for i, r in enumerate(rows) if r.id == session_id)
+    # Down the list with keys, as a user moves to the session (keys count as activity:
+    # the app's garbage collection waits for an idle moment; see kvchat.tui.collector).
+    while main.sessions.index != target:
+        index = main.sessions.index
+        _press(app, "down" if index is None or index < target else "up")
+        await _wait(lambda index=index: main.sessions.index != index)  # type: ignore[misc]
+        await asyncio.sleep(0.1)
     before = main.last_restore
     drawn = frames.when(
         lambda: main._shown_id == session_id and app.focused is main.prompt and _drawn(main)

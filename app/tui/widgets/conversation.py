@@ -253,13 +253,22 @@ class MessageView(Vertical, can_focus=True):
             event.prevent_default()
             self.post_message(self.TypedAhead(event.character))
 
+    @property
+    def conversation(self) -> Conversation | None:
+        """The conversation showing this message (its page's parent), if any."""
+        page = self.parent
+        owner = page.parent if page is not None else None
+        return owner if isinstance(owner, Conversation) else None
+
     def on_focus(self) -> None:
-        if isinstance(self.parent, Conversation):
-            self.parent.cursor = self
+        conversation = self.conversation
+        if conversation is not None:
+            conversation.cursor = self
 
     def action_move(self, step: int) -> None:
-        if isinstance(self.parent, Conversation):
-            self.parent.move(self, step)
+        conversation = self.conversation
+        if conversation is not None:
+            conversation.move(self, step)
 
     def action_version(self, step: int) -> None:
         if self.role == "assistant":
@@ -279,6 +288,17 @@ class MessageView(Vertical, can_focus=True):
 
     def action_edit(self) -> None:
         self.post_message(self.EditRequested(self))
+
+
+class ConversationPage(Vertical):
+    """What a :meth:`Conversation.show` shows: its messages and notes, replaced whole by the
+    next show (so the old page can be dropped after the new one is drawn)."""
+
+    DEFAULT_CSS = """
+    ConversationPage {
+        height: auto;
+    }
+    """
 
 
 class Conversation(VerticalScroll, can_focus=False):
@@ -306,6 +326,7 @@ class Conversation(VerticalScroll, can_focus=False):
         # Shown but not mounted yet (lazy show): mounted above the others by fill().
         self.pending: list[MessageView] = []
         self._shows = 0  # counts show() calls: a fill stops when another show begins
+        self._page: ConversationPage | None = None
 
     async def show(
         self, messages: list[Message], around: int | None = None, *, lazy: bool = False
@@ -341,11 +362,23 @@ class Conversation(VerticalScroll, can_focus=False):
             widgets.append(Label(note, id="later", classes="not-shown", markup=False))
         if not messages:
             widgets.append(markdown_widget()(WELCOME, id="welcome"))
-        # One batch: the old messages stay on screen until the new ones are in place.
+        # One batch: the old messages stay on screen until the new ones are in place. The
+        # old page is hidden, and removed only once the new one is drawn (removing some
+        # sixty messages' widgets costs about as much as building the few now shown).
+        page = ConversationPage(*widgets)
+        old, self._page = self._page, page
         with self.app.batch_update():
-            await self.remove_children()
-            await self.mount_all(widgets)
+            if old is not None:
+                old.display = False
+            await self.mount(page)
             self.anchor()
+        if old is not None:
+            self.call_after_refresh(old.remove)
+
+    @property
+    def page(self) -> ConversationPage | None:
+        """The page of messages shown now (None before the first :meth:`show`)."""
+        return self._page
 
     def _left_for_later(self, views: list[MessageView]) -> int:
         """How many of ``views`` to leave for later: the last ones that fill the viewport
@@ -369,31 +402,41 @@ class Conversation(VerticalScroll, can_focus=False):
         while self.pending and shows == self._shows:
             batch = self.pending[-FILL_BATCH:]
             del self.pending[-FILL_BATCH:]
-            first = next((c for c in self.children if isinstance(c, MessageView)), None)
-            if first is None:
+            page = self._page
+            first = self.views[0] if self.views else None
+            if page is None or first is None:
                 self.pending = []
                 return
-            await self.mount_all(batch, before=first)
+            await page.mount_all(batch, before=first)
             await asyncio.sleep(0)
 
     async def add(self, view: MessageView) -> MessageView:
         """Append a message (the caller shows the latest first when later ones are left out)."""
-        for welcome in self.query("#welcome"):
+        page = self._page
+        for welcome in page.query("#welcome") if page is not None else ():
             await welcome.remove()
         if view.number is None:
             last = self.last_view
             view.number = (last.number or 0) + 1 if last is not None else self.first + 1
-        await self.mount(view)
+        page = self._page
+        if page is None:
+            page = self._page = ConversationPage()
+            await self.mount(page)
+        await page.mount(view)
         self.anchor()
         return view
 
     @property
     def views(self) -> list[MessageView]:
-        return [child for child in self.children if isinstance(child, MessageView)]
+        page = self._page
+        children = page.children if page is not None else ()
+        return [child for child in children if isinstance(child, MessageView)]
 
     @property
     def last_view(self) -> MessageView | None:
-        return next((c for c in reversed(self.children) if isinstance(c, MessageView)), None)
+        page = self._page
+        children = page.children if page is not None else ()
+        return next((c for c in reversed(children) if isinstance(c, MessageView)), None)
 
     def find(self, message_id: int) -> MessageView | None:
         return next((v for v in self.views if v.message_id == message_id), None)
@@ -401,7 +444,7 @@ class Conversation(VerticalScroll, can_focus=False):
     def tab_stop(self) -> MessageView | None:
         """The one message in the focus chain: the focused or last focused one, else the last."""
         cursor = self.cursor
-        if cursor is not None and cursor.parent is self:
+        if cursor is not None and cursor.parent is self._page:
             return cursor
         return self.last_view
 
