@@ -192,11 +192,14 @@ class SessionOpening(ScreenBase):
             elif focus_prompt:
                 # Now, not after this frame (Widget.focus waits for one): one frame for all.
                 self.set_focus(self.prompt, scroll_visible=False)
-        await self.on_store(self.service.remember_open, session_id)
+        # For the next launch, on the store thread meanwhile (its commit waits for the
+        # disk: tens of ms that the restore need not wait for).
+        remembered = asyncio.ensure_future(self.on_store(self.service.remember_open, session_id))
         # Resume before Enter: the restore starts as soon as the session is drawn (not
         # together with the drawing: both would share the interpreter's lock).
         await self._painted()
         await self._make_hot(session_id, started=started)
+        await remembered
         await self.conversation.fill()
 
     async def _painted(self) -> None:
