@@ -56,7 +56,7 @@ class StatusBar(Vertical):
     def set_memory(self, text: str, kind: str = "") -> None:
         """How the open session's KV got into the context (restore figures)."""
         label = self.query_one("#status-memory", Label)
-        label.update(text)
+        label.update(text, layout=False)  # one line of a fixed width: no layout pass
         for name in ("hot", "ram", "disk", "none"):
             label.set_class(kind == name, f"-{name}")
 
@@ -82,7 +82,9 @@ class StatusBar(Vertical):
 
     def _show_turn(self, busy: bool) -> None:
         text = f"{SPINNER[self._frame]} {self._turn_text}" if busy else self._turn_text
-        self.query_one("#status-turn", Label).update(text)
+        # One line of a fixed width: no layout pass of the whole screen (it cost ~20 ms
+        # at every update while a reply streams: a key typed then waited for it).
+        self.query_one("#status-turn", Label).update(text, layout=False)
 
     @property
     def turn_text(self) -> str:
