@@ -25,7 +25,7 @@ from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache import format as fmt
 from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunk_read import ChunkReader, Piece, PieceReader
+from kvchat.kvcache.chunk_read import ChunkReader, PieceReader
 from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.store import Store
 
@@ -101,28 +101,21 @@ class Spy:
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     counts = Spy()
-    read = ChunkReader.read
-    read_piece = PieceReader.read
 
-    def counted(self: ChunkReader, *args: Any) -> int | None:
-        placed = read(self, *args)
-        if placed is None:
-            counts.mapped += 1
-        else:
-            counts.direct += 1
-        return placed
+    def counting(read: Any, pieces: bool) -> Any:
+        def counted(self: Any, *args: Any) -> Any:
+            result = read(self, *args)
+            if result is None:
+                counts.mapped += 1
+            else:
+                counts.direct += 1
+                counts.pieces += pieces
+            return result
 
-    def counted_piece(self: PieceReader, *args: Any) -> Piece | None:
-        piece = read_piece(self, *args)
-        if piece is None:
-            counts.mapped += 1
-        else:
-            counts.direct += 1
-            counts.pieces += 1
-        return piece
+        return counted
 
-    monkeypatch.setattr(ChunkReader, "read", counted)
-    monkeypatch.setattr(PieceReader, "read", counted_piece)
+    monkeypatch.setattr(ChunkReader, "read", counting(ChunkReader.read, False))
+    monkeypatch.setattr(PieceReader, "read", counting(PieceReader.read, True))
     return counts
 
 
