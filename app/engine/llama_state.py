@@ -174,7 +174,7 @@ class SeqStateMixin:
         below ``below`` to sequence 0, after the cells it holds; the rest are dropped.
 
         A whole state can so be loaded one piece at a time, each piece read while it is
-        still in the core's cache (see :mod:`kvchat.kvcache.chunk_read`). Start with
+        still in the CPU's cache (see :mod:`kvchat.kvcache.chunk_read`). Start with
         :meth:`clear` and end with :meth:`state_adopt`. On failure the context is empty.
         """
         if not self.appends_state:

@@ -12,8 +12,8 @@ Two readers:
 
 * :class:`PieceReader` (an engine that appends a state piece by piece: the KV in host
   memory) reads each chunk into a small state of its own cells, which llama.cpp copies
-  into the KV cache right after it checks out: each byte crosses memory about as often as
-  with llama.cpp's own file loader.
+  into the KV cache right after it checks out, while it is still in the CPU's cache: no
+  pass of the whole state through memory besides llama.cpp's own copy.
 * :class:`ChunkReader` places every chunk in one whole state's buffer (the GPU path, and a
   sliding-window state whose window section follows); transposed V, whose dimensions are
   spread over the state, is read into a small per-thread scratch buffer and placed by
@@ -214,7 +214,7 @@ class Piece:
 class PieceReader:
     """Reads a chain one chunk at a time into a small whole seq state of the chunk's cells,
     for an engine that loads a state piece by piece (``state_append``): the chunk stays in
-    the core's cache from the read through the checksum to llama.cpp copying it into the
+    the CPU's cache from the read through the checksum to llama.cpp copying it into the
     KV cache, instead of passing through a whole state's buffer in memory.
 
     One buffer serves every chunk size in turn, and is kept for the next restore (a fresh

@@ -2,7 +2,7 @@
 
 Chunks go one at a time into the engine when it can append a state piece by piece (the
 KV in host memory): each is read, verified and copied into the KV cache while it is still
-in the core's cache. Otherwise (a GPU, a sliding-window model's window section appended)
+in the CPU's cache. Otherwise (a GPU, a sliding-window model's window section appended)
 each is read straight into one whole state buffer, verified as it arrives, on two
 threads, and the whole state is loaded. Both by :mod:`kvchat.kvcache.chunk_read`. A bad
 chunk is forgotten, so the next save writes it again. See
@@ -206,7 +206,7 @@ class SnapshotLoader:
         self, row: SnapshotRow, engine: Engine, keep: int, needed: list[tuple[ChunkRow, int]]
     ) -> None:
         """Load the chain one chunk at a time, each read, verified and handed to llama.cpp
-        while it is still in the core's cache (see :class:`PieceReader`). Nothing unverified
+        while it is still in the CPU's cache (see :class:`PieceReader`). Nothing unverified
         reaches llama.cpp; a bad chunk leaves the context empty."""
         assert row.layout is not None
         reader = self._pieces
