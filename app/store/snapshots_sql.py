@@ -31,9 +31,6 @@ class SnapshotsSql(SqlBase):
         stamp = now()
         row.created = row.created or stamp
         row.last_used = stamp
-        values = row.to_row()
-        columns = ", ".join(values)
-        marks = ", ".join("?" for _ in values)
         with self._tx() as conn:
             for chunk in new_chunks:
                 conn.execute(
@@ -56,10 +53,7 @@ class SnapshotsSql(SqlBase):
                 old = SnapshotRow.from_row(previous)
                 if old.token_ids != row.token_ids[: len(old.token_ids)]:
                     _shelve(conn, old)  # not a continuation: kept for its own setting
-            conn.execute(
-                f"INSERT OR REPLACE INTO kv_snapshots ({columns}) VALUES ({marks})",
-                tuple(values.values()),
-            )
+            _put(conn, "kv_snapshots", row.to_row())
 
     def snapshots(self) -> list[SnapshotRow]:
         """Every snapshot row, least recently used first."""
@@ -177,12 +171,7 @@ class SnapshotsSql(SqlBase):
                 _shelve(conn, SnapshotRow.from_row(current))
             shelved.pop("shelf_key")
             shelved["last_used"] = now()
-            columns = ", ".join(shelved)
-            conn.execute(
-                f"INSERT OR REPLACE INTO kv_snapshots ({columns})"
-                f" VALUES ({', '.join('?' for _ in shelved)})",
-                tuple(shelved.values()),
-            )
+            _put(conn, "kv_snapshots", shelved)
         return True
 
     def delete_shelved(self, session_id: str, fingerprint: dict[str, Any]) -> None:
@@ -205,6 +194,15 @@ def _one(conn: sqlite3.Connection, sql: str, *params: Any) -> dict[str, Any] | N
     return None if row is None else dict(zip([d[0] for d in cursor.description], row))
 
 
+def _put(conn: sqlite3.Connection, table: str, values: dict[str, Any]) -> None:
+    """Insert or replace one row of ``table`` (a literal of this module) from ``values``."""
+    conn.execute(
+        f"INSERT OR REPLACE INTO {table} ({', '.join(values)})"
+        f" VALUES ({', '.join('?' for _ in values)})",
+        tuple(values.values()),
+    )
+
+
 def _shelve(conn: sqlite3.Connection, row: SnapshotRow) -> None:
     """Keep ``row`` on the shelf (in the caller's transaction), unless the shelf already
     holds a longer row of its fingerprint: a longer usable snapshot is never replaced by a
@@ -218,9 +216,4 @@ def _shelve(conn: sqlite3.Connection, row: SnapshotRow) -> None:
     ).fetchone()
     if held is not None and isinstance(held[0], int) and held[0] > row.n_tokens:
         return
-    values = {**row.to_row(), "shelf_key": key}
-    conn.execute(
-        f"INSERT OR REPLACE INTO kv_snapshot_shelf ({', '.join(values)})"
-        f" VALUES ({', '.join('?' for _ in values)})",
-        tuple(values.values()),
-    )
+    _put(conn, "kv_snapshot_shelf", {**row.to_row(), "shelf_key": key})
