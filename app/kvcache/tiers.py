@@ -211,7 +211,6 @@ class KVTiers(HotSession):
         ``Store.shelved_snapshots``), make current the one this context can load that shares
         the most with the prompt; returns the prompt (the history's when none was given and
         there is a choice to make)."""
-        engine, fingerprint = self._attached()
         shelved = self.store.shelved_snapshots(session_id)
         if not shelved:
             return prompt
@@ -219,9 +218,7 @@ class KVTiers(HotSession):
             prompt = history()
 
         def reach(row: SnapshotRow | None) -> int:
-            if row is None or row.damage or row.n_tokens > engine.n_ctx:
-                return -1
-            if fingerprint.mismatch(row.fingerprint) is not None:
+            if row is None or not self._loadable(row):
                 return -1
             return row.n_tokens if prompt is None else common_prefix(row.token_ids, prompt)
 
@@ -239,12 +236,9 @@ class KVTiers(HotSession):
         line then says so instead of "restored N tokens" that the prefill would not use.
         A snapshot that holds what follows the shared start further on is used: the turn
         shifts the messages that left the window out of it."""
-        engine, fingerprint = self._attached()
         row = self.store.get_snapshot(session_id)
-        if prompt is None or row is None or row.damage or row.n_tokens > engine.n_ctx:
+        if prompt is None or row is None or not self._loadable(row):
             return None  # the restore says why it cannot load it
-        if fingerprint.mismatch(row.fingerprint) is not None:
-            return None
         shared = common_prefix(row.token_ids, prompt)
         if shared >= min(row.n_tokens, USEFUL_PREFIX) or _holds_later(
             row.token_ids, prompt, shared
@@ -253,6 +247,16 @@ class KVTiers(HotSession):
         return (
             f"its saved KV ({row.n_tokens:,} tokens) shares only {shared:,} tokens with "
             "this prompt: full prefill"
+        )
+
+    def _loadable(self, row: SnapshotRow) -> bool:
+        """Whether this context could load ``row`` (undamaged, fits n_ctx, same fingerprint);
+        the restore itself says why not."""
+        engine, fingerprint = self._attached()
+        return (
+            not row.damage
+            and row.n_tokens <= engine.n_ctx
+            and fingerprint.mismatch(row.fingerprint) is None
         )
 
     @staticmethod
