@@ -103,6 +103,13 @@ class ScreenBase(_Base):
         """Run ``fn`` on the store thread (reads and store-only writes); await the result."""
         return self.kv_app.store_thread.run(fn, *args, **kwargs)
 
+    def idle_or_say(self) -> bool:
+        """Whether the model is loaded and no reply is being generated; else says to wait."""
+        if not self.ready or self.turn is not None:
+            self.notify("Wait for the model to be ready and idle", severity="warning")
+            return False
+        return True
+
     @property
     def status(self) -> StatusBar:
         return self.query_one(StatusBar)

@@ -43,8 +43,7 @@ class ModelActions(ScreenBase):
         await self.note_session_model(session_id)
 
     def action_pick_model(self) -> None:
-        if not self.ready or self.turn is not None:
-            self.notify("Wait for the model to be ready and idle", severity="warning")
+        if not self.idle_or_say():
             return
         self.pick_model()
 

@@ -68,8 +68,7 @@ class TurnActions(ScreenBase):
         self.run_turn(self.turn)
 
     def action_regenerate(self) -> None:
-        if not self.ready or self.turn is not None:
-            self.notify("Wait for the model to be ready and idle", severity="warning")
+        if not self.idle_or_say():
             return
         views = self.conversation.views
         if self.session_id is None or not views:
@@ -80,8 +79,7 @@ class TurnActions(ScreenBase):
 
     def action_continue_reply(self) -> None:
         """F12: go on with the last reply (one cut at the token limit) from the hot KV."""
-        if not self.ready or self.turn is not None:
-            self.notify("Wait for the model to be ready and idle", severity="warning")
+        if not self.idle_or_say():
             return
         views = self.conversation.views
         if self.session_id is None or not views or views[-1].role != "assistant":
