@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvchat.config import Settings, data_dir
+from kvchat.crashes import unreported_crash
 from kvchat.engine import CancelCheck, Engine, create_engine, engine_config
+from kvchat.engine.probe import ProbeOutcome, probed_config
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.slots import ServerSlots
 from kvchat.kvcache.tiers import CacheGc, KVTiers
 from kvchat.model_choice import ModelChoices
-from kvchat.planner.defaults import DefaultsChoice, plan_defaults
+from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
 from kvchat.replies import ReplyTurns
 from kvchat.service_checks import check_engine_config, disk_full, os_error_line
 from kvchat.sessions import DEFAULT_TITLE, SessionBook
@@ -83,6 +86,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         """
         self.settings = settings
         directory = home or data_dir()
+        self._directory = directory
         try:
             self.store = Store(directory / "kvchat.db")
         except OSError as exc:
@@ -109,6 +113,8 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         self._fingerprint: Fingerprint | None = None
         # n_ctx, KV types, flash attention and GPU layers as planned (see load_engine).
         self.plan: DefaultsChoice | None = None
+        # What the engine probe chose for this machine (None: nothing probed, see load_engine).
+        self.probe: ProbeOutcome | None = None
 
     # --- engine ---------------------------------------------------------------------------
 
@@ -125,7 +131,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
                 )
                 engine.clear()  # another service's KV is not this one's
             else:
-                engine = create_engine(planned, path)
+                engine = self._open_engine(planned, path)
             self._engine = engine
             if engine.capabilities.server_slots:  # a llama-server keeps the KV (issue 13)
                 self.tiers = ServerSlots(self.store, engine)  # type: ignore[assignment,arg-type]
@@ -133,6 +139,43 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
             self._fingerprint = Fingerprint.current(path, engine.layout())
             self.tiers.attach(engine, self._fingerprint)
         return self._engine
+
+    def _open_engine(self, planned: Settings, path: Path) -> Engine:
+        """Open the engine on the settings the probe found safe and fast on this machine;
+        a GPU that fails to load it gets smaller plans (fewer layers, less context)."""
+        config = engine_config(planned, path)
+        if planned.engine == "llama.cpp":
+            config, self.probe = probed_config(
+                config,
+                repack=planned.repack,
+                threads=planned.n_threads is None,
+                directory=self._directory,
+            )
+        tried: list[str] = []
+        while True:
+            try:
+                return create_engine(planned, path, config=config)
+            except KvchatError as exc:
+                assert self.plan is not None
+                smaller = retry_plan(self.plan, config, str(exc))
+                if smaller is None:
+                    if tried:
+                        raise KvchatError(f"{exc} (after: {'; '.join(tried)})") from exc
+                    raise
+                tried.append(smaller.retry_note)
+                self.plan = smaller
+                config = replace(config, n_ctx=smaller.n_ctx, n_gpu_layers=smaller.n_gpu_layers)
+
+    def startup_notices(self) -> list[str]:
+        """Lines to say once when the model has loaded: the probe's choice the first time
+        it was made, and a crash of the last run not reported yet."""
+        notices = []
+        if self.probe is not None and self.probe.fresh and self.probe.reason:
+            notices.append(self.probe.reason)
+        crash = unreported_crash(self._directory)
+        if crash is not None:
+            notices.append(crash.line())
+        return notices
 
     @property
     def engine(self) -> Engine:
@@ -150,7 +193,20 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         """The context settings chosen for this machine, one line (None before the model loads)."""
         if isinstance(self.tiers, ServerSlots):  # the model runs in a llama-server
             return self.tiers.note
-        return self.plan.note if self.plan is not None else None
+        if self.plan is None:
+            return None
+        notes = [self.plan.note]
+        if self.probe is not None and self.probe.reason:
+            notes.append(self.probe.reason)
+        engine = self._engine
+        if self.probe is not None and engine is not None and self.probe.best_threads("generate"):
+            config = engine.config
+            if config.n_threads != self.probe.best_threads("generate"):
+                notes.append(
+                    f"threads re-measured after a slow reply: now {config.n_threads} for "
+                    f"generation, {config.n_threads_batch} for prompts"
+                )
+        return " — ".join(notes)
 
     @property
     def fingerprint(self) -> Fingerprint:

@@ -161,7 +161,23 @@ class Settings(BaseSettings):
     )
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)
-    n_threads: int = Field(default_factory=physical_cores, ge=1)
+    n_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads for generation; default: the fastest count the engine "
+        "probe measured on this machine (else the physical cores)",
+    )
+    n_threads_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads for prompt batches; default: the probe's fastest "
+        "(n_threads when that is set)",
+    )
+    repack: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="llama.cpp's weight repacking (AMX/AVX-512 kernels); auto: on unless the "
+        "engine probe saw llama.cpp crash with it on this machine",
+    )
     n_gpu_layers: int = Field(
         default=-1, description="-1: every layer when llama.cpp has GPU offload"
     )

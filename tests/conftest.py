@@ -66,13 +66,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
 
 
+# The engine probe's outcomes (kvchat.engine.probe), shared by every home of the run: a test
+# home is new each time, the machine is not. Variables of this set survive the tests' clean
+# environments.
+PROBE_FILE_ENV = "KVCHAT_PROBE_FILE"
+KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One engine-probe file for the whole run: the first model load on this machine
+    probes it (on a CPU where llama.cpp's repacked weights crash, the probe turns them off
+    for every test), later loads read it."""
+    path = Path(os.environ.get(PROBE_FILE_ENV) or tmp_path_factory.mktemp("probe") / "probe.json")
+    os.environ[PROBE_FILE_ENV] = str(path)
+    return path
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without kvchat's settings (``KVCHAT_*``), for a `kvchat`
+    process of a test; the run's shared engine-probe file stays."""
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_") or k == PROBE_FILE_ENV
+    }
+
+
 @pytest.fixture
 def kvhome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh KVCHAT_HOME for this test (database, snapshots and config)."""
     home = tmp_path / "home"
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     for name in list(os.environ):
-        if name.startswith("KVCHAT_") and name != "KVCHAT_HOME":
+        if name.startswith("KVCHAT_") and name not in KEPT_ENV:
             monkeypatch.delenv(name)
     return home
 
@@ -92,7 +117,7 @@ def run_cli(
     home: Path, *args: str, env: dict[str, str] | None = None, check: bool = True
 ) -> CliResult:
     """Run `python -m kvchat ARGS` in a new process with KVCHAT_HOME=home."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    full_env = clean_env()
     full_env["KVCHAT_HOME"] = str(home)
     full_env.update(env or {})
     proc = subprocess.run(

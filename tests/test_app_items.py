@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, run_cli
+from tests.conftest import FAST, REPO, clean_env, run_cli
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env = clean_env()
     env["KVCHAT_HOME"] = str(home)
     return env
 

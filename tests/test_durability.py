@@ -15,7 +15,7 @@ import pytest
 from kvchat.chat import ChatService
 from kvchat.config import Settings
 from kvchat.kvcache.snapshots import STALL_ENV
-from tests.conftest import FAST, REPO, SNAPSHOT_FORMATS
+from tests.conftest import FAST, REPO, SNAPSHOT_FORMATS, clean_env
 
 
 def snapshot_files(home: Path) -> set[str]:
@@ -31,7 +31,7 @@ def test_kill_during_snapshot_write_leaves_session_resumable(turn_homes, copy_ho
     (old_tokens,) = db.execute("SELECT n_tokens FROM kv_snapshots").fetchone()
     db.close()
     old_files = snapshot_files(home)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env = clean_env()
     env.update({"KVCHAT_HOME": str(home), STALL_ENV: "60", **SNAPSHOT_FORMATS[fmt]})
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvchat", "ask", "--session", session, "And then?", "--json", *FAST],

@@ -27,7 +27,7 @@ import pytest
 
 from kvchat.chat import ChatService
 from kvchat.config import Settings
-from tests.conftest import FAST, REPO, CliResult, run_cli
+from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ GREEDY_FLAGS = [*FAST, "--max-tokens", "8"]  # the same, for the CLI (the last f
 
 
 def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env = clean_env()
     env["KVCHAT_HOME"] = str(home)
     env.update(extra or {})
     return env

@@ -8,7 +8,6 @@ free port with its slot files in a temporary directory. CI builds it first (.ci/
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -26,7 +25,7 @@ from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine.server_build import ServerPlan, find_binary
 from kvchat.engine.server_http import ServerError, normalize_url
 from kvchat.kvcache.slots import identity_mismatch, slot_file_name
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, clean_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -276,7 +275,7 @@ def test_a_server_killed_mid_reply_leaves_the_message_and_a_clear_error(
     home = tmp_path / "home"
     key = {"KVCHAT_SERVER_API_KEY": "right-key"}
     session = ask(home, keyed_server.url, "--new", "Hi", **key).json["session"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env = clean_env()
     env.update(KVCHAT_HOME=str(home), **key)
     argv = ["--server", keyed_server.url, "ask", "--session", session, "Tell me a story."]
     proc = subprocess.Popen(

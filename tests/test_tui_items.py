@@ -9,7 +9,6 @@ Asserted by counts (tokens reused and decoded, messages shown), never by timings
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.format import snapshot_phrase
 from kvchat.tui.main import MainScreen
 from kvchat.tui.widgets.conversation import MessageView
-from tests.conftest import FAST, REPO
+from tests.conftest import FAST, REPO, clean_env
 from tests.test_tui import SIZE, ready, send, wait_until
 from tests.test_tui import make_app as tui_app
 from tests.test_tui import make_settings as tui_settings
@@ -186,7 +185,7 @@ def test_continue_is_a_key_and_in_the_palette() -> None:
 
 
 def _ask(home: Path, session_id: str, text: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    env = clean_env()
     env["KVCHAT_HOME"] = str(home)
     return subprocess.run(
         [sys.executable, "-m", "kvchat", "ask", "--session", session_id, text, *FAST],

@@ -69,7 +69,11 @@ class Installed:
     home: Path  # KVCHAT_HOME
 
     def run(self, program: str, *args: str, timeout: float = 300) -> str:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCHAT_", "PYTHON"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("KVCHAT_", "PYTHON")) or k == "KVCHAT_PROBE_FILE"
+        }
         env["KVCHAT_HOME"] = str(self.home)
         proc = subprocess.run(
             [str(self.bin / program), *args],

@@ -15,11 +15,16 @@ from kvchat.cli.doctor import doctor
 from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
 from kvchat.cli.models import models_group
 from kvchat.cli.transfer import export_bundle, import_cmd
+from kvchat.config import Settings
+from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
 from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.text import check_text, one_line
 from kvchat.units import human_bytes
+
+# Commands that run the model (None: the app): a native crash in them leaves a crash log.
+MODEL_COMMANDS = (None, "ask", "bench", "import")
 
 
 @click.group(cls=KvchatGroup, invoke_without_command=True)
@@ -33,6 +38,11 @@ def main(ctx: click.Context, **flags: Any) -> None:
     from the shell and none of them opens the app.
     """
     ctx.obj = {k: v for k, v in flags.items() if v is not None}
+    if ctx.invoked_subcommand in MODEL_COMMANDS:
+        from kvchat.config import data_dir
+        from kvchat.crashes import start_crash_log
+
+        start_crash_log(data_dir())
     if ctx.invoked_subcommand is None:
         settings = settings_from(ctx)
         try:
@@ -125,6 +135,9 @@ def ask(
         **sampling,
     )
     with service(settings) as chat:
+        chat.load_engine()
+        for notice in chat.startup_notices():
+            click.echo(f"kvchat: {one_line(notice)}", err=True)
         if session_ref is not None:
             session = chat.resolve(session_ref)
             if system is not None:
@@ -317,6 +330,7 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
         name: {"value": getattr(effective, name), "source": sources[name]}
         for name in type(settings).model_fields
     }
+    probe = _probe_rows(effective, path, rows)
     if rows["server_api_key"]["value"]:
         rows["server_api_key"]["value"] = "(set)"  # a secret is never printed
     if as_json:
@@ -327,6 +341,7 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
                     "config_file": str(config_file()),
                     "settings": rows,
                     "plan": plan.to_json(),
+                    "probe": probe.to_json() | {"words": probe_words(probe)} if probe else None,
                 },
                 indent=2,
             )
@@ -335,6 +350,11 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     click.echo(f"model file: {path}")
     click.echo(f"config file: {config_file()}" + ("" if config_file().is_file() else " (absent)"))
     click.echo(f"plan: {plan.note}")
+    if probe is not None:
+        click.echo(f"engine probe: {probe_words(probe)}")
+        threads = probe.threads_line()
+        if threads:
+            click.echo(f"  {threads}")
     width = max(len(name) for name in rows)
     for name, row in rows.items():
         value = "-" if row["value"] is None else row["value"]
@@ -381,3 +401,28 @@ main.add_command(cache)
 main.add_command(doctor)
 main.add_command(models_group)
 main.add_command(import_cmd)
+
+
+def _probe_rows(settings: Settings, path: Path, rows: dict[str, dict[str, Any]]) -> Any:
+    """What the engine probe chose for these settings (probing now if this machine was not
+    probed yet), written into ``rows``; None for a llama-server engine."""
+    from kvchat.engine import engine_config
+    from kvchat.engine.probe import probed_config
+
+    if settings.engine != "llama.cpp":
+        return None
+    config, probe = probed_config(
+        engine_config(settings, path), repack=settings.repack, threads=settings.n_threads is None
+    )
+    if probe is None:
+        return None
+    rows["repack"]["value"] = "on" if config.repack else "off"
+    if settings.repack == "auto":
+        rows["repack"]["source"] = "probe"
+    if settings.n_threads is None:
+        rows["n_threads"] = {"value": config.n_threads, "source": "probe"}
+        rows["n_threads_batch"] = {"value": config.n_threads_batch, "source": "probe"}
+    for name in ("flash_attn", "n_gpu_layers"):
+        if getattr(config, name) != rows[name]["value"]:
+            rows[name] = {"value": getattr(config, name), "source": "probe"}
+    return probe

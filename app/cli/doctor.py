@@ -12,6 +12,7 @@ from __future__ import annotations
 import click
 
 from kvchat.config import data_dir
+from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.text import one_line
 
@@ -38,6 +39,7 @@ def doctor(do_salvage: bool) -> None:
     from kvchat.store.doctor import check, salvage
 
     path = data_dir() / "kvchat.db"
+    _engine_report()
     if path.exists() and disk_full(path.parent):
         # SQLite cannot even read a WAL database without room for its shared-memory file:
         # that is no damage, and salvaging now would make things worse.
@@ -76,3 +78,26 @@ def doctor(do_salvage: bool) -> None:
     if len(done.lost) > SHOW_LOST:
         click.echo(f"  … and {len(done.lost) - SHOW_LOST} more")
     click.echo("KV snapshots are not salvaged: the next turn of each session re-reads it once")
+
+
+def _engine_report() -> None:
+    """What the engine probe chose on this machine, and the recent crashes (read only: the
+    probe itself is not run here)."""
+    from kvchat.crashes import recent_crashes
+    from kvchat.engine.probe import ProbeBook, probe_file
+
+    for outcome in ProbeBook(probe_file(data_dir())).outcomes()[:3]:
+        click.echo(
+            f"engine probe ({outcome.when}, {outcome.probe_ms:.0f} ms): {probe_words(outcome)}"
+        )
+        threads = outcome.threads_line()
+        if threads:
+            click.echo(f"  {threads}")
+    crashes = recent_crashes(data_dir())
+    if not crashes:
+        click.echo("crashes: none recorded")
+    for report in crashes[:SHOW_LOST]:
+        where = "in the model engine (llama.cpp)" if report.in_engine else "in kvchat"
+        click.echo(
+            f"crash {report.when_text} {where}: {one_line(report.first_line)}; log: {report.path}"
+        )

@@ -85,7 +85,16 @@ def model_options(func: F) -> F:
         ),
         click.option("--n-ctx", "n_ctx", type=int, help="Context length in tokens."),
         click.option(
-            "--threads", "n_threads", type=int, help="CPU threads (default: physical cores)."
+            "--threads",
+            "n_threads",
+            type=int,
+            help="CPU threads (default: the fastest count measured on this machine).",
+        ),
+        click.option(
+            "--repack/--no-repack",
+            "repack",
+            default=None,
+            help="llama.cpp's weight repacking (default: on unless it crashed here).",
         ),
         click.option(
             "--gpu-layers", "n_gpu_layers", type=int, help="Layers offloaded to the GPU (-1: all)."
@@ -130,6 +139,8 @@ def settings_from(ctx: click.Context, **flags: Any) -> Settings:
     """Settings with this command's flags over the group's flags over env and file."""
     merged: dict[str, Any] = dict(ctx.obj or {})
     merged.update({k: v for k, v in flags.items() if v is not None})
+    if isinstance(merged.get("repack"), bool):
+        merged["repack"] = "on" if merged["repack"] else "off"
     kv_type = merged.pop("kv_type", None)
     if kv_type:
         merged.setdefault("type_k", kv_type)

@@ -26,6 +26,8 @@ class EngineConfig:
     n_ctx: int = 8192
     n_batch: int = 512
     n_threads: int = 2
+    # Threads for prompt batches (prefill); None: the same as n_threads.
+    n_threads_batch: int | None = None
     n_gpu_layers: int = -1
     type_k: str = "f16"
     type_v: str = "f16"
@@ -33,6 +35,13 @@ class EngineConfig:
     seed: int = 0
     # A built-in template name or a Jinja file (kvchat.engine.templates); None: the GGUF's.
     chat_template: str | None = None
+    # llama.cpp's weight repacking (its CPU "extra buffer types": AMX, AVX-512 and ARM
+    # layouts). None: what the engine probe found safe on this machine (kvchat.engine.probe).
+    repack: bool | None = None
+    # Tokens/s the probe measured per thread count, as (threads, prefill, generate), when
+    # the thread counts are the probe's choice: a turn far slower makes the engine measure
+    # again and switch (LlamaEngine.generate). Empty: the counts were set, nothing is watched.
+    thread_speeds: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)

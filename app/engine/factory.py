@@ -32,20 +32,37 @@ _FROM_SETTINGS = (
 
 
 def engine_config(settings: Settings, model_path: Path) -> EngineConfig:
-    """The context settings of ``settings`` (already planned for this machine)."""
-    return EngineConfig(model_path, **{name: getattr(settings, name) for name in _FROM_SETTINGS})
+    """The context settings of ``settings`` (already planned for this machine).
+
+    Unset thread counts become the physical cores, and ``repack`` "auto" becomes None
+    (the engine asks the probe): :func:`kvchat.engine.probe.probed_config` decides both
+    first where the service opens the engine.
+    """
+    from kvchat.config import physical_cores
+
+    values = {name: getattr(settings, name) for name in _FROM_SETTINGS}
+    threads = settings.n_threads or physical_cores()
+    values["n_threads"] = threads
+    values["n_threads_batch"] = settings.n_threads_batch or threads
+    values["repack"] = None if settings.repack == "auto" else settings.repack == "on"
+    return EngineConfig(model_path, **values)
 
 
-def create_engine(settings: Settings, model_path: Path | None = None) -> Engine:
-    """Open the engine named by ``settings.engine`` on ``model_path`` (default: the settings')."""
+def create_engine(
+    settings: Settings, model_path: Path | None = None, *, config: EngineConfig | None = None
+) -> Engine:
+    """Open the engine named by ``settings.engine`` on ``model_path`` (default: the settings'),
+    with ``config`` when given (the probe's choice) instead of the settings' own."""
     target = ENGINES.get(settings.engine)
     if target is None:
         raise KvchatError(f"unknown engine {settings.engine!r}; known: {', '.join(ENGINES)}")
     module, name = target.split(":")
     engine_class = getattr(import_module(module), name)
     if hasattr(engine_class, "from_settings"):
-        config = engine_config(settings, model_path or Path(settings.model or ""))
+        config = config or engine_config(settings, model_path or Path(settings.model or ""))
         opened: Engine = engine_class.from_settings(settings, config)
         return opened
-    engine: Engine = engine_class(engine_config(settings, model_path or settings.model_path()))
+    engine: Engine = engine_class(
+        config or engine_config(settings, model_path or settings.model_path())
+    )
     return engine

@@ -16,6 +16,8 @@ import codecs
 import ctypes
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import llama_cpp
@@ -34,7 +36,14 @@ from kvchat.engine.base import (
 )
 from kvchat.engine.llama_markup import ChatTokensMixin
 from kvchat.engine.llama_spec import read_spec, uniform_shape
-from kvchat.engine.llama_state import SEQ_ID, SeqStateMixin, StateBuffer, scratch_sequence
+from kvchat.engine.llama_state import (
+    PARAMS_LOCK,
+    SCRATCH_SEQ,
+    SEQ_ID,
+    SeqStateMixin,
+    StateBuffer,
+    scratch_sequence,
+)
 from kvchat.engine.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 from kvchat.errors import KvchatError
 
@@ -42,6 +51,8 @@ from kvchat.errors import KvchatError
 PREFILL_SLICE = 128
 # The smallest batch decoded (see LlamaEngine.prefill).
 MIN_BATCH = 2
+# Thread counts are measured again after a slow reply at most this often.
+RECHECK_EVERY_S = 60.0
 
 GGML_TYPES: dict[str, int] = {
     "f16": llama_cpp.GGML_TYPE_F16,
@@ -65,15 +76,20 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 f"a quantized V cache (type_v={config.type_v}) needs flash attention: "
                 "set flash_attn = true or keep type_v = f16"
             )
+        if config.repack is None:
+            from kvchat.engine.probe import probed_config
+
+            config, _ = probed_config(config)
+            self.config = config
         try:
-            with scratch_sequence():
+            with scratch_sequence(), weight_repack(bool(config.repack)):
                 self.llm = llama_cpp.Llama(
                     model_path=str(config.model_path),
                     n_ctx=config.n_ctx,
                     n_batch=config.n_batch,
                     n_ubatch=config.n_batch,
                     n_threads=config.n_threads,
-                    n_threads_batch=config.n_threads,
+                    n_threads_batch=config.n_threads_batch or config.n_threads,
                     n_gpu_layers=config.n_gpu_layers,
                     type_k=GGML_TYPES[config.type_k],
                     type_v=GGML_TYPES[config.type_v],
@@ -122,6 +138,9 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._swa_from = 0
         self._pending: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self._init_markup(self._vocab)
+        # Thread counts re-measured after a slow reply (see _watch_speed): when, how often.
+        self._rechecked_at = -RECHECK_EVERY_S
+        self.slowdowns = 0
 
     # --- identity -------------------------------------------------------------------------
 
@@ -168,6 +187,8 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         """What the model's KV cache holds per layer, or why it cannot be cut into chunks."""
         reading = read_spec(self.config.model_path, self.metadata, self.llm._model.model)
         self._spec, self._spec_problem, self.batch_align = reading
+        if not self.config.repack:
+            self.batch_align = 1  # weights in their file layout: no four-row kernels
 
     def kv_spec(self) -> KvSpec | None:
         """What the seq state must hold per layer (for the chunk parser), or None."""
@@ -418,6 +439,38 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             if stats.generated and elapsed > 0:
                 stats.tokens_per_s = stats.generated / elapsed
             sampler.close()
+        self._watch_speed(stats)
+
+    def _watch_speed(self, stats: GenerationStats) -> None:
+        """After a reply far slower than the probe measured for these thread counts (other
+        programs took the CPU), measure the counts again and switch to the fastest."""
+        from kvchat.engine.probe import COLLAPSE_MIN_TOKENS, COLLAPSE_RATIO, fastest
+
+        measured = {n: gen for n, _, gen in self.config.thread_speeds}
+        expected = measured.get(self.config.n_threads)
+        if (
+            not expected
+            or stats.generated < COLLAPSE_MIN_TOKENS
+            or not stats.tokens_per_s
+            or stats.tokens_per_s >= COLLAPSE_RATIO * expected
+            or time.monotonic() - self._rechecked_at < RECHECK_EVERY_S
+        ):
+            return
+        self._rechecked_at = time.monotonic()
+        speeds = self.measure_threads(sorted(measured, reverse=True))
+        gen, batch = fastest(speeds, "generate"), fastest(speeds, "prefill")
+        if gen is None or batch is None:
+            return
+        self.config = replace(
+            self.config,
+            n_threads=gen,
+            n_threads_batch=batch,
+            thread_speeds=tuple(
+                (int(n), row["prefill"], row["generate"]) for n, row in speeds.items()
+            ),
+        )
+        self.set_threads(gen, batch)
+        self.slowdowns += 1
 
     def _token_bytes(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
@@ -439,8 +492,93 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             sampler.add_dist(params.seed & 0xFFFFFFFF)
         return sampler
 
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Prefill and generation tokens/s for each thread count in ``counts``.
+
+        Decoded in the scratch sequence (a ``prompt``-token batch, then ``generate`` single
+        tokens) and removed again: the conversation's KV and tokens are untouched. {} when
+        the context has no scratch sequence or too few free cells. The thread counts in use
+        before are restored.
+        """
+        if not self.appends_state or self.n_ctx - self.n_tokens < prompt + generate + 1:
+            return {}
+        token = self._scratch_token()
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        batch = llama_cpp.llama_batch_init(prompt, 0, 1)
+        speeds: dict[str, dict[str, float]] = {}
+        try:
+            for count in counts:
+                llama_cpp.llama_set_n_threads(self.ctx, count, count)
+                started = time.perf_counter()
+                if not self._scratch_decode(batch, token, 0, prompt):
+                    return {}
+                batch_s = time.perf_counter() - started
+                started = time.perf_counter()
+                for pos in range(prompt, prompt + generate):
+                    if not self._scratch_decode(batch, token, pos, 1):
+                        return {}
+                step_s = time.perf_counter() - started
+                llama_cpp.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+                speeds[str(count)] = {
+                    "prefill": round(prompt / batch_s, 2),
+                    "generate": round(generate / step_s, 2),
+                }
+        finally:
+            llama_cpp.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+            llama_cpp.llama_batch_free(batch)
+            self.set_threads(self.config.n_threads, self.config.n_threads_batch)
+        return speeds
+
+    def _scratch_token(self) -> int:
+        """An ordinary token to decode for timing (the first of a plain word)."""
+        tokens = self.tokenize(" the")
+        return tokens[0] if tokens else 0
+
+    def _scratch_decode(self, batch: Any, token: int, start: int, count: int) -> bool:
+        """Decode ``count`` copies of ``token`` at positions ``start``… in the scratch
+        sequence, logits for the last only."""
+        for i in range(count):
+            batch.token[i] = token
+            batch.pos[i] = start + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = SCRATCH_SEQ
+            batch.logits[i] = i == count - 1
+        batch.n_tokens = count
+        return llama_cpp.llama_decode(self.ctx, batch) == 0
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        """Use ``n_threads`` for generation and ``n_threads_batch`` (default: the same) for
+        prompt batches from the next decode on."""
+        llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads_batch or n_threads)
+
     def close(self) -> None:
         self.llm.close()
+
+
+@contextmanager
+def weight_repack(enabled: bool) -> Iterator[None]:
+    """Models loaded inside this block get llama.cpp's weight repacking on or off.
+
+    ``llama_cpp.Llama`` takes no such argument: its model parameters come from
+    ``llama_model_default_params``, whose ``use_extra_bufts`` is patched for the block (off:
+    the weights stay in the file's layout, no AMX or other repacked kernels).
+    """
+    module = llama_cpp.llama_cpp
+    with PARAMS_LOCK:
+        defaults = module.llama_model_default_params
+
+        def with_choice() -> Any:
+            params = defaults()
+            params.use_extra_bufts = enabled
+            return params
+
+        module.llama_model_default_params = with_choice
+        try:
+            yield
+        finally:
+            module.llama_model_default_params = defaults
 
 
 def _cuts(start: int, end: int, marks: set[int], size: int) -> list[tuple[int, int]]:

@@ -34,7 +34,8 @@ GROWTH = 1.25
 MAX_HEADROOM = 64 << 20
 
 
-_PARAMS_LOCK = threading.Lock()
+# Held while llama_cpp's default-params functions are patched (a model or context is made).
+PARAMS_LOCK = threading.RLock()
 
 
 @contextmanager
@@ -44,7 +45,7 @@ def scratch_sequence() -> Iterator[None]:
     cells: what :meth:`SeqStateMixin.state_append` needs. Decoding one sequence in it is
     what it is in a single-sequence context."""
     module = llama_cpp.llama_cpp
-    with _PARAMS_LOCK:
+    with PARAMS_LOCK:
         defaults = module.llama_context_default_params
 
         def with_scratch() -> Any:

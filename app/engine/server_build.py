@@ -87,6 +87,9 @@ class ServerPlan:
     slot_dir: Path
     n_gpu_layers: int
     api_key_env: bool = False
+    # False: llama-server's --no-repack (the engine probe saw llama.cpp crash with repacked
+    # weights on this machine, or repack = "off").
+    repack: bool = True
 
     def argv(self) -> list[str]:
         args = [
@@ -115,6 +118,8 @@ class ServerPlan:
         ]
         if self.swa:
             args.append("--swa-full")
+        if not self.repack:
+            args.append("--no-repack")
         return args
 
     @property
@@ -143,6 +148,12 @@ def plan_server(
     except KvchatError:
         swa = False
     binary = find_binary()
+    from kvchat.engine.factory import engine_config
+    from kvchat.engine.probe import probed_config
+
+    # The server runs the llama.cpp this llama-cpp-python vendors, on this CPU: what the
+    # probe found for the in-process engine holds for it too.
+    repack = probed_config(engine_config(settings, model), repack=settings.repack)[0].repack
     return ServerPlan(
         binary=str(binary) if binary is not None else BINARY_NAME,
         model=model,
@@ -156,6 +167,7 @@ def plan_server(
         swa=swa,
         slot_dir=slot_dir or slot_save_dir(),
         n_gpu_layers=settings.n_gpu_layers,
+        repack=repack is not False,
     )
 
 
@@ -210,7 +222,12 @@ def build_binary(
         if not trees:
             raise KvchatError(f"{source.name} holds no vendor/llama.cpp tree")
         build = scratch / "build"
-        say("configuring (cmake)…")
+        say(f"configuring (cmake {' '.join(CMAKE_FLAGS)})…")
+        say(
+            "  built for this CPU (llama.cpp's GGML_NATIVE default); weight repacking is on "
+            "unless the server is started with --no-repack, which `kvchat server` adds "
+            "where the engine probe saw llama.cpp crash with it"
+        )
         _run(["cmake", "-S", str(trees[0]), "-B", str(build), *CMAKE_FLAGS], "cmake")
         cores = jobs or max(1, os.cpu_count() or 1)
         say(f"building llama-server with {cores} jobs (about 15 minutes on 2 cores)…")

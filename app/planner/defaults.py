@@ -25,7 +25,7 @@ from and a one-line note for the UI; ``ChatService.load_engine`` applies it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +142,8 @@ class DefaultsChoice:
     # Which chat template the model gets when it is not its GGUF's own (see
     # kvchat.engine.templates), e.g. the GGUF has none: shown wherever the plan is.
     template_note: str | None = None
+    # Why this plan replaced a bigger one the GPU failed to load (see retry_plan).
+    retry_note: str = ""
 
     @property
     def values(self) -> dict[str, Any]:
@@ -187,6 +189,73 @@ class DefaultsChoice:
             "template_note": self.template_note,
             "note": self.note,
         }
+
+
+# What llama.cpp and its GPU backends say when a model or context does not fit or cannot
+# run on the GPU (lower case).
+GPU_FAILURES = (
+    "out of memory",
+    "cudamalloc",
+    "failed to allocate",
+    "unable to allocate",
+    "cuda error",
+    "compute capability",
+    "no kernel image",
+    "failed to create llama_context",
+    "failed to load model",
+    "vk::",
+    "vulkan",
+    "ggml_backend",
+)
+
+
+def is_gpu_failure(message: str) -> bool:
+    lowered = message.lower()
+    return any(marker in lowered for marker in GPU_FAILURES)
+
+
+def retry_plan(choice: DefaultsChoice, config: Any, error: str) -> DefaultsChoice | None:
+    """A smaller plan after the GPU failed to open the model with ``config`` (an
+    EngineConfig made from ``choice``), or None when that failure is not the GPU's.
+
+    Half the context first (not below :data:`MIN_CTX`; never a context the user set), then
+    half the GPU layers (never a layer count the user set), down to none: the CPU. The new
+    plan's ``retry_note`` and warnings say what failed and what is tried.
+    """
+    if config.n_gpu_layers == 0 or not is_gpu_failure(error):
+        return None
+    explicit = {n for n, source in choice.sources.items() if source not in ("plan", "default")}
+    why = error.strip().splitlines()[-1][-160:] if error.strip() else "it failed"
+    if "n_ctx" not in explicit and config.n_ctx // 2 >= MIN_CTX:
+        n_ctx, layers = config.n_ctx // 2, config.n_gpu_layers
+        what = f"n_ctx {n_ctx:,}"
+    elif "n_gpu_layers" not in explicit:
+        n_ctx, layers = config.n_ctx, config.n_gpu_layers
+        if layers < 0:
+            from kvchat.planner.gguf_info import read_gguf
+
+            layers = read_gguf(config.model_path).n_layer + 1
+        layers //= 2
+        what = f"{layers} layers on the GPU" if layers else "no GPU offload (the CPU)"
+    else:
+        return None
+    note = (
+        f"the GPU could not open the model with {_plan_words(config)} ({why}): retried with {what}"
+    )
+    return replace(
+        choice,
+        n_ctx=n_ctx,
+        n_gpu_layers=layers,
+        device="cpu" if layers == 0 else "partial" if layers > 0 else choice.device,
+        sources={**choice.sources, "n_ctx": choice.sources.get("n_ctx", "plan")},
+        warnings=[*choice.warnings, note],
+        retry_note=note,
+    )
+
+
+def _plan_words(config: Any) -> str:
+    layers = "all layers" if config.n_gpu_layers < 0 else f"{config.n_gpu_layers} layers"
+    return f"n_ctx {config.n_ctx:,} and {layers} on the GPU"
 
 
 def plan_defaults(
@@ -387,6 +456,8 @@ __all__ = [
     "find_budget",
     "gpu_offload_supported",
     "nvml_budget",
+    "is_gpu_failure",
     "plan_defaults",
+    "retry_plan",
     "template_note",
 ]

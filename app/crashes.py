@@ -1,0 +1,176 @@
+"""Crash logs: a native crash (a segfault or abort in llama.cpp) is never silent.
+
+Such a crash cannot be caught in the process it happens in. So each kvchat process that may
+run the model writes Python's ``faulthandler`` report into a log of its own in
+``<data dir>/crashes``; a process that ends normally removes its (empty) log. A log that is
+left with a report in it is a crash: the next start says so once, and ``kvchat doctor``
+lists the recent ones. The conversations are safe: the user's message is committed before
+the model runs, and a streaming reply is stored as it grows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO
+
+CRASH_DIR = "crashes"
+SEEN_SUFFIX = ".seen"
+# Crash logs kept (the oldest are removed when a process starts).
+KEEP_LOGS = 20
+# Frames that put a crash in the model engine (llama.cpp through llama-cpp-python).
+_ENGINE_FRAMES = ("llama_cpp", "kvchat/engine", "kvchat\\engine")
+
+_current: tuple[Path, IO[str]] | None = None
+
+
+@dataclass(frozen=True)
+class CrashReport:
+    """A log that a crashed kvchat process left behind."""
+
+    path: Path
+    when: float
+    in_engine: bool
+    first_line: str
+    seen: bool
+
+    @property
+    def when_text(self) -> str:
+        return datetime.fromtimestamp(self.when).strftime("%Y-%m-%d %H:%M:%S")
+
+    def line(self) -> str:
+        """One line for the next start, e.g. "the last kvchat run ended in a crash in the
+        model engine (llama.cpp) at …; log: …; your conversations are intact"."""
+        where = " in the model engine (llama.cpp)" if self.in_engine else ""
+        return (
+            f"the last kvchat run ended in a crash{where} at {self.when_text} "
+            f"({self.first_line}); log: {self.path}; your conversations are intact "
+            "(each message is saved before the model runs; see `kvchat doctor`)"
+        )
+
+
+def crash_dir(directory: Path) -> Path:
+    return directory / CRASH_DIR
+
+
+def start_crash_log(directory: Path) -> Path | None:
+    """Write this process's fatal-error report (all threads) to a new log in
+    ``directory/crashes``; it is removed when the process exits normally. None when the
+    directory cannot be written (then nothing is logged)."""
+    global _current
+    from kvchat.config import ensure_private_dir
+
+    if _current is not None:
+        return _current[0]
+    try:
+        logs = ensure_private_dir(crash_dir(directory))
+        _prune(logs)
+        path = logs / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        handle = os.fdopen(fd, "w", encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+    _current = (path, handle)
+    faulthandler.enable(file=handle, all_threads=True)
+    atexit.register(_clean_exit)
+    return path
+
+
+def _clean_exit() -> None:
+    """A normal exit: the log holds no report, so it goes."""
+    global _current
+    if _current is None:
+        return
+    path, handle = _current
+    _current = None
+    try:
+        faulthandler.disable()
+        handle.close()
+        if path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
+
+
+def recent_crashes(directory: Path) -> list[CrashReport]:
+    """Logs with a report in them, newest first (this process's own log is not one)."""
+    logs = crash_dir(directory)
+    if not logs.is_dir():
+        return []
+    own = _current[0] if _current is not None else None
+    reports = []
+    for path in logs.glob("run-*.log"):
+        if path == own or path.is_symlink():
+            continue
+        try:
+            if path.stat().st_size == 0:
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")[:20000]
+            when = path.stat().st_mtime
+        except OSError:
+            continue
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "a crash")
+        reports.append(
+            CrashReport(
+                path=path,
+                when=when,
+                in_engine=any(frame in text for frame in _ENGINE_FRAMES),
+                first_line=first[:120],
+                seen=path.with_name(path.name + SEEN_SUFFIX).exists(),
+            )
+        )
+    return sorted(reports, key=lambda r: r.when, reverse=True)
+
+
+def unreported_crash(directory: Path) -> CrashReport | None:
+    """The newest crash not said yet, marked as said (so the next start is quiet)."""
+    fresh = [report for report in recent_crashes(directory) if not report.seen]
+    for report in fresh:
+        try:
+            report.path.with_name(report.path.name + SEEN_SUFFIX).touch(mode=0o600)
+        except OSError:
+            pass
+    return fresh[0] if fresh else None
+
+
+def _prune(logs: Path) -> None:
+    """Keep the newest KEEP_LOGS crash logs (and remove empty logs of processes gone)."""
+    found = []
+    for path in logs.glob("run-*.log"):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        pid = path.stem.rsplit("-", 1)[-1]
+        if stat.st_size == 0 and not _alive(pid):
+            _remove(path)  # a process killed outright (SIGKILL) leaves an empty log
+            continue
+        found.append((stat.st_mtime, path))
+    for _, path in sorted(found, reverse=True)[KEEP_LOGS:]:
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    for victim in (path, path.with_name(path.name + SEEN_SUFFIX)):
+        try:
+            victim.unlink()
+        except OSError:
+            pass
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["CrashReport", "recent_crashes", "start_crash_log", "unreported_crash"]
