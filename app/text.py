@@ -34,6 +34,12 @@ def one_line(text: str) -> str:
     return " ".join(visible(text).split())
 
 
+def short_title(text: str, limit: int = 48) -> str:
+    """A session's title from its first message: the text on one line, cut at ``limit``."""
+    line = one_line(text)
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
 def check_text(text: str, what: str = "the message") -> str:
     """``text`` if it is valid Unicode (storable as UTF-8), else a :class:`KvchatError`.
 

@@ -3,12 +3,29 @@ benchmark times (mixed into ChatService)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvchat.engine import CancelCheck, GenerationParams, GenerationStats
 from kvchat.errors import KvchatError
 from kvchat.generation import StreamSaver, stream_reply
+from kvchat.service_checks import os_error_line
 from kvchat.service_parts import ServiceParts
-from kvchat.turns import TokenCallback, TurnReport
+from kvchat.sessions import DEFAULT_TITLE
+from kvchat.store import Message
+from kvchat.store.locks import SessionBusy
+from kvchat.store.store import StoreFull
+from kvchat.text import check_text, short_title
+from kvchat.turns import (
+    MessageRefused,
+    TokenCallback,
+    TurnReport,
+    UnansweredMessage,
+    generation_params,
+)
 from kvchat.window import fit_window
+
+# How long post() waits for the session's turn lock by default (as a turn does).
+POST_WAIT_S = 3.0
 
 
 class TurnRunner(ServiceParts):
@@ -17,6 +34,75 @@ class TurnRunner(ServiceParts):
 
     # How often a streaming reply is stored (ChatService sets it from STREAM_SAVE_EVERY_S).
     stream_save_every_s: float
+
+    def post(self, session_id: str, text: str, *, wait_s: float = POST_WAIT_S) -> Message:
+        """Commit the user's message now, without the model: a UI calls it off its engine
+        thread, so what was sent is stored the moment Enter is pressed even while the engine
+        finishes other work; :meth:`answer` then runs the turn on it.
+
+        Only text that is valid and not empty is stored; whether it fits the context is
+        :meth:`answer`'s check (it needs the model). The session's turn lock is held while it
+        is stored: while another process runs a turn on the session, it waits ``wait_s``
+        seconds, then raises :class:`MessageRefused` (``busy``) and stores nothing.
+        """
+        text = check_text(text).strip()
+        if not text:
+            raise KvchatError("the message is empty")
+        session = self.store.get_session(session_id)
+        try:
+            held = self.locks.hold(session_id, wait_s)
+            held.__enter__()
+        except SessionBusy as exc:
+            raise MessageRefused(text, str(exc), busy=True) from None
+        except OSError as exc:
+            raise KvchatError(os_error_line(f"cannot lock session {session_id}", exc)) from None
+        try:
+            message = self.store.add_message(session_id, "user", text)
+            if session.title == DEFAULT_TITLE:
+                try:
+                    self.store.update_session(session_id, title=short_title(text))
+                except StoreFull:
+                    pass  # a title is a convenience: the message is stored
+        finally:
+            held.__exit__(None, None, None)
+        return message
+
+    def answer(
+        self,
+        session_id: str,
+        message_id: int,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Run the turn on the user's message ``message_id`` that :meth:`post` stored (it must
+        still be the session's last message) and commit the reply, as :meth:`send` does.
+
+        A message too long to fit the context is deleted again (it was never answered) and
+        :class:`MessageRefused` carries its text back; any later failure leaves it stored,
+        unanswered (:class:`UnansweredMessage`).
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.settings, session.settings, overrides)
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            last = history[-1] if history else None
+            if last is None or last.id != message_id or last.role != "user":
+                raise KvchatError("the message to answer is no longer the session's last one")
+            engine = self.load_engine()
+            try:
+                self._checked_message(last.content, session.system_prompt, params.max_tokens)
+            except KvchatError as exc:
+                self.store.delete_message(message_id)
+                raise MessageRefused(last.content, str(exc)) from exc
+            try:
+                count = engine.count_tokens(last.content)
+                self.store.update_message(message_id, last.content, False, token_count=count)
+                return self._turn(session_id, params, on_token, cancel, no_restore)
+            except KvchatError as exc:
+                raise UnansweredMessage(session_id, str(exc)) from exc
 
     def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
         """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).

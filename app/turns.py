@@ -32,6 +32,18 @@ class UnansweredMessage(KvchatError):
         self.reason = reason
 
 
+class MessageRefused(KvchatError):
+    """The user's message was not sent: ``post`` could not store it (``busy``: another
+    process runs a turn on the session), or its turn found it cannot fit the context and
+    deleted it again, unanswered. A UI gives ``text`` back to the user to edit or resend."""
+
+    def __init__(self, text: str, reason: str, *, busy: bool = False) -> None:
+        super().__init__(f"{reason}; the message was not sent")
+        self.text = text
+        self.reason = reason
+        self.busy = busy
+
+
 # Sampling settings a session may override.
 SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
 

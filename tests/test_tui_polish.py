@@ -384,8 +384,8 @@ async def test_sidebar_tokens_match_the_gauge_and_an_empty_session_is_not_hot(
 class SavingStandIn(StandInService):
     """A stand-in whose turns report a large snapshot of which little was written."""
 
-    def send(self, session_id: str, text: str, **kwargs: Any) -> TurnReport:
-        report = super().send(session_id, text, **kwargs)
+    def answer(self, session_id: str, message_id: int, **kwargs: Any) -> TurnReport:
+        report = super().answer(session_id, message_id, **kwargs)
         report.restore.source = "none"
         report.snapshot = SnapshotWrite(bytes=80_000_000, written=1_048_576, ms=9)
         return report

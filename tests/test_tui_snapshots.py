@@ -75,8 +75,12 @@ class StandInService(ChatService):
             return RestoreResult("none", reason="no snapshot saved for this session yet")
         return RestoreResult("disk", ms=41, bytes=tokens * 23052, tokens=tokens)
 
-    def send(self, session_id: str, text: str, *, on_token: Any = None, **_: Any) -> TurnReport:
-        self.store.add_message(session_id, "user", text, token_count=9)
+    def answer(
+        self, session_id: str, message_id: int, *, on_token: Any = None, **_: Any
+    ) -> TurnReport:
+        """The turn on the message the app stored (``post``): a fixed reply."""
+        asked = self.store.get_message(message_id)
+        self.store.update_message(message_id, asked.content, False, token_count=9)
         for word in REPLY.split(" "):
             if on_token is not None:
                 on_token(word + " ")

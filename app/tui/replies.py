@@ -1,9 +1,13 @@
 """Turns on the main screen: send, regenerate, continue a cut reply; the reply streams in.
 
 A mixin of MainScreen. The model runs on the engine thread, which buffers the reply's
-pieces in the turn's sink; the UI draws them ``FLUSH_HZ`` times a second. Before a turn
-starts, the session's turn lock is tried: while another kvchat process runs a turn on the
-session, sending says so and keeps the message in the input instead of colliding.
+pieces in the turn's sink; the UI draws them ``FLUSH_HZ`` times a second.
+
+Enter takes the message out of the input at once (what is typed afterwards stays there) and
+shows it as pending while the store thread commits it, under the session's turn lock, even
+when the engine thread is still busy; the turn then answers the stored message. A message
+that is not sent after all (another kvchat process runs a turn on the session, or it cannot
+fit the context) goes back into the input, above anything typed since.
 
 The user never waits for housekeeping: a turn returns as soon as its reply is stored
 (the service's ``defer_housekeeping``), and the re-decode of the reply (the settle) and
@@ -33,6 +37,9 @@ if TYPE_CHECKING:
 # Streamed tokens are buffered by the engine thread and drawn this often.
 FLUSH_HZ = 25
 CONTINUE_HINT = "F12 continues it"
+# How long storing a message waits for the session's turn lock while this app's own engine
+# work (housekeeping yielding, a restore) may hold it; else a turn's usual wait.
+OWN_WORK_WAIT_S = 60.0
 
 
 @dataclass
@@ -48,13 +55,17 @@ class ActiveTurn:
     pieces: int = 0
     started: float = field(default_factory=time.perf_counter)
     before: str = ""  # a continued reply: its text before this turn
+    asked: MessageView | None = None  # a send: the user's message, pending until stored
+    message_id: int | None = None  # a send: the user's message once stored
 
 
 class TurnActions(ScreenBase):
     """Send, regenerate, continue and stop replies (see the module docstring)."""
 
     def submit(self, text: str) -> None:
-        """Enter in the input: send ``text`` (the input is cleared once the turn starts)."""
+        """Enter in the input: send ``text``. It leaves the input now (anything typed after
+        Enter stays) and shows as pending until it is stored (see the module docstring)."""
+        sent = text
         text = text.strip()
         if not text:
             return
@@ -64,6 +75,7 @@ class TurnActions(ScreenBase):
         if self.turn is not None:
             self.notify("Wait for the reply, or press Esc to stop it", severity="warning")
             return
+        self.prompt.take_sent(sent)
         self.turn = ActiveTurn("send", self.session_id, text)
         self.run_turn(self.turn)
 
@@ -105,25 +117,67 @@ class TurnActions(ScreenBase):
         self.notify(f"{holder}{kept}", severity="warning", markup=False)
         return True
 
+    async def _post(self, turn: ActiveTurn) -> bool:
+        """Show the user's message as pending and store it on the store thread, without
+        waiting for the engine; False (the text back in the input, and said) when refused."""
+        assert turn.text is not None
+        if turn.session_id is None:
+            turn.session_id = self.session_id = await self._new_session_id()
+            self._shown_id = turn.session_id
+            self.request_refresh()
+        if self.conversation.later:  # a jump left the latest messages out: back to them
+            await self.show_latest()
+        turn.asked = await self.conversation.add(MessageView("user", turn.text, pending=True))
+        service = self.service
+        # This app's own engine work may hold the session's lock: housekeeping lets go of it
+        # at its next batch; a restore or other action finishes first.
+        own_work = self._housekeeping or self._engine_jobs > 0
+        service.interrupt_housekeeping()
+        wait = {"wait_s": OWN_WORK_WAIT_S} if own_work else {}
+        try:
+            message = await self.on_store(service.post, turn.session_id, turn.text, **wait)
+        except KvchatError as exc:
+            self.turn = None
+            self.prompt.give_back(turn.text)
+            await turn.asked.remove()
+            # The interrupt above had no turn after it: housekeeping may run again.
+            self.on_engine(service.allow_housekeeping)
+            self._say_not_sent(exc)
+            return False
+        turn.message_id = message.id
+        turn.asked.set_stored(message.id)
+        return True
+
+    def _say_not_sent(self, exc: KvchatError) -> None:
+        """Say why a message went back to the input."""
+        from kvchat.turns import MessageRefused  # the service is loaded: no import cost
+
+        busy = isinstance(exc, MessageRefused) and exc.busy
+        if busy:
+            self.status.set_turn("another kvchat is replying in this session", "warning")
+        else:
+            self.status.set_turn("not sent: your message is back in the input", "error")
+        reason = exc.reason if isinstance(exc, MessageRefused) else str(exc)
+        self.notify(
+            f"{reason}; your message is back in the input",
+            severity="warning" if busy else "error",
+            markup=False,
+        )
+
     @work(group="turn", exit_on_error=False)
     async def run_turn(self, turn: ActiveTurn) -> None:
         conversation = self.conversation
         try:
-            if await self._busy_elsewhere(turn):
+            if turn.kind != "send" and await self._busy_elsewhere(turn):
                 return
-            if turn.session_id is None:
-                turn.session_id = self.session_id = await self._new_session_id()
-                self._shown_id = turn.session_id
-                self.request_refresh()
+            if turn.kind == "send":
+                if not await self._post(turn):
+                    return
             if conversation.later:  # a jump left the latest messages out: back to them
                 await self.show_latest()
             for view in conversation.views:
                 view.set_cut(False)
-            if turn.kind == "send":
-                assert turn.text is not None
-                self.prompt.clear()
-                await conversation.add(MessageView("user", turn.text))
-            elif turn.kind == "regenerate":
+            if turn.kind == "regenerate":
                 views = conversation.views
                 if views and views[-1].role == "assistant":
                     await views[-1].remove()
@@ -145,6 +199,13 @@ class TurnActions(ScreenBase):
             # The service committed what it could; show the store's truth, then report.
             self.turn = None
             self._hot_id = None
+            # A message not stored, or refused by its turn, goes back to the input.
+            given_back = turn.kind == "send" and (turn.message_id is None or _refused(exc))
+            if given_back:
+                assert turn.text is not None
+                self.prompt.give_back(turn.text)
+                if turn.asked is not None and turn.asked.is_mounted:
+                    await turn.asked.remove()
             self.status.set_turn(str(exc) or type(exc).__name__, "error")
             if turn.view is not None and turn.view.stream is not None:
                 await turn.view.stream.stop()
@@ -153,7 +214,10 @@ class TurnActions(ScreenBase):
             self.request_refresh()
             if not isinstance(exc, KvchatError):
                 raise  # a bug: the worker-error handler reports it
-            self.notify(str(exc), severity="error", markup=False)
+            if given_back:
+                self._say_not_sent(exc)
+            else:
+                self.notify(str(exc), severity="error", markup=False)
             return
         self.turn = None
         self.last_turn = turn
@@ -164,8 +228,10 @@ class TurnActions(ScreenBase):
         assert turn.session_id is not None
         on_token, cancel = turn.sink.append, turn.cancel.is_set
         if turn.kind == "send":
-            assert turn.text is not None
-            report = service.send(turn.session_id, turn.text, on_token=on_token, cancel=cancel)
+            assert turn.message_id is not None
+            report = service.answer(
+                turn.session_id, turn.message_id, on_token=on_token, cancel=cancel
+            )
         elif turn.kind == "continue":
             report = service.continue_reply(turn.session_id, on_token=on_token, cancel=cancel)
         else:
@@ -329,3 +395,10 @@ class TurnActions(ScreenBase):
             self.status.set_turn("stopping…", "busy")
         elif self.focused is not self.prompt:
             self.prompt.focus()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` says the user's message was not sent (it goes back to the input)."""
+    from kvchat.turns import MessageRefused  # the service is loaded: no import cost
+
+    return isinstance(exc, MessageRefused)

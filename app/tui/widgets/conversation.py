@@ -142,8 +142,10 @@ class MessageView(Vertical, can_focus=True):
         partial: bool = False,
         streaming: bool = False,
         number: int | None = None,
+        pending: bool = False,
     ) -> None:
-        super().__init__(classes=f"message -{role}" + (" -partial" if partial else ""))
+        classes = f"message -{role}" + (" -partial" if partial else "")
+        super().__init__(classes=classes + (" -pending" if pending else ""))
         self.role = role
         self.text = text
         self.message_id = message_id
@@ -153,6 +155,8 @@ class MessageView(Vertical, can_focus=True):
         self.stream: MarkdownStream | None = None
         self.cut = False  # a reply stopped at the token limit (F12 continues it)
         self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
+        # Your message as Enter sent it, before it is stored (it left the input at once).
+        self.pending = pending
 
     @classmethod
     def from_message(cls, message: Message, number: int | None = None) -> MessageView:
@@ -181,6 +185,8 @@ class MessageView(Vertical, can_focus=True):
             name = f"{name} · #{self.number}"
         if self.version[1] > 1:
             name = f"{name} · reply {self.version[0]}/{self.version[1]} (←/→)"
+        if self.pending:
+            return f"{name} · sending…"
         if self.streaming:
             return f"{name} ▍"
         if self.partial:
@@ -208,6 +214,13 @@ class MessageView(Vertical, can_focus=True):
         self.version = (position, count)
         await self.body.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
+        self._show_header()
+
+    def set_stored(self, message_id: int) -> None:
+        """Your pending message is stored (committed): show it as any other message."""
+        self.message_id = message_id
+        self.pending = False
+        self.remove_class("-pending")
         self._show_header()
 
     def set_cut(self, cut: bool) -> None:

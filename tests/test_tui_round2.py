@@ -1,0 +1,102 @@
+"""Pilot tests of issue 22's items on the real app and the real model (SmolLM2-135M):
+nothing typed is lost, and the rough edges a newcomer hit in an afternoon."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvchat.tui.widgets.conversation import MessageView
+from tests.test_tui import SIZE, ready, send, service_of, wait_until
+from tests.test_tui_items import header, make_app
+
+
+def stored(app: object, session_id: str | None) -> list[tuple[str, str]]:
+    assert session_id is not None
+    return [(m.role, m.content) for m in service_of(app).messages(session_id)]  # type: ignore[arg-type]
+
+
+# --- item 1: text typed right after Enter is never lost ---------------------------------------
+
+
+@pytest.mark.e2e
+async def test_the_message_leaves_the_input_at_enter_and_what_is_typed_after_stays(
+    kvhome: Path,
+) -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Alpha: name a colour.")
+        # The engine thread is busy (as with housekeeping after a reply, or a restore).
+        gate = threading.Event()
+        busy = app.engine_thread.run(gate.wait, 60)
+        try:
+            main.prompt.focus()
+            await pilot.press(*"Charlie: name a bird.")
+            await pilot.press("enter")
+            await pilot.press(*"Delta typed right after Enter")
+            # The message left the input at once, and shows as pending.
+            assert main.prompt.text == "Delta typed right after Enter"
+            asked = [v for v in main.conversation.views if v.role == "user"][-1]
+            assert asked.text == "Charlie: name a bird."
+            # It is stored while the engine is still busy, and then shows as sent.
+            await wait_until(
+                lambda: stored(app, main.session_id)[-1] == ("user", "Charlie: name a bird.")
+            )
+            await wait_until(lambda: not asked.pending)
+            assert "sending" not in header(asked)
+            assert not gate.is_set() and main.turn is not None
+        finally:
+            gate.set()
+        await busy
+        await wait_until(lambda: main.turn is None and main.last_turn is not None)
+        await pilot.pause()
+        # Answered; what was typed after Enter is still in the input, untouched.
+        assert [r for r, _ in stored(app, main.session_id)] == ["user", "assistant"] * 2
+        assert main.prompt.text == "Delta typed right after Enter"
+        assert [v.role for v in main.conversation.views] == ["user", "assistant"] * 2
+
+
+@pytest.mark.e2e
+async def test_a_message_not_sent_goes_back_to_the_input_above_what_was_typed_since(
+    kvhome: Path,
+) -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Hello.")
+        session_id = main.session_id
+        assert session_id is not None
+        # Another process runs a turn on the session: the message cannot be stored.
+        with service_of(app).locks.hold(session_id):
+            main.prompt.focus()
+            await pilot.press(*"mine")
+            await pilot.press("enter")
+            assert main.prompt.text == ""  # it left the input at once
+            await pilot.press(*"more")
+            await wait_until(lambda: "another kvchat is replying" in main.status.turn_text)
+            assert main.prompt.text == "mine\nmore"
+            assert [v.text for v in main.conversation.views if v.role == "user"] == ["Hello."]
+            assert any("back in the input" in n.message for n in app._notifications)
+        assert len(stored(app, session_id)) == 2
+
+
+@pytest.mark.e2e
+async def test_a_message_too_long_for_the_context_goes_back_to_the_input(kvhome: Path) -> None:
+    app = make_app()  # n_ctx 1024
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Hello.")
+        long = "word " * 1500
+        main.prompt.focus()
+        main.prompt.insert(long)
+        await pilot.press("enter")
+        await wait_until(lambda: main.turn is None and main.prompt.text.strip())
+        await pilot.pause()
+        assert main.prompt.text == long.strip()  # as sent: without the trailing blank
+        assert len(stored(app, main.session_id)) == 2  # stored, refused, deleted again
+        assert [v.role for v in main.conversation.views] == ["user", "assistant"]
+        assert not any(isinstance(v, MessageView) and v.pending for v in main.conversation.views)
+        assert any("back in the input" in n.message for n in app._notifications)
