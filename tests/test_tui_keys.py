@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.commands import KvchatCommands
-from kvchat.tui.format import ago, code_blocks, gauge, hard_breaks
+from kvchat.tui.format import ago, code_blocks, gauge
 from kvchat.tui.keys import KEYS, bindings, keys_markdown
 from kvchat.tui.main import MainScreen
 
@@ -64,4 +64,3 @@ def test_format_helpers() -> None:
     assert gauge(100, 100) == "▰" * 10
     assert ago("2020-01-01T00:00:00+00:00") == "2020-01-01"
     assert code_blocks("x\n```py\na = 1\n```\ny\n~~~\nb\n~~~\n") == ["a = 1", "b"]
-    assert hard_breaks("a\nb\n\n```\nc\nd\n```") == "a\\\nb\n\n```\nc\nd\n```"

@@ -100,3 +100,59 @@ async def test_a_message_too_long_for_the_context_goes_back_to_the_input(kvhome:
         assert [v.role for v in main.conversation.views] == ["user", "assistant"]
         assert not any(isinstance(v, MessageView) and v.pending for v in main.conversation.views)
         assert any("back in the input" in n.message for n in app._notifications)
+
+
+# --- item 2: your own Markdown renders as written ----------------------------------------------
+
+
+@pytest.mark.e2e
+async def test_your_markdown_renders_without_stray_backslashes_and_tables_render(
+    kvhome: Path,
+) -> None:
+    from textual.widgets._markdown import (
+        MarkdownBlock,
+        MarkdownBulletList,
+        MarkdownH2,
+        MarkdownTable,
+    )
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        main.prompt.focus()
+        lines = [
+            "Shopping:",
+            "- eggs",
+            "## Notes",
+            "| item | qty |",
+            "| --- | --- |",
+            "| eggs | 6 |",
+        ]
+        for k, line in enumerate(lines):
+            if k:
+                await pilot.press("ctrl+j")  # a new line in the message
+            await pilot.press(*line)
+        await pilot.press("enter")
+        await wait_until(lambda: any(v.role == "user" for v in main.conversation.views))
+        await wait_until(lambda: main.turn is None)
+        await pilot.pause()
+        mine = next(v for v in main.conversation.views if v.role == "user")
+        assert mine.text == "\n".join(lines)  # stored and copied as typed
+        body = mine.body
+        assert body.query(MarkdownBulletList) and body.query(MarkdownH2)
+        assert body.query(MarkdownTable)
+        shown = [str(b._content.plain) for b in body.query(MarkdownBlock)]
+        assert not any("\\" in text for text in shown), shown
+        assert not any("|" in text for text in shown), shown  # the table is not raw
+        assert any(text.startswith("Shopping:") for text in shown)
+
+        # Lines of a paragraph keep their breaks (Ctrl+J means a new line).
+        main.prompt.insert("first line")
+        await pilot.press("ctrl+j")
+        await pilot.press(*"second line")
+        await pilot.press("enter")
+        await wait_until(lambda: main.turn is None and len(main.conversation.views) == 4)
+        await pilot.pause()
+        second = main.conversation.views[2]
+        text = "".join(str(b._content.plain) for b in second.body.query(MarkdownBlock))
+        assert "first line\nsecond line" in text

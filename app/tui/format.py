@@ -114,31 +114,6 @@ def turn_lines(report: TurnReport) -> list[str]:
     return lines
 
 
-def hard_breaks(text: str) -> str:
-    """Markdown that keeps a typed message's line breaks (outside code fences)."""
-    lines = text.split("\n")
-    out: list[str] = []
-    fence: str | None = None
-    for i, line in enumerate(lines):
-        stripped = line.strip()
-        if stripped.startswith(("```", "~~~")):
-            mark = stripped[:3]
-            fence = mark if fence is None else (None if mark == fence else fence)
-            out.append(line)
-            continue
-        following = lines[i + 1].strip() if i + 1 < len(lines) else ""
-        if (
-            fence is None
-            and stripped
-            and following
-            and not following.startswith(("```", "~~~"))
-            and not line.endswith("\\")
-        ):
-            line += "\\"
-        out.append(line)
-    return "\n".join(out)
-
-
 def code_blocks(markdown: str) -> list[str]:
     """The bodies of the fenced code blocks in ``markdown``, in order."""
     return [m.group("body").rstrip("\n") for m in _FENCE.finditer(markdown)]

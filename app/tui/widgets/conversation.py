@@ -18,10 +18,11 @@ from textual.message import Message as TextualMessage
 from textual.widget import Widget
 from textual.widgets import Label
 
-from kvchat.tui.format import hard_breaks, visible
+from kvchat.tui.format import visible
 
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt
+    from markdown_it.rules_core import StateCore
     from textual.widgets import Markdown
     from textual.widgets._markdown import MarkdownStream
 
@@ -37,6 +38,22 @@ def message_parser() -> MarkdownIt:
     from markdown_it import MarkdownIt
 
     return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
+
+
+def user_parser() -> MarkdownIt:
+    """The parser of your own messages: :func:`message_parser`, and every line break you
+    typed is kept (each soft break becomes a hard one, so lists, headings and tables that
+    follow a line still render, and no backslash is added to the text)."""
+    parser = message_parser()
+    parser.core.ruler.push("typed_line_breaks", _typed_line_breaks)
+    return parser
+
+
+def _typed_line_breaks(state: StateCore) -> None:
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type, child.tag = "hardbreak", "br"
 
 
 def markdown_widget() -> type[Markdown]:
@@ -170,14 +187,12 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-role", markup=False)
-        yield body_widget()(
-            self._shown(self.text), classes="message-body", parser_factory=message_parser
-        )
+        parser = user_parser if self.role == "user" else message_parser
+        yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
 
     def _shown(self, text: str) -> str:
-        """The Markdown source shown for ``text``: your line breaks kept, no control codes."""
-        text = visible(text)
-        return hard_breaks(text) if self.role == "user" else text
+        """The Markdown source shown for ``text``: as written, without control codes."""
+        return visible(text)
 
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)
