@@ -156,3 +156,48 @@ async def test_your_markdown_renders_without_stray_backslashes_and_tables_render
         second = main.conversation.views[2]
         text = "".join(str(b._content.plain) for b in second.body.query(MarkdownBlock))
         assert "first line\nsecond line" in text
+
+
+# --- item 3: F8 in the sessions list deletes the highlighted session ---------------------------
+
+
+@pytest.mark.e2e
+async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: Path) -> None:
+    from textual.widgets import Label
+
+    from kvchat.chat import ChatService
+    from kvchat.tui.screens.dialogs import ConfirmDialog
+    from tests.test_tui_items import make_settings
+
+    service = ChatService(make_settings())
+    other = service.new_session("Other chat")
+    service.add_message(other.id, "user", "other question")
+    opened = service.new_session("Open chat")  # the last made: what the app opens
+    service.add_message(opened.id, "user", "open question")
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        assert main.session_id == opened.id
+        await pilot.press("ctrl+l")
+        await wait_until(lambda: len(main.sessions.rows) == 2)
+        index = next(i for i, r in enumerate(main.sessions.rows) if r.id == other.id)
+        while main.sessions.index != index:
+            await pilot.press("down" if (main.sessions.index or 0) < index else "up")
+        await pilot.press("f8")
+        await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
+        question = str(app.screen.query_one(".dialog-title", Label).render())
+        assert "Other chat" in question
+        await pilot.press("y")
+        await wait_until(lambda: [r.id for r in main.sessions.rows] == [opened.id])
+        assert [s.session.id for s in service_of(app).list_sessions()] == [opened.id]
+        assert main.session_id == opened.id
+        assert [v.text for v in main.conversation.views] == ["open question"]
+
+        # With the input focused, F8 still means the open session.
+        main.prompt.focus()
+        await pilot.press("f8")
+        await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
+        assert "Open chat" in str(app.screen.query_one(".dialog-title", Label).render())
+        await pilot.press("n")

@@ -29,6 +29,15 @@ class SessionActions(ScreenBase):
             self.notify(f"No session to {what} yet: send a message first", severity="warning")
         return self.session_id
 
+    def _highlighted_session(self) -> str | None:
+        """The session highlighted in the sidebar, when the sidebar has focus (what F8 acts
+        on there); else None (the open session is meant)."""
+        sessions = self.sessions
+        if self.focused is not sessions or sessions.index is None:
+            return None
+        rows = sessions.rows
+        return rows[sessions.index].id if 0 <= sessions.index < len(rows) else None
+
     def _title(self, session_id: str) -> str:
         row = self.sessions.row(session_id)
         return visible(row.summary.session.title) if row else session_id
@@ -64,7 +73,7 @@ class SessionActions(ScreenBase):
     async def action_delete(self) -> None:
         from kvchat.tui.screens.dialogs import ConfirmDialog
 
-        session_id = self._need_session("delete")
+        session_id = self._highlighted_session() or self._need_session("delete")
         if session_id is None or not self._idle("delete a session"):
             return
         title = self._title(session_id)

@@ -36,7 +36,12 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("ctrl+n", "Ctrl+N", "new_session", "New session", footer="New"),
     Key("f2", "F2", "rename", "Rename the session", footer="Rename"),
-    Key("f8", "F8", "delete", "Delete the session (asks first)"),
+    Key(
+        "f8",
+        "F8",
+        "delete",
+        "Delete the session (asks first): the one highlighted when the sessions list has focus",
+    ),
     Key("ctrl+f", "Ctrl+F", "search", "Search all messages and jump to a hit", footer="Search"),
     Key(
         "ctrl+s", "Ctrl+S", "export", "Export the session (Markdown, JSON or HTML)", footer="Export"
