@@ -44,13 +44,23 @@ def markdown_block(text: str) -> str:
     return "\n".join(out)
 
 
+def _flag(message: Message) -> str:
+    """What a reply's heading says about how it ended, if anything: "partial" (stopped
+    early), "stopped at the token limit"."""
+    if message.partial:
+        return "partial"
+    if message.finish_reason == "length":
+        return "stopped at the token limit"
+    return ""
+
+
 def to_markdown(session: Session, messages: list[Message]) -> str:
     title = " ".join(session.title.split())
     lines = [f"# {title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
     if session.system_prompt:
         lines += ["## System", "", markdown_block(session.system_prompt), ""]
     for m in messages:
-        flag = " _(partial)_" if m.partial else ""
+        flag = f" _({_flag(m)})_" if _flag(m) else ""
         lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", "", markdown_block(m.content), ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -77,7 +87,13 @@ def to_json(session: Session, messages: list[Message]) -> str:
         },
         "messages": chat,
         "message_meta": [
-            {"id": m.id, "created": m.created, "token_count": m.token_count} for m in messages
+            {
+                "id": m.id,
+                "created": m.created,
+                "token_count": m.token_count,
+                "finish_reason": m.finish_reason,
+            }
+            for m in messages
         ],
     }
     return json.dumps(document, ensure_ascii=False, indent=2) + "\n"
@@ -111,7 +127,7 @@ def to_html(session: Session, messages: list[Message]) -> str:
             f"{esc(session.system_prompt)}</div>"
         )
     for m in messages:
-        flag = ' <span class="partial">(partial)</span>' if m.partial else ""
+        flag = f' <span class="partial">({_flag(m)})</span>' if _flag(m) else ""
         role = esc(ROLE_NAMES.get(m.role, m.role))
         parts.append(
             f'<div class="msg {esc(m.role)}"><span class="role">{role}{flag}</span>'

@@ -85,6 +85,7 @@ class ReplyTurns(ServiceParts):
                         last.content + more,
                         report.partial,
                         token_count=last.token_count + stats.generated,
+                        finish_reason=report.finish_reason,
                     )
                 except KvchatError as exc:
                     report.reply_error = f"the continued reply could not be saved: {exc}"

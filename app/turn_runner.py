@@ -184,13 +184,22 @@ class TurnRunner(ServiceParts):
         # From here on the reply exists: whatever fails is reported, never raised.
         if reply.strip():
             try:
+                ended = report.finish_reason  # stored with it: "length" shows as cut
                 if replaces is not None:  # a new version; the earlier ones are kept
                     message = self.store.add_version(
-                        replaces, reply, token_count=stats.generated, partial=report.partial
+                        replaces,
+                        reply,
+                        token_count=stats.generated,
+                        partial=report.partial,
+                        finish_reason=ended,
                     )
                 elif streamed is not None:  # the final commit replaces the streamed text
                     message = self.store.update_message(
-                        streamed, reply, report.partial, token_count=stats.generated
+                        streamed,
+                        reply,
+                        report.partial,
+                        token_count=stats.generated,
+                        finish_reason=ended,
                     )
                 else:
                     message = self.store.add_message(
@@ -199,6 +208,7 @@ class TurnRunner(ServiceParts):
                         reply,
                         token_count=stats.generated,
                         partial=report.partial,
+                        finish_reason=ended,
                     )
             except KvchatError as exc:
                 report.reply_error = f"the reply could not be saved: {exc}"

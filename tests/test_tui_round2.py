@@ -201,3 +201,64 @@ async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: P
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         assert "Open chat" in str(app.screen.query_one(".dialog-title", Label).render())
         await pilot.press("n")
+
+
+# --- item 4: why a reply ended is stored with it and shown everywhere --------------------------
+
+
+@pytest.mark.e2e
+async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_export(
+    kvhome: Path,
+) -> None:
+    import json
+
+    from tests.conftest import run_cli
+    from tests.test_tui_items import quit_app
+
+    prompt = "Write a long poem about the sea."
+    asked = run_cli(kvhome, "ask", "--max-tokens", "4", "--temperature", "0", prompt)
+    assert "stopped at the token limit" in asked.stderr
+    sessions = run_cli(kvhome, "list", "--json").json
+    session_id = sessions[0]["id"]
+    exported = json.loads(run_cli(kvhome, "export", session_id, "--format", "json").stdout)
+    meta = exported["message_meta"]
+    assert [m["finish_reason"] for m in meta] == [None, "length"]
+    markdown = run_cli(kvhome, "export", session_id).stdout
+    assert "## Assistant _(stopped at the token limit)_" in markdown
+
+    for _ in range(2):  # a launch, then a restart: the mark comes from the store
+        app = make_app()
+        async with app.run_test(size=SIZE):
+            opened = await ready(app)
+            assert opened.session_id == session_id
+            shown = opened.conversation
+            await wait_until(lambda shown=shown: len(shown.views) == 2)  # type: ignore[misc]
+            reply = opened.conversation.views[-1]
+            assert header(reply).endswith("stopped at the token limit (F12 continues)")
+            await quit_app(app)
+
+
+@pytest.mark.e2e
+async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_reopen(
+    kvhome: Path,
+) -> None:
+    from tests.test_tui_items import quit_app
+
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Write a long poem about the sea.")
+        first = main.conversation.views[-1]
+        assert header(first).endswith("stopped at the token limit (F12 continues)")
+        await send(pilot, main, "Thanks.")
+        # Only the last reply can be continued; the earlier one still says it was cut.
+        assert header(first).endswith("stopped at the token limit")
+        assert "F12" not in header(first)
+        await quit_app(app)
+
+    again = make_app(max_tokens=4)
+    async with again.run_test(size=SIZE):
+        main = await ready(again)
+        await wait_until(lambda: len(main.conversation.views) == 4)
+        assert header(main.conversation.views[1]).endswith("stopped at the token limit")
+        await quit_app(again)

@@ -23,6 +23,7 @@ class MessagesSql(SqlBase):
             created=row["created"],
             token_count=row["token_count"] or 0,
             partial=bool(row["partial"]),
+            finish_reason=row.get("finish_reason"),
         )
 
     def add_message(
@@ -33,14 +34,15 @@ class MessagesSql(SqlBase):
         *,
         token_count: int = 0,
         partial: bool = False,
+        finish_reason: str | None = None,
     ) -> Message:
         """Append a message and commit it (durable once this returns)."""
         stamp = now()
         with self._tx() as conn:
             cursor = conn.execute(
-                "INSERT INTO messages (session_id, role, content, created, token_count, partial)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (session_id, role, content, stamp, token_count, int(partial)),
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
+                " finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, stamp, token_count, int(partial), finish_reason),
             )
             conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
             message_id = cursor.lastrowid
@@ -86,16 +88,23 @@ class MessagesSql(SqlBase):
         ]
 
     def update_message(
-        self, message_id: int, content: str, partial: bool, *, token_count: int | None = None
+        self,
+        message_id: int,
+        content: str,
+        partial: bool,
+        *,
+        token_count: int | None = None,
+        finish_reason: str | None = None,
     ) -> Message:
         """Replace a message's text and partial mark (a reply saved as it streams, then
-        finished or continued), committed; the search index follows by its triggers."""
+        finished or continued), committed; the search index follows by its triggers.
+        ``token_count`` and ``finish_reason`` change only when given."""
         stamp = now()
         with self._tx() as conn:
             cursor = conn.execute(
-                "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count)"
-                " WHERE id=?",
-                (content, int(partial), token_count, message_id),
+                "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count),"
+                " finish_reason=COALESCE(?, finish_reason) WHERE id=?",
+                (content, int(partial), token_count, finish_reason, message_id),
             )
             if cursor.rowcount == 0:
                 raise KvchatError(f"no message with id {message_id}")

@@ -209,6 +209,15 @@ def m010_session_parent(db: sqlite_utils.Database) -> None:
         db["sessions"].add_column("parent_id", str)
 
 
+def m012_message_finish_reason(db: sqlite_utils.Database) -> None:
+    """Why each reply ended ("stop", "length": cut at the token limit, "cancelled",
+    "context"), on the message and on each of its versions; NULL for your messages and for
+    replies stored before this (and a reply still streaming)."""
+    for table in ("messages", "reply_versions"):
+        if "finish_reason" not in set(db[table].columns_dict):
+            db[table].add_column("finish_reason", str)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -220,6 +229,7 @@ MIGRATIONS: list[Migration] = [
     m008_session_model,
     m009_snapshot_shelf,
     m010_session_parent,
+    m012_message_finish_reason,
 ]
 
 

@@ -50,6 +50,9 @@ class Message:
     created: str
     token_count: int
     partial: bool
+    # Why a reply ended ("stop", "length", "cancelled", "context"); None: not known (your
+    # messages, a reply still streaming, one stored before kvchat recorded it).
+    finish_reason: str | None = None
 
     def as_chat(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}

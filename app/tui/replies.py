@@ -268,7 +268,12 @@ class TurnActions(ScreenBase):
         else:
             self.turn_figures[report.message_id] = report
             text = turn.before + report.reply if turn.kind == "continue" else report.reply
-            await view.finish(text=text, message_id=report.message_id, partial=report.partial)
+            await view.finish(
+                text=text,
+                message_id=report.message_id,
+                partial=report.partial,
+                finish_reason=report.finish_reason,
+            )
         if view.message_id is not None:
             view.set_version(*await self.on_store(self.service.reply_versions, view.message_id))
         cut = report.finish_reason == "length" and view.message_id is not None

@@ -160,6 +160,7 @@ class MessageView(Vertical, can_focus=True):
         streaming: bool = False,
         number: int | None = None,
         pending: bool = False,
+        finish_reason: str | None = None,
     ) -> None:
         classes = f"message -{role}" + (" -partial" if partial else "")
         super().__init__(classes=classes + (" -pending" if pending else ""))
@@ -170,7 +171,9 @@ class MessageView(Vertical, can_focus=True):
         self.streaming = streaming
         self.number = number  # 1-based position in the session's messages
         self.stream: MarkdownStream | None = None
-        self.cut = False  # a reply stopped at the token limit (F12 continues it)
+        # Why the reply ended, as stored ("length": stopped at the token limit).
+        self.finish_reason = finish_reason
+        self.cut = False  # the session's last reply, stopped at the token limit: F12 goes on
         self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
         # Your message as Enter sent it, before it is stored (it left the input at once).
         self.pending = pending
@@ -183,6 +186,7 @@ class MessageView(Vertical, can_focus=True):
             message_id=message.id,
             partial=message.partial,
             number=number,
+            finish_reason=message.finish_reason,
         )
 
     def compose(self) -> ComposeResult:
@@ -208,6 +212,8 @@ class MessageView(Vertical, can_focus=True):
             return f"{name} · partial (stopped)"
         if self.cut:
             return f"{name} · stopped at the token limit (F12 continues)"
+        if self.finish_reason == "length":
+            return f"{name} · stopped at the token limit"
         return name
 
     def _show_header(self) -> None:
@@ -225,7 +231,8 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message.id
         self.partial = message.partial
         self.text = message.content
-        self.cut = False
+        self.finish_reason = message.finish_reason
+        self.cut = message.finish_reason == "length"  # only the last reply has versions
         self.version = (position, count)
         await self.body.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
@@ -260,14 +267,24 @@ class MessageView(Vertical, can_focus=True):
         if self.stream is not None:
             await self.stream.write(visible(text))
 
-    async def finish(self, *, text: str, message_id: int | None, partial: bool) -> None:
-        """End the stream; ``text`` is the reply as the service committed it."""
+    async def finish(
+        self,
+        *,
+        text: str,
+        message_id: int | None,
+        partial: bool,
+        finish_reason: str | None = None,
+    ) -> None:
+        """End the stream; ``text`` is the reply as the service committed it (and
+        ``finish_reason`` why it ended; None keeps what was known)."""
         if self.stream is not None:
             await self.stream.stop()
             self.stream = None
         self.streaming = False
         self.message_id = message_id
         self.partial = partial
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
         self.text = text
         shown = self._shown(text)
         if self.body.source != shown:  # e.g. a chunk raced the end of the stream
@@ -376,6 +393,8 @@ class Conversation(VerticalScroll, can_focus=False):
         views = [
             MessageView.from_message(m, start + k + 1) for k, m in enumerate(messages[start:end])
         ]
+        if views and not self.later and views[-1].finish_reason == "length":
+            views[-1].cut = True  # the session's last reply: F12 continues it
         now = self._left_for_later(views) if lazy and index is None else 0
         self.pending = views[:now]
         widgets: list[Widget] = []
