@@ -285,6 +285,8 @@ def test_importing_the_same_file_twice_says_so(kvhome, tmp_path):
     assert made["messages"] == 1 and made["kv"] == {
         "tokens": 0,
         "reason": "OpenAI JSON carries no KV",
+        "origin": None,
+        "check": None,
     }
     assert (
         second.stdout.strip()
@@ -549,7 +551,9 @@ def test_a_bundle_resumes_in_an_empty_home_like_a_full_prefill(
 
     home = tmp_path / "empty"
     item = import_json(cli, home, bundle)
-    assert item["kv"] == {"tokens": manifest["kv"]["n_tokens"], "reason": None}
+    kv = item["kv"]
+    assert (kv["tokens"], kv["reason"]) == (manifest["kv"]["n_tokens"], None)
+    assert kv["origin"].startswith("bundle:") and kv["check"]["worst"] == 0.0
     baseline_home = copy_home(home, "baseline")
     message = "Tell me one fact about the Moon."
 
@@ -629,5 +633,6 @@ def test_a_bundle_from_other_settings_imports_text_only_with_the_reason(
     assert item["kv"]["tokens"] == 0
     assert "type_k=f16" in item["kv"]["reason"] and "type_k=q8_0" in item["kv"]["reason"]
     text_only = import_json(cli, tmp_path / "text", bundle, "--no-kv")
-    assert text_only["kv"] == {"tokens": 0, "reason": "text only was asked for (--no-kv)"}
+    assert text_only["kv"]["tokens"] == 0
+    assert text_only["kv"]["reason"] == "text only was asked for (--no-kv)"
     assert text_only["messages"] == item["messages"] == 2

@@ -25,10 +25,24 @@ def _line(item: Any, carries_kv: bool) -> str:
     if not item.new:
         notes.append("already imported")
     elif item.kv_tokens:
-        notes.append(f"KV {item.kv_tokens:,} tokens")
+        notes.append(f"KV {item.kv_tokens:,} tokens, {_made_elsewhere(item)}")
     elif carries_kv:
         notes.append(f"text only: {visible(item.kv_reason or 'no KV')}")
     return f"{item.session}  {title}  ({'; '.join(notes)})"
+
+
+def _made_elsewhere(item: Any) -> str:
+    """What taking a bundle's KV means, and what its check cost."""
+    check = item.kv_check
+    checked = (
+        f"its first {check.tokens:,} tokens recomputed here and matched in {check.ms:.0f} ms"
+        if check is not None
+        else "not recomputed here"
+    )
+    return (
+        f"made elsewhere: trusted like a snapshot of this session only, never shared with "
+        f"others ({checked}; --no-kv takes the text alone)"
+    )
 
 
 @click.command(name="import")

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvchat.engine import Engine
 from kvchat.kvcache import chunking
 from kvchat.kvcache import files as kvfiles
 from kvchat.kvcache import format as fmt
@@ -34,6 +35,7 @@ from kvchat.kvcache import layout as kvlayout
 from kvchat.kvcache.errors import SnapshotRejected, SnapshotsUnavailable
 from kvchat.kvcache.fingerprint import Fingerprint, fingerprint_problem
 from kvchat.kvcache.housekeeping import chunk_row_problem
+from kvchat.kvcache.recompute import MAX_CHECK_TOKENS, FirstChunkCheck, check_first_cells
 from kvchat.kvcache.snapshots import SnapshotStore
 from kvchat.store import ChunkRow, SnapshotRow
 
@@ -198,12 +200,17 @@ def install_chunks(
     tokens: list[int],
     layout_desc: dict[str, Any],
     chunks: Sequence[IncomingChunk],
-) -> SnapshotRow:
-    """Write ``chunks`` as ``session_id``'s snapshot of ``tokens``; returns its index row.
+    engine: Engine | None = None,
+) -> tuple[SnapshotRow, FirstChunkCheck | None]:
+    """Write ``chunks`` as ``session_id``'s snapshot of ``tokens``; returns its index row
+    and what recomputing the first chunk showed.
 
-    Keys derive from ``tokens`` and this machine's ``fingerprint`` (the caller has checked
-    that the bundle's matches it); ``shape`` is the model's (layers, K width, V width),
-    against which the layout is checked before anything is written.
+    Keys derive from ``tokens`` and ``fingerprint``: this machine's (the caller has checked
+    that the bundle's matches it) with the bundle's origin, so the chunks stay apart from
+    KV computed here. ``shape`` is the model's (layers, K width, V width), against which
+    the layout is checked before anything is written. With ``engine``, the first chunk
+    (its first :data:`MAX_CHECK_TOKENS` cells) is recomputed on it and compared
+    (:func:`check_first_cells`; the context is left empty).
     """
     _usable(snapshots, session_id)
     if shape is None:
@@ -219,12 +226,15 @@ def install_chunks(
     known = snapshots.store.get_chunks(keys)
     written: list[tuple[str, Path]] = []
     new_rows: list[ChunkRow] = []
+    check: FirstChunkCheck | None = None
     try:
         for number, (chunk, key) in enumerate(zip(chunks, keys)):
             label = f"KV chunk {number + 1}"
             data = _chunk_data(chunk.read(), chunk, per_cell, label)
             if number == 0:
                 _check_layout(data, layout_desc, chunk.n_tokens, shape)
+                if engine is not None:
+                    check = _recompute(engine, shape, tokens, data, layout_desc, chunk.n_tokens)
             name = fmt.chunk_name(key)
             path = snapshots.chunk_dir / name
             existing = known.get(key)
@@ -262,7 +272,32 @@ def install_chunks(
         _remove_unindexed(snapshots, written)
         raise
     snapshots.enforce_budget(keep=session_id)
-    return row
+    return row, check
+
+
+def _recompute(
+    engine: Engine,
+    shape: tuple[int, int, int],
+    tokens: list[int],
+    data: np.ndarray,
+    layout_desc: dict[str, Any],
+    n_cells: int,
+) -> FirstChunkCheck:
+    """Recompute the first cells of imported KV (``data``: cells [0, n_cells) in chunk form)
+    and compare; raises SnapshotRejected when they are not their tokens' KV."""
+    n = min(n_cells, MAX_CHECK_TOKENS)
+    if n < n_cells:
+        layout = kvlayout.layout_for(layout_desc, n_cells)
+        data = kvlayout.extract(_chunk_state(data, layout_desc, n_cells), layout, 0, n)
+    return check_first_cells(engine, shape, tokens, data, n)
+
+
+def _chunk_state(data: np.ndarray, layout_desc: dict[str, Any], n_cells: int) -> np.ndarray:
+    """A chunk of cells [0, n_cells) assembled as a whole state (to cut a prefix from it)."""
+    state = np.zeros(kvlayout.layout_for(layout_desc, n_cells).total, dtype=np.uint8)
+    assembler = kvlayout.Assembler(state, layout_desc, n_cells)
+    assembler.finish(assembler.place(data, 0))
+    return state
 
 
 def _remove_unindexed(snapshots: SnapshotStore, written: list[tuple[str, Path]]) -> None:
@@ -282,8 +317,11 @@ def install_blob(
     fingerprint: Fingerprint,
     tokens: list[int],
     read: Callable[[], bytes],
-) -> SnapshotRow:
-    """Write a whole-state blob file as ``session_id``'s snapshot of ``tokens``."""
+    engine: Engine | None = None,
+    shape: tuple[int, int, int] | None = None,
+) -> tuple[SnapshotRow, FirstChunkCheck | None]:
+    """Write a whole-state blob file as ``session_id``'s snapshot of ``tokens``; with
+    ``engine`` and ``shape``, its first cells are recomputed and compared first."""
     _usable(snapshots, session_id)
     raw = read()
     label = "the KV state"
@@ -306,6 +344,9 @@ def install_blob(
     if fmt.checksum(ids, state) != header.get("checksum"):
         raise SnapshotRejected(f"{label} fails its checksum: the KV is corrupt")
     _over_budget(snapshots, n_bytes)
+    check: FirstChunkCheck | None = None
+    if engine is not None and shape is not None:
+        check = _blob_check(engine, shape, tokens, state)
     parts, digest = fmt.blob_parts(session_id, fingerprint.to_dict(), tokens, memoryview(state))
     name = fmt.blob_name(session_id)
     path = snapshots.directory / name
@@ -325,4 +366,19 @@ def install_blob(
         kvfiles.remove_file(path)
         raise
     snapshots.enforce_budget(keep=session_id)
-    return row
+    return row, check
+
+
+def _blob_check(
+    engine: Engine, shape: tuple[int, int, int], tokens: list[int], state: np.ndarray
+) -> FirstChunkCheck | None:
+    """Recompute a whole state's first cells and compare (None: a state kvchat cannot cut,
+    so there is nothing to compare cell by cell)."""
+    try:
+        parsed = kvlayout.parse(memoryview(state), *shape)
+    except kvlayout.LayoutError:
+        return None
+    if parsed.n_cells != len(tokens):
+        raise SnapshotRejected("the KV state holds another number of cells than its tokens")
+    n = min(len(tokens), MAX_CHECK_TOKENS)
+    return check_first_cells(engine, shape, tokens, kvlayout.extract(state, parsed, 0, n), n)

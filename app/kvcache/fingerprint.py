@@ -8,7 +8,8 @@ the meaning of those bytes is in the fingerprint.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ import xxhash
 # the start, so any metadata edit changes the identity; hashing all of a multi-GB file
 # on every start would cost seconds.
 IDENTITY_SPAN = 4 << 20
+# What an origin looks like: ``bundle:`` and 32 hex digits of the file's sha256.
+ORIGIN = re.compile(r"bundle:[0-9a-f]{32}")
 
 
 def model_identity(path: Path) -> str:
@@ -48,6 +51,11 @@ class Fingerprint:
     rope_freq_scale: float
     n_swa: int
     n_layer: int
+    # Where the KV came from when it was not computed here: ``bundle:<sha256 prefix>`` for
+    # a bundle's KV and whatever a context restored from it went on to compute. Part of
+    # every chunk key (see chunking), so KV from a file forms its own trust domain: never
+    # a donor for, nor shared with, KV computed here. None: computed here.
+    origin: str | None = None
 
     @classmethod
     def current(cls, model_path: Path, layout: dict[str, Any]) -> Fingerprint:
@@ -65,7 +73,15 @@ class Fingerprint:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stored form; ``origin`` only when there is one (local keys stay as they were)."""
+        out = asdict(self)
+        if out["origin"] is None:
+            del out["origin"]
+        return out
+
+    def with_origin(self, origin: str | None) -> Fingerprint:
+        """This fingerprint for KV of ``origin`` (None: computed here)."""
+        return self if origin == self.origin else replace(self, origin=origin)
 
     def mismatch(self, saved: dict[str, Any]) -> str | None:
         """Why KV saved under ``saved`` cannot be loaded here, or None when it can."""
@@ -129,4 +145,13 @@ def fingerprint_problem(saved: object) -> str | None:
         value = saved.get(name)
         if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
             return f"field {name} is {value!r}"
+    origin = saved.get("origin")
+    if origin is not None and (not isinstance(origin, str) or not ORIGIN.fullmatch(origin)):
+        return f"field origin is {str(origin)[:40]!r}"
     return None
+
+
+def origin_of(saved: dict[str, Any]) -> str | None:
+    """The origin a stored fingerprint names (None: KV computed here)."""
+    origin = saved.get("origin")
+    return origin if isinstance(origin, str) else None

@@ -21,6 +21,8 @@ class RestoreResult:
     reason: str | None = None
     # Set when the KV came from another session sharing this one's prefix (a fork, an edit).
     donor: str | None = None
+    # Where the restored KV came from when not computed here (see Fingerprint.origin).
+    origin: str | None = None
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -35,7 +35,7 @@ from kvchat.kvcache import layout as kvlayout
 from kvchat.kvcache.chunking import CHUNK_TOKENS, MIN_DONOR_TOKENS
 from kvchat.kvcache.errors import SnapshotRejected, SnapshotsUnavailable
 from kvchat.kvcache.files import STALL_ENV
-from kvchat.kvcache.fingerprint import Fingerprint
+from kvchat.kvcache.fingerprint import Fingerprint, origin_of
 from kvchat.kvcache.housekeeping import ORPHAN_GRACE_S, Housekeeper
 from kvchat.kvcache.results import RestoreResult, SaveResult, Source
 from kvchat.kvcache.snapshot_read import SnapshotLoader
@@ -185,7 +185,14 @@ class SnapshotStore:
         self.store.touch_snapshot(row.session_id)
         self.store.bump_counters(restores_disk=1, tokens_restored=keep, bytes_restored=n_bytes)
         donor_id = row.session_id if row.session_id != session_id else None
-        return RestoreResult("disk", ms=elapsed, bytes=n_bytes, tokens=keep, donor=donor_id)
+        return RestoreResult(
+            "disk",
+            ms=elapsed,
+            bytes=n_bytes,
+            tokens=keep,
+            donor=donor_id,
+            origin=origin_of(row.fingerprint),
+        )
 
     def _pick(
         self, session_id: str, fingerprint: Fingerprint, prompt: list[int] | None, n_ctx: int

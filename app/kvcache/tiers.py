@@ -74,6 +74,9 @@ class HotSession:
         self._hot: str | None = None
         # The hot KV holds what no saved copy has yet (e.g. a failed save).
         self._dirty = False
+        # Where the hot KV came from when it was not computed here (a bundle's, restored):
+        # what is saved from it stays in that origin's trust domain (Fingerprint.origin).
+        self._hot_origin: str | None = None
 
     @property
     def hot_session_id(self) -> str | None:
@@ -158,12 +161,14 @@ class KVTiers(HotSession):
         if no_restore:
             self.spill()
             engine.clear()
+            self._hot_origin = None
             return RestoreResult("none", reason="full prefill requested (--no-restore)")
         if session_id == self._hot:
             if prompt is None or self._can_cut(engine, engine.tokens, prompt, hot=True):
                 return RestoreResult("hot", tokens=engine.n_tokens)
             # A sliding-window context cannot be cut back there: a checkpoint on disk can.
         self.spill()
+        self._hot_origin = None
         if not engine.capabilities.seq_state:
             engine.clear()
             return RestoreResult("none", reason="this engine cannot restore saved KV")
@@ -176,6 +181,7 @@ class KVTiers(HotSession):
         if entry is not None and len(entry.tokens) <= engine.n_ctx:
             if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
                 self._hot = session_id
+                self._hot_origin = entry.origin
                 # Timed before the counters' commit: the restore is the memcpy, not SQLite's.
                 elapsed = (time.perf_counter() - started) * 1000
                 self._count(
@@ -199,6 +205,7 @@ class KVTiers(HotSession):
             engine.clear()
             result = RestoreResult("none", reason=f"{exc}: full prefill")
         self._hot = session_id
+        self._hot_origin = result.origin if result.source == "disk" else None
         return result
 
     def _choose_snapshot(
@@ -288,7 +295,11 @@ class KVTiers(HotSession):
                     self.save_hot()
                 assert self.fingerprint is not None
                 self.warm.put(
-                    self._hot, engine.tokens, engine.state_get(), self.fingerprint.model_id
+                    self._hot,
+                    engine.tokens,
+                    engine.state_get(),
+                    self.fingerprint.model_id,
+                    self._hot_origin,
                 )
         self._hot = None
 
@@ -301,7 +312,8 @@ class KVTiers(HotSession):
             return SnapshotWrite(error="this engine cannot save its KV")
         started = time.perf_counter()
         try:
-            saved = self.cold.save(self._hot, engine, self.fingerprint)
+            fingerprint = self.fingerprint.with_origin(self._hot_origin)
+            saved = self.cold.save(self._hot, engine, fingerprint)
         except DamagedDatabase as exc:
             return SnapshotWrite(error=str(exc))
         except (OSError, KvchatError, sqlite3.Error) as exc:
@@ -322,6 +334,7 @@ class KVTiers(HotSession):
         if self._hot == session_id:
             self._hot = None
             self._dirty = False
+            self._hot_origin = None
             if self.engine is not None:
                 self.engine.clear()
         self.warm.drop(session_id)

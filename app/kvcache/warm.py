@@ -24,6 +24,7 @@ class WarmEntry:
     buffer: bytearray  # the state is its first n_bytes
     n_bytes: int
     model_id: str
+    origin: str | None = None  # see Fingerprint.origin
 
     def pointer(self) -> ctypes.Array[ctypes.c_uint8]:
         return (ctypes.c_uint8 * self.n_bytes).from_buffer(self.buffer)
@@ -49,7 +50,14 @@ class WarmTier:
         """Memory held: the buffers, room to grow included."""
         return sum(len(e.buffer) for e in self._entries.values())
 
-    def put(self, session_id: str, tokens: list[int], state: memoryview, model_id: str) -> bool:
+    def put(
+        self,
+        session_id: str,
+        tokens: list[int],
+        state: memoryview,
+        model_id: str,
+        origin: str | None = None,
+    ) -> bool:
         """Keep a copy of ``state``; evicts the least recently used; False when it can't fit.
 
         The copy goes into a buffer already written once where there is one (the session's
@@ -67,7 +75,7 @@ class WarmTier:
             buffer = bytearray(needed)
         del freed
         memoryview(buffer)[:size] = state
-        self._entries[session_id] = WarmEntry(list(tokens), buffer, size, model_id)
+        self._entries[session_id] = WarmEntry(list(tokens), buffer, size, model_id, origin)
         return True
 
     def get(self, session_id: str, model_id: str) -> WarmEntry | None:

@@ -193,6 +193,7 @@ class Bundle:
     sessions: list[ImportedSession] = field(default_factory=list)
     kv: BundleKV | None = None
     kv_reason: str | None = None
+    sha256: str = ""  # the file's (set by the importer): names the KV's origin
 
     def read_kv(self, name: str) -> bytes:
         """A KV member's bytes, checked against the manifest's sha256 (else SnapshotRejected)."""

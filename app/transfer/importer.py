@@ -9,8 +9,11 @@ is reported, not duplicated; a conversation from a re-exported archive that is a
 here, unchanged, is reported the same way. Import never overwrites a session.
 
 A bundle's KV is installed after its text commits, and only when the manifest's
-fingerprint matches this machine's model and settings and every hash checks; otherwise
-the session has its text and ``kv_reason`` says why.
+fingerprint matches this machine's model and settings, every hash checks, and its first
+chunk recomputed here matches it (:mod:`kvchat.kvcache.recompute`); otherwise the session
+has its text and ``kv_reason`` says why. Installed KV keeps the bundle's origin (the
+file's sha256) in its fingerprint: only sessions from that file (and their whole forks)
+ever load it, and nothing computed here shares its chunks.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.errors import KvchatError
 from kvchat.kvcache import bundle_io
 from kvchat.kvcache.errors import SnapshotRejected
+from kvchat.kvcache.recompute import FirstChunkCheck
 from kvchat.transfer import bundle, chatgpt, kvchat_json, llm_logs, openai
 from kvchat.transfer.common import (
     MAX_JSON_BYTES,
@@ -62,13 +66,24 @@ class SessionImport:
     kv_tokens: int = 0
     kv_reason: str | None = None
     skipped: int = 0
+    # Installed KV: where it came from, and what recomputing its first cells showed.
+    kv_origin: str | None = None
+    kv_check: FirstChunkCheck | None = None
 
     def to_json(self) -> dict[str, Any]:
+        check = self.kv_check
         return {
             "session": self.session,
             "title": self.title,
             "messages": self.messages,
-            "kv": {"tokens": self.kv_tokens, "reason": self.kv_reason},
+            "kv": {
+                "tokens": self.kv_tokens,
+                "reason": self.kv_reason,
+                "origin": self.kv_origin,
+                "check": None
+                if check is None
+                else {"tokens": check.tokens, "ms": round(check.ms, 1), "worst": check.worst},
+            },
             "already_imported": not self.new,
             "skipped": self.skipped,
         }
@@ -167,23 +182,34 @@ def _already(service: ChatService, result: FileImport, ids: list[str]) -> FileIm
     return result
 
 
-def _install_kv(
-    service: ChatService, opened: bundle.Bundle, session_id: str
-) -> tuple[int, str | None]:
-    """Install the bundle's KV as ``session_id``'s snapshot: (tokens, None) or (0, why not)."""
+def bundle_origin(sha256: str) -> str:
+    """The origin KV from the file with this sha256 keeps (see ``Fingerprint.origin``)."""
+    return f"bundle:{sha256[:32]}"
+
+
+def _install_kv(service: ChatService, opened: bundle.Bundle, item: SessionImport) -> None:
+    """Install the bundle's KV as ``item``'s session's snapshot, in the file's own trust
+    domain; sets ``item.kv_tokens`` (and the origin and check), or ``item.kv_reason``."""
     kv = opened.kv
     if kv is None:
-        return 0, opened.kv_reason or "the bundle carries no KV"
+        item.kv_reason = opened.kv_reason or "the bundle carries no KV"
+        return
     try:
         fingerprint = service.fingerprint
         engine = service.engine
     except KvchatError as exc:
-        return 0, f"no model to check the KV against ({exc})"
+        item.kv_reason = f"no model to check the KV against ({exc})"
+        return
     mismatch = fingerprint.mismatch(kv.fingerprint)
     if mismatch is not None:
-        return 0, f"the KV does not fit this model and settings: {mismatch}"
+        item.kv_reason = f"the KV does not fit this model and settings: {mismatch}"
+        return
     if not engine.capabilities.seq_state:
-        return 0, "this engine cannot restore saved KV"
+        item.kv_reason = "this engine cannot restore saved KV"
+        return
+    origin = bundle_origin(opened.sha256)
+    fingerprint = fingerprint.with_origin(origin)
+    service.tiers.spill()  # the check's prefill uses the context: the hot session is kept
     snapshots = service.tiers.cold
     try:
         if kv.format == "chunks":
@@ -192,19 +218,34 @@ def _install_kv(
                 bundle_io.IncomingChunk(start, n, lambda name=name: opened.read_kv(name))
                 for name, start, n in kv.files
             ]
-            row = bundle_io.install_chunks(
-                snapshots, session_id, fingerprint, engine.kv_shape(), kv.tokens, kv.layout, chunks
+            row, check = bundle_io.install_chunks(
+                snapshots,
+                item.session,
+                fingerprint,
+                engine.kv_shape(),
+                kv.tokens,
+                kv.layout,
+                chunks,
+                engine,
             )
         else:
             name = kv.files[0][0]
-            row = bundle_io.install_blob(
-                snapshots, session_id, fingerprint, kv.tokens, lambda: opened.read_kv(name)
+            row, check = bundle_io.install_blob(
+                snapshots,
+                item.session,
+                fingerprint,
+                kv.tokens,
+                lambda: opened.read_kv(name),
+                engine,
+                engine.kv_shape(),
             )
     except SnapshotRejected as exc:
-        return 0, exc.reason
+        item.kv_reason = exc.reason
+        return
     except OSError as exc:
-        return 0, f"could not write the KV ({exc})"
-    return row.n_tokens, None
+        item.kv_reason = f"could not write the KV ({exc})"
+        return
+    item.kv_tokens, item.kv_origin, item.kv_check = row.n_tokens, origin, check
 
 
 def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImport:
@@ -232,12 +273,13 @@ def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImp
             return _already(service, result, earlier)
         if fmt == bundle.NAME:
             with bundle.open_bundle(path, fh, info.st_size) as opened:
+                opened.sha256 = result.sha256
                 _store_sessions(service, result, opened.sessions)
                 for item in result.sessions:
                     if item.new and not kv:
                         item.kv_reason = "text only was asked for (--no-kv)"
                     elif item.new:
-                        item.kv_tokens, item.kv_reason = _install_kv(service, opened, item.session)
+                        _install_kv(service, opened, item)
                     else:
                         item.kv_reason = "this conversation was imported before"
             return result
