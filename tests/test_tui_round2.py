@@ -262,3 +262,40 @@ async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_
         await wait_until(lambda: len(main.conversation.views) == 4)
         assert header(main.conversation.views[1]).endswith("stopped at the token limit")
         await quit_app(again)
+
+
+# --- item 5: F1 help wraps, whatever the width --------------------------------------------------
+
+
+def _shown_text(widget: object) -> str:
+    """The words a widget shows on screen (its rendered lines, joined)."""
+    from textual.geometry import Region
+    from textual.widget import Widget
+
+    assert isinstance(widget, Widget)
+    width, height = widget.content_region.size
+    lines = widget.render_lines(Region(0, 0, width, height))
+    return " ".join(" ".join(strip.text.split()) for strip in lines).strip()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("size", [(120, 36), (80, 24)])
+async def test_f1_help_shows_every_description_whole(kvhome: Path, size: tuple[int, int]) -> None:
+    from textual.widgets import Label
+
+    from kvchat.tui.keys import KEYS
+    from kvchat.tui.screens.help import HelpScreen
+
+    app = make_app()
+    async with app.run_test(size=size) as pilot:
+        await ready(app)
+        await pilot.press("f1")
+        await wait_until(lambda: isinstance(app.screen, HelpScreen))
+        await pilot.pause()
+        actions = list(app.screen.query(".key-action").results(Label))
+        assert len(actions) == len(KEYS)
+        for label, key in zip(actions, KEYS):
+            assert label.region.right <= size[0]
+            assert _shown_text(label) == " ".join(key.description.split())
+        newline = next(a for a, k in zip(actions, KEYS) if k.label == "Ctrl+J")
+        assert newline.size.height >= 2  # wrapped, not cut

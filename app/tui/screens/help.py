@@ -1,12 +1,13 @@
-"""F1: every key of the app, from the one key table."""
+"""F1: every key of the app, from the one key table; long descriptions wrap, the list
+scrolls (a terminal of any width shows every word)."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Label
+from textual.widgets import Label
 
 from kvchat.tui.keys import KEYS
 
@@ -22,13 +23,11 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide -tall", id="help"):
             yield Label("kvchat keys", classes="dialog-title")
-            table: DataTable[str] = DataTable(
-                id="keys", cursor_type="row", zebra_stripes=True, show_cursor=False
-            )
-            table.add_columns("Key", "Action")
-            for key in KEYS:
-                table.add_row(key.label, key.description)
-            yield table
+            with VerticalScroll(id="keys"):
+                for key in KEYS:
+                    with Horizontal(classes="key-row"):
+                        yield Label(key.label, classes="key-label", markup=False)
+                        yield Label(key.description, classes="key-action", markup=False)
             yield Label(
                 "Every action is also in the command palette (Ctrl+P) · Esc closes",
                 classes="dialog-hint",
