@@ -196,8 +196,6 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         if self.plan is None:
             return None
         notes = [self.plan.note]
-        if self.probe is not None and self.probe.reason:
-            notes.append(self.probe.reason)
         engine = self._engine
         if self.probe is not None and engine is not None and self.probe.best_threads("generate"):
             config = engine.config

@@ -61,6 +61,9 @@ class SessionOpening(ScreenBase):
             app.show_model_error(exc)
             return
         self.ready = True
+        # The last run's crash, the engine probe's choice: said once.
+        for notice in await self.on_store(self.service.startup_notices):
+            self.notify(notice, severity="warning", timeout=20, markup=False)
         self.status.set_model(name, n_ctx)
         self.status.set_context(0)
         self.prompt.placeholder = READY_PLACEHOLDER

@@ -1,0 +1,326 @@
+"""Issue 19: kvchat runs on the machines people have.
+
+The engine probe (a child process that loads the model and runs a prompt batch and a few
+tokens before the model is trusted) falls back when that child dies by a signal, remembers
+the outcome, says it once and yields to the setting; a native crash of kvchat itself is
+logged and reported on the next start with nothing lost; a GPU that cannot open the model
+gets a smaller plan; the thread counts follow a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvchat.config import bundled_model_path, load_settings
+from kvchat.engine.base import EngineConfig, GenerationParams, GenerationStats
+from kvchat.engine.probe import (
+    ProbeBook,
+    ProbeOutcome,
+    Trial,
+    fastest,
+    run_probe,
+    thread_candidates,
+)
+from kvchat.errors import KvchatError
+from kvchat.planner.defaults import DefaultsChoice, retry_plan
+from tests.conftest import FAST, REPO, clean_env, run_cli
+
+CRASH_ENV = "KVCHAT_TEST_PROBE_CRASH"
+
+
+def _probe_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A probe file of this test's own (the run's shared one knows this machine already)."""
+    return {"KVCHAT_PROBE_FILE": str(tmp_path / "probe.json"), **extra}
+
+
+def _outcomes(tmp_path: Path) -> list[ProbeOutcome]:
+    return ProbeBook(tmp_path / "probe.json").outcomes()
+
+
+# --- the choice ------------------------------------------------------------------------------
+
+
+def test_fallbacks_turn_off_one_risky_option_at_a_time():
+    wanted = Trial(repack=True, flash_attn=True, n_gpu_layers=-1, type_k="q8_0", type_v="q8_0")
+    trials = wanted.fallbacks(repack_fixed=False)
+    assert [(t.repack, t.flash_attn, t.n_gpu_layers) for t in trials] == [
+        (True, True, -1),
+        (False, True, -1),
+        (False, False, -1),
+        (False, False, 0),
+    ]
+    # Flash attention off needs an f16 V cache; K may stay quantized.
+    assert (trials[2].type_k, trials[2].type_v) == ("q8_0", "f16")
+    # repack = "on" is the user's: never turned off by the probe.
+    assert all(t.repack for t in wanted.fallbacks(repack_fixed=True))
+
+
+def test_the_fastest_thread_count_is_the_measured_one():
+    speeds = {"4": {"prefill": 300.0, "generate": 9.0}, "2": {"prefill": 200.0, "generate": 21.0}}
+    assert fastest(speeds, "generate") == 2
+    assert fastest(speeds, "prefill") == 4
+    assert fastest({}, "generate") is None
+    assert thread_candidates(2) == [2, 1]
+    assert thread_candidates(16) == [16, 8, 4]
+
+
+@pytest.mark.e2e
+def test_a_crash_with_repacking_turns_it_off_remembers_and_says_it_once(tmp_path, kvhome):
+    env = _probe_env(tmp_path, **{CRASH_ENV: "repack"})
+    first = run_cli(kvhome, "ask", "--new", "Name three colours", *FAST, env=env)
+    assert first.stdout.strip()  # the turn replied
+    said = [line for line in first.stderr.splitlines() if "weight repacking off" in line]
+    assert len(said) == 1, first.stderr
+    assert "killed by SIGSEGV in a test run" in said[0]
+    (outcome,) = _outcomes(tmp_path)
+    assert outcome.trial.repack is False and outcome.wanted.repack is True
+    assert outcome.failures == ["weight repacking on: killed by SIGSEGV"]
+    assert outcome.speeds  # the child that worked measured the thread counts
+
+    # Remembered: the next start probes nothing (a crashing child would add a failure) and
+    # says nothing, but config and doctor always tell.
+    again = run_cli(kvhome, "ask", "--new", "And four?", *FAST, env=env)
+    assert "weight repacking off" not in again.stderr
+    assert _outcomes(tmp_path)[0].when == outcome.when
+    config = run_cli(kvhome, "config", env=env).stdout
+    assert "engine probe: weight repacking off" in config
+    assert "repack" in config and "probe" in config
+    doctor = run_cli(kvhome, "doctor", env=env).stdout
+    assert "weight repacking off: llama.cpp crashed" in doctor
+
+
+@pytest.mark.e2e
+def test_the_repack_setting_overrides_the_probe(tmp_path, kvhome):
+    crashing = _probe_env(tmp_path, **{CRASH_ENV: "repack"})
+    # repack on and threads set: nothing to probe, the model runs as told.
+    forced = run_cli(
+        kvhome, "ask", "--new", "Hi", "--repack", "--threads", "1", *FAST, env=crashing
+    )
+    assert forced.stdout.strip() and "weight repacking" not in forced.stderr
+    assert not (tmp_path / "probe.json").exists()
+    # repack off from the environment: the probe only measures threads, nothing crashes.
+    off = run_cli(kvhome, "ask", "--new", "Hi", *FAST, env={**crashing, "KVCHAT_REPACK": "off"})
+    assert off.stdout.strip()
+    (outcome,) = _outcomes(tmp_path)
+    assert outcome.trial.repack is False and outcome.failures == []
+    # The probe's choice goes to llama-server's command line too.
+    line = run_cli(kvhome, "server", env={**crashing, "KVCHAT_REPACK": "off"}).stdout
+    assert "--no-repack" in line.split()
+
+
+@pytest.mark.e2e
+def test_a_machine_where_everything_crashes_gets_one_line_and_keeps_the_message(tmp_path, kvhome):
+    env = _probe_env(tmp_path, **{CRASH_ENV: "always"})
+    result = run_cli(kvhome, "ask", "--new", "Hello there", *FAST, env=env, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "llama.cpp crashes on this machine whatever kvchat turns off" in line
+    assert "Traceback" not in result.stderr
+
+
+# --- a native crash of kvchat itself -----------------------------------------------------------
+
+
+def _db_rows(home: Path, sql: str) -> list[tuple]:
+    db = sqlite3.connect(home / "kvchat.db")
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+@pytest.mark.e2e
+def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(kvhome):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvchat",
+            "ask",
+            "--new",
+            "Write a long essay about the history of Rome.",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "1500",
+            "--n-ctx",
+            "2048",
+            "--threads",
+            "1",
+        ],
+        cwd=REPO,
+        env={**clean_env(), "KVCHAT_HOME": str(kvhome)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        partial: list[tuple] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (kvhome / "kvchat.db").exists():
+                try:
+                    partial = _db_rows(
+                        kvhome,
+                        "SELECT length(content) FROM messages WHERE role = 'assistant' AND partial = 1",
+                    )
+                except sqlite3.OperationalError:
+                    partial = []
+            if partial and partial[0][0] > 0:
+                break
+            time.sleep(0.1)
+        assert partial, "no partial reply was stored while the reply streamed"
+        os.kill(proc.pid, signal.SIGSEGV)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGSEGV
+    messages = _db_rows(kvhome, "SELECT role, content FROM messages ORDER BY id")
+    assert messages[0] == ("user", "Write a long essay about the history of Rome.")
+    assert messages[1][0] == "assistant" and messages[1][1].strip()
+    (log,) = (kvhome / "crashes").glob("run-*.log")
+    assert "Segmentation fault" in log.read_text()
+
+    # The next start says it once, on one line; the conversation is there.
+    listed = run_cli(kvhome, "ask", "--new", "Hi", *FAST)
+    crash_lines = [line for line in listed.stderr.splitlines() if "ended in a crash" in line]
+    assert len(crash_lines) == 1 and str(log) in crash_lines[0]
+    assert "conversations are intact" in crash_lines[0]
+    assert "ended in a crash" not in run_cli(kvhome, "ask", "--new", "Hi", *FAST).stderr
+    doctor = run_cli(kvhome, "doctor").stdout
+    assert f"log: {log}" in doctor
+
+
+# --- a GPU that cannot open the model -------------------------------------------------------
+
+
+def _gpu_choice(**values) -> DefaultsChoice:
+    base = dict(
+        n_ctx=32768,
+        type_k="f16",
+        type_v="f16",
+        flash_attn=True,
+        n_gpu_layers=-1,
+        device="gpu",
+        sources={"n_ctx": "plan", "n_gpu_layers": "plan"},
+    )
+    return DefaultsChoice(**{**base, **values})
+
+
+def test_a_gpu_out_of_memory_retries_with_less_context_then_fewer_layers():
+    config = EngineConfig(bundled_model_path(), n_ctx=32768, n_gpu_layers=-1)
+    oom = "could not load model: CUDA error: out of memory (cudaMalloc failed)"
+    smaller = retry_plan(_gpu_choice(), config, oom)
+    assert smaller is not None and smaller.n_ctx == 16384 and smaller.n_gpu_layers == -1
+    assert "retried with n_ctx 16,384" in smaller.note
+    # At the smallest useful context: fewer layers (SmolLM2 has 30: 31 with the output).
+    floor = replace(config, n_ctx=4096)
+    fewer = retry_plan(_gpu_choice(n_ctx=4096), floor, oom)
+    assert fewer is not None and fewer.n_ctx == 4096 and fewer.n_gpu_layers == 15
+    assert fewer.device == "partial"
+    none = retry_plan(_gpu_choice(n_ctx=4096), replace(floor, n_gpu_layers=1), oom)
+    assert none is not None and none.n_gpu_layers == 0 and none.device == "cpu"
+    # What the user set stays; a failure that is not the GPU's is not retried.
+    mine = _gpu_choice(sources={"n_ctx": "flag", "n_gpu_layers": "flag"})
+    assert retry_plan(mine, config, oom) is None
+    assert retry_plan(_gpu_choice(), config, "could not load model: not a GGUF file") is None
+    assert retry_plan(_gpu_choice(), replace(config, n_gpu_layers=0), oom) is None
+
+
+def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monkeypatch):
+    """An engine that fails as a GPU that is out of memory does, until the plan is small
+    enough; then the real engine on the CPU (this build has no GPU)."""
+    from kvchat import chat as chat_module
+    from kvchat.chat import ChatService
+
+    monkeypatch.setattr("kvchat.planner.defaults.gpu_offload_supported", lambda: True)
+    real = chat_module.create_engine
+    tried: list[tuple[int, int]] = []
+
+    def failing(settings, path, *, config):
+        tried.append((config.n_ctx, config.n_gpu_layers))
+        if config.n_ctx > 4096:
+            raise KvchatError(
+                "could not load model: ggml_backend_cuda_buffer_type_alloc_buffer: "
+                "allocating 9000.00 MiB on device 0: cudaMalloc failed: out of memory"
+            )
+        return real(settings, path, config=config)
+
+    monkeypatch.setattr(chat_module, "create_engine", failing)
+    service = ChatService(load_settings(vram="6GiB", n_threads=1, temperature=0, max_tokens=8))
+    try:
+        service.load_engine()
+        assert [ctx for ctx, _ in tried] == [8192, 4096]
+        assert service.plan is not None and service.plan.n_ctx == 4096
+        assert "the GPU could not open the model with n_ctx 8,192" in (service.plan_note or "")
+        report = service.start("Hi")
+        assert report.reply
+    finally:
+        service.close()
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+def _busy_loops(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+@pytest.mark.e2e
+def test_the_thread_choice_follows_a_measurement_made_under_load():
+    config = EngineConfig(bundled_model_path(), n_ctx=1024, n_threads=os.cpu_count() or 2)
+    physical = min(os.cpu_count() or 2, 4)
+    quiet = run_probe(config, repack_fixed=False, physical=physical, book=None)
+    loops = _busy_loops(os.cpu_count() or 2)
+    try:
+        busy = run_probe(config, repack_fixed=False, physical=physical, book=None)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    for outcome in (quiet, busy):
+        best = max(outcome.speeds, key=lambda n: outcome.speeds[n]["generate"])
+        assert outcome.best_threads("generate") == int(best)
+    print(json.dumps({"quiet": quiet.speeds, "busy": busy.speeds}))
+    # Every core busy elsewhere: running on all of them collapses (threads wait for each
+    # other at every step); the measurement sees it.
+    top = str(physical)
+    assert busy.speeds[top]["generate"] < 0.8 * quiet.speeds[top]["generate"]
+
+
+@pytest.mark.e2e
+def test_a_reply_far_slower_than_measured_makes_the_engine_measure_again():
+    from kvchat.engine.llama import LlamaEngine
+
+    # A measurement no CPU reaches: the next reply is "far slower", and the engine re-checks.
+    config = EngineConfig(
+        bundled_model_path(),
+        n_ctx=1024,
+        n_threads=1,
+        thread_speeds=((1, 1e6, 1e6), (2, 1e6, 1e6)),
+    )
+    engine = LlamaEngine(config)
+    try:
+        engine.prefill(engine.chat_tokens([{"role": "user", "content": "Count to twenty."}]))
+        stats = GenerationStats()
+        "".join(engine.generate(GenerationParams(temperature=0, max_tokens=24), stats))
+        assert stats.generated >= 16
+        assert engine.slowdowns == 1
+        measured = {n for n, _, _ in engine.config.thread_speeds}
+        assert measured == {1, 2}
+        assert all(gen < 1e6 for _, _, gen in engine.config.thread_speeds)
+        fastest_now = max(engine.config.thread_speeds, key=lambda row: (row[2], -row[0]))[0]
+        assert engine.config.n_threads == fastest_now
+    finally:
+        engine.close()
