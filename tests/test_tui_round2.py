@@ -299,3 +299,39 @@ async def test_f1_help_shows_every_description_whole(kvhome: Path, size: tuple[i
             assert _shown_text(label) == " ".join(key.description.split())
         newline = next(a for a, k in zip(actions, KEYS) if k.label == "Ctrl+J")
         assert newline.size.height >= 2  # wrapped, not cut
+
+
+# --- item 6: the settings dialog says what a new system prompt costs ---------------------------
+
+
+@pytest.mark.e2e
+async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome: Path) -> None:
+    from textual.widgets import Label, TextArea
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Name three colours of the rainbow.")
+        held = main.status.used  # the context: what the session's KV holds
+        assert held > 20
+        await pilot.press("ctrl+g")
+        await wait_until(lambda: app.screen.__class__.__name__ == "SettingsDialog")
+        dialog = app.screen
+        hint = str(dialog.query(".dialog-detail").results(Label).__next__().render())
+        assert "[presets]" in hint and "config.toml" in hint  # not eaten as markup
+        cost = dialog.query_one("#prompt-cost", Label)
+        assert not cost.display  # nothing changed yet
+        dialog.query_one("#system-prompt", TextArea).text = "Answer like a pirate."
+        await pilot.pause()
+        assert cost.display
+        said = str(cost.render())
+        assert f"about {held:,} tokens" in said and "re-read" in said
+        await pilot.press("ctrl+s")
+        await wait_until(lambda: app.screen is main)
+        assert any(f"about {held:,} tokens" in n.message for n in app._notifications)
+        await send(pilot, main, "And the warmest?")
+        report = main.last_report
+        assert report is not None
+        # As said: the conversation was read again, not reused.
+        assert report.tokens.reused < 10
+        assert report.tokens.decoded >= held - 10

@@ -136,8 +136,9 @@ class SessionActions(ScreenBase):
 
     @work(group="action", exit_on_error=False)
     async def action_settings(self) -> None:
+        from kvchat.config import config_file  # pydantic: not before the first frame
         from kvchat.tui.presets import load_presets
-        from kvchat.tui.screens.dialogs import SettingsDialog
+        from kvchat.tui.screens.dialogs import SettingsDialog, reread_note
 
         session_id = self.session_id
         if session_id is None:
@@ -151,6 +152,8 @@ class SessionActions(ScreenBase):
         presets, problem = await self.on_store(load_presets)
         if problem:
             self.notify(problem, severity="warning", markup=False)
+        row = self.sessions.row(session_id)
+        history = row.tokens if row is not None and row.summary.messages else 0
         result: SessionSettings | None = await self.app.push_screen_wait(
             SettingsDialog(
                 visible(session.system_prompt or ""),
@@ -158,6 +161,8 @@ class SessionActions(ScreenBase):
                 defaults,
                 n_ctx=self.status.n_ctx or settings.n_ctx,
                 presets=presets,
+                config_path=str(config_file()),
+                history_tokens=history,
             )
         )
         if result is None:
@@ -172,7 +177,15 @@ class SessionActions(ScreenBase):
         except KvchatError as exc:
             self.notify(str(exc), severity="error", markup=False)
             return
-        self.notify("Session settings saved; they apply from the next reply")
+        note = reread_note(visible(session.system_prompt or ""), result.system_prompt, history)
+        if note:
+            self.notify(
+                f"Session settings saved. The next reply re-reads the conversation (about "
+                f"{history:,} tokens) under the new system prompt",
+                markup=False,
+            )
+        else:
+            self.notify("Session settings saved; they apply from the next reply")
 
 
 def _write_text(path: Path, text: str, replace: bool) -> None:

@@ -232,6 +232,17 @@ class SessionSettings:
     settings: dict[str, Any]
 
 
+def reread_note(before: str, after: str, history_tokens: int) -> str:
+    """The warning shown while the system prompt differs from the saved one: the KV of the
+    session begins with the system prompt, so everything after it is read again."""
+    if before.strip() == after.strip() or history_tokens <= 0:
+        return ""
+    return (
+        f"Saving a new system prompt makes the next reply re-read the whole conversation "
+        f"(about {history_tokens:,} tokens): its saved memory (KV) begins with the old prompt."
+    )
+
+
 class SettingsDialog(Dialog):
     """The session's system prompt (typed, or from a preset) and sampling overrides; an
     empty field means the default. Values outside kvchat.limits' ranges are refused."""
@@ -246,14 +257,20 @@ class SettingsDialog(Dialog):
         *,
         n_ctx: int | None = None,
         presets: dict[str, str] | None = None,
+        config_path: str = "the config file",
+        history_tokens: int = 0,
     ) -> None:
         """``defaults``: the app-wide value of every setting a session may override;
-        ``n_ctx``: the context length (bounds max_tokens); ``presets``: name → prompt."""
+        ``n_ctx``: the context length (bounds max_tokens); ``presets``: name → prompt;
+        ``config_path``: where presets are added; ``history_tokens``: the session's size in
+        tokens (what a new system prompt makes the next reply read again)."""
         super().__init__(classes="dialog-screen")
         self.system_prompt, self.values, self.defaults = system_prompt, values, defaults
         self.keys = tuple(defaults)
         self.n_ctx = n_ctx
         self.presets = presets or {}
+        self.config_path = config_path
+        self.history_tokens = history_tokens
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog -wide", id="settings-dialog"):
@@ -272,10 +289,12 @@ class SettingsDialog(Dialog):
                 )
             yield Label(
                 "System prompt (empty: the app default; add presets under [presets] in "
-                "the config file)",
+                f"{self.config_path})",
                 classes="dialog-detail",
+                markup=False,
             )
             yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+            yield Label(self._reread_note(), id="prompt-cost", markup=False)
             with Grid(id="sampling"):
                 for key in self.keys:
                     value = self.values.get(key)
@@ -297,6 +316,22 @@ class SettingsDialog(Dialog):
 
     def on_mount(self) -> None:
         self.query_one("#system-prompt", TextArea).focus()
+
+    def _reread_note(self) -> str:
+        """What a changed system prompt costs, said before it is saved; "" when unchanged."""
+        return reread_note(self.system_prompt, self._typed_prompt(), self.history_tokens)
+
+    def _typed_prompt(self) -> str:
+        areas = self.query("#system-prompt").results(TextArea)
+        area = next(iter(areas), None)
+        return area.text if area is not None else self.system_prompt
+
+    @on(TextArea.Changed, "#system-prompt")
+    def _prompt_changed(self) -> None:
+        note = self._reread_note()
+        label = self.query_one("#prompt-cost", Label)
+        label.update(note)
+        label.set_class(bool(note), "-shown")
 
     @on(Select.Changed, "#preset")
     def _preset_picked(self, event: Select.Changed) -> None:
