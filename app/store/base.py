@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -39,6 +40,12 @@ def damaged_message(path: Path, detail: str) -> str:
     )
 
 
+def read_only_uri(path: Path) -> str:
+    """An SQLite URI opening ``path`` read-only: nothing is written to the file or its WAL
+    (a read-only connection never checkpoints), whatever SQLite finds in it."""
+    return f"file:{urllib.parse.quote(str(path))}?mode=ro"
+
+
 def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
     """One clear line for what SQLite raises on a full disk, a busy or a damaged file.
 
@@ -69,19 +76,39 @@ def disk_full(directory: Path) -> bool:
 
 
 class SqlBase:
-    """The connection and the two ways the store's parts use it (a transaction, a query)."""
+    """The connection and the two ways the store's parts use it (a transaction, a query).
+
+    Once any check finds the file damaged (``_found_damage``), every later transaction is
+    refused with the same line: nothing more is written to a damaged database.
+    """
 
     path: Path
     db: sqlite_utils.Database
     _lock: threading.RLock
+    _damage: str | None = None
+
+    def _refuse_if_damaged(self) -> None:
+        """Raise :class:`DamagedDatabase` when a check found the file damaged."""
+        if self._damage is not None:
+            raise DamagedDatabase(damaged_message(self.path, self._damage))
+
+    def _found_damage(self, detail: str) -> DamagedDatabase:
+        """Record damage (no more writes) and return the error that says so."""
+        if self._damage is None:
+            self._damage = detail
+        return DamagedDatabase(damaged_message(self.path, detail))
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._refuse_if_damaged()
         try:
             with self._lock, self.db.conn as conn:
                 yield conn
         except sqlite3.DatabaseError as exc:
-            raise _translate(self.path, exc) from None
+            error = _translate(self.path, exc)
+            if isinstance(error, DamagedDatabase):
+                self._damage = self._damage or str(exc)
+            raise error from None
 
     def _rows(
         self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()

@@ -7,6 +7,7 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.store.base import SqlBase, now
 from kvchat.store.models import Message, SearchHit
+from kvchat.store.sessions_sql import check_counts, counts_problem
 from kvchat.store.versions_sql import sync_current_version
 
 
@@ -39,6 +40,9 @@ class MessagesSql(SqlBase):
         """Append a message and commit it (durable once this returns)."""
         stamp = now()
         with self._tx() as conn:
+            problem = check_counts(conn, session_id)
+            if problem is not None:
+                raise self._found_damage(problem)
             cursor = conn.execute(
                 "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
                 " finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -56,8 +60,27 @@ class MessagesSql(SqlBase):
         return self._message(rows[0])
 
     def messages(self, session_id: str) -> list[Message]:
-        rows = self._rows("SELECT * FROM messages WHERE session_id=? ORDER BY id", (session_id,))
-        return [self._message(r) for r in rows]
+        """The session's messages in order; raises DamagedDatabase when they do not read as
+        its row records them (a damaged index hides some: never a shortened history)."""
+        rows = self._rows(
+            "SELECT m.*, s.n_messages AS _n, s.last_message_id AS _last, s.n_tokens AS _tokens"
+            " FROM sessions s LEFT JOIN messages m ON m.session_id = s.id"
+            " WHERE s.id=? ORDER BY m.id",
+            (session_id,),
+        )
+        if not rows:
+            return []
+        found = [r for r in rows if r["id"] is not None]
+        recorded = (rows[0]["_n"], rows[0]["_last"], rows[0]["_tokens"])
+        read = (
+            len(found),
+            max((r["id"] for r in found), default=0),
+            sum(r["token_count"] or 0 for r in found),
+        )
+        problem = counts_problem(recorded, read, session_id)
+        if problem is not None:
+            raise self._found_damage(problem)
+        return [self._message(r) for r in found]
 
     def delete_message(self, message_id: int) -> None:
         with self._tx() as conn:
@@ -101,6 +124,12 @@ class MessagesSql(SqlBase):
         ``token_count`` and ``finish_reason`` change only when given."""
         stamp = now()
         with self._tx() as conn:
+            owner = conn.execute(
+                "SELECT session_id FROM messages WHERE id=?", (message_id,)
+            ).fetchone()
+            problem = check_counts(conn, owner[0]) if owner is not None else None
+            if problem is not None:
+                raise self._found_damage(problem)
             cursor = conn.execute(
                 "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count),"
                 " finish_reason=COALESCE(?, finish_reason) WHERE id=?",

@@ -218,6 +218,67 @@ def m012_message_finish_reason(db: sqlite_utils.Database) -> None:
             db[table].add_column("finish_reason", str)
 
 
+def m013_session_counts(db: sqlite_utils.Database) -> None:
+    """Each session row records its message count, last message id and token sum, kept by
+    triggers on ``messages``; a session whose messages read otherwise (a damaged index
+    hides some) is damage, and nothing is written to it (see SessionsSql.check_counts)."""
+    columns = set(db["sessions"].columns_dict)
+    for name in ("n_messages", "last_message_id", "n_tokens"):
+        if name not in columns:
+            db.execute(f"ALTER TABLE sessions ADD COLUMN {name} INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        """
+        UPDATE sessions SET
+            n_messages = (SELECT COUNT(*) FROM messages m WHERE m.session_id = sessions.id),
+            last_message_id = (SELECT COALESCE(MAX(m.id), 0) FROM messages m
+                               WHERE m.session_id = sessions.id),
+            n_tokens = (SELECT COALESCE(SUM(m.token_count), 0) FROM messages m
+                        WHERE m.session_id = sessions.id)
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS messages_count_insert AFTER INSERT ON messages BEGIN
+            UPDATE sessions SET n_messages = n_messages + 1,
+                last_message_id = MAX(last_message_id, NEW.id),
+                n_tokens = n_tokens + COALESCE(NEW.token_count, 0)
+            WHERE id = NEW.session_id;
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS messages_count_delete AFTER DELETE ON messages BEGIN
+            UPDATE sessions SET n_messages = n_messages - 1,
+                n_tokens = n_tokens - COALESCE(OLD.token_count, 0),
+                last_message_id = CASE WHEN last_message_id = OLD.id
+                    THEN (SELECT COALESCE(MAX(id), 0) FROM messages
+                          WHERE session_id = OLD.session_id)
+                    ELSE last_message_id END
+            WHERE id = OLD.session_id;
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS messages_count_update
+        AFTER UPDATE OF token_count, session_id ON messages BEGIN
+            UPDATE sessions SET n_messages = n_messages - 1,
+                n_tokens = n_tokens - COALESCE(OLD.token_count, 0),
+                last_message_id = CASE WHEN last_message_id = OLD.id
+                    THEN (SELECT COALESCE(MAX(id), 0) FROM messages
+                          WHERE session_id = OLD.session_id)
+                    ELSE last_message_id END
+            WHERE id = OLD.session_id;
+            UPDATE sessions SET n_messages = n_messages + 1,
+                last_message_id = MAX(last_message_id, NEW.id),
+                n_tokens = n_tokens + COALESCE(NEW.token_count, 0)
+            WHERE id = NEW.session_id;
+        END
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -230,6 +291,7 @@ MIGRATIONS: list[Migration] = [
     m009_snapshot_shelf,
     m010_session_parent,
     m012_message_finish_reason,
+    m013_session_counts,
 ]
 
 

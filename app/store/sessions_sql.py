@@ -8,7 +8,7 @@ import sqlite3
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.store.base import SqlBase, now
+from kvchat.store.base import SqlBase, _translate, now
 from kvchat.store.models import Session, SessionSummary
 
 
@@ -29,6 +29,40 @@ def insert_session(
         (session_id, title, system_prompt, json.dumps(settings or {}), stamp, stamp, parent_id),
     )
     return session_id
+
+
+# What the session row records about its messages, and what its messages read now: one
+# statement, so both come from the same moment.
+_COUNTS_SQL = """
+SELECT s.n_messages, s.last_message_id, s.n_tokens,
+       (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id),
+       (SELECT COALESCE(MAX(m.id), 0) FROM messages m WHERE m.session_id = s.id),
+       (SELECT COALESCE(SUM(m.token_count), 0) FROM messages m WHERE m.session_id = s.id)
+FROM sessions s WHERE s.id = ?
+"""
+
+
+def counts_problem(
+    recorded: tuple[Any, ...], found: tuple[Any, ...], session_id: str
+) -> str | None:
+    """Why a session's messages (count, last id, token sum) do not read as its row records
+    them, or None when they do."""
+    if tuple(recorded) == tuple(found):
+        return None
+    return (
+        f"session {session_id} records {recorded[0]} messages (last #{recorded[1]}, "
+        f"{recorded[2]} tokens) but {found[0]} read back (last #{found[1]}, {found[2]} tokens): "
+        "an index of the file is damaged"
+    )
+
+
+def check_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
+    """Why ``session_id``'s messages disagree with its row (damage), or None (also when
+    there is no such session)."""
+    row = conn.execute(_COUNTS_SQL, (session_id,)).fetchone()
+    if row is None:
+        return None
+    return counts_problem(row[:3], row[3:], session_id)
 
 
 def new_session_id(conn: sqlite3.Connection) -> str:
@@ -66,14 +100,37 @@ class SessionsSql(SqlBase):
     def get_session(self, session_id: str) -> Session:
         rows = self._rows("SELECT * FROM sessions WHERE id=?", (session_id,))
         if not rows:
+            self._missing_by_index(session_id)
             raise KvchatError(f"no session with id {session_id}")
         return self._session(rows[0])
+
+    def _missing_by_index(self, session_id: str) -> None:
+        """A session the id index does not find but the table holds is damage: raise it."""
+        try:
+            hidden = self._rows("SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,))
+        except KvchatError:
+            return  # the scan itself fails: the caller's "no session" stands
+        if hidden:
+            raise self._found_damage(
+                f"session {session_id} is in the sessions table but its index does not find it"
+            )
+
+    def check_session(self, session_id: str) -> None:
+        """Raise DamagedDatabase when the session's messages disagree with its row."""
+        try:
+            with self._lock:
+                problem = check_counts(self.db.conn, session_id)
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
+        if problem is not None:
+            raise self._found_damage(problem)
 
     def resolve_session(self, ref: str) -> Session:
         """A session by exact id, else by unique title prefix (case-insensitive)."""
         rows = self._rows("SELECT * FROM sessions WHERE id=?", (ref,))
         if rows:
             return self._session(rows[0])
+        self._missing_by_index(ref)
         pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._rows(
             "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC",
@@ -90,9 +147,6 @@ class SessionsSql(SqlBase):
         rows = self._rows(
             """
             SELECT s.*,
-                   (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS n_messages,
-                   (SELECT COALESCE(SUM(token_count), 0) FROM messages m
-                     WHERE m.session_id = s.id) AS n_tokens,
                    CASE WHEN typeof(k.n_bytes) = 'integer' AND k.n_bytes >= 0
                         THEN k.n_bytes ELSE 0 END AS snapshot_bytes,
                    CASE WHEN typeof(k.n_tokens) = 'integer' AND k.n_tokens >= 0
@@ -149,6 +203,9 @@ class SessionsSql(SqlBase):
         source = self.get_session(source_id)
         stamp = now()
         with self._tx() as conn:
+            problem = check_counts(conn, source_id)
+            if problem is not None:
+                raise self._found_damage(problem)
             session_id = insert_session(
                 conn, title, source.system_prompt, source.settings, stamp, parent_id=source_id
             )

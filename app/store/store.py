@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlite_utils
@@ -18,6 +19,7 @@ from kvchat.store.base import (
     _translate,
     damaged_message,
     now,
+    read_only_uri,
 )
 from kvchat.store.imports_sql import ImportsSql
 from kvchat.store.locks import file_lock
@@ -31,6 +33,11 @@ from kvchat.store.versions_sql import VersionsSql
 
 __all__ = ["DamagedDatabase", "Store", "StoreFull", "damaged_message", "now"]
 
+# A file up to this size (with its WAL) gets SQLite's full integrity_check before it is
+# opened for writing (tens of ms); a bigger one a quick_check then, and the full check in
+# the background, which stops every write when it fails.
+FULL_CHECK_AT_OPEN_BYTES = 16 << 20
+
 
 def _create_private_file(path: Path) -> None:
     """Create ``path`` as 0600 before SQLite opens it; its -wal/-shm inherit the mode."""
@@ -39,6 +46,49 @@ def _create_private_file(path: Path) -> None:
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     os.close(fd)
     os.chmod(path, 0o600)
+
+
+def _create_database(path: Path) -> list[str]:
+    """Make a new database at ``path`` whole or not at all: built (WAL mode, migrated) under
+    a temporary name, then renamed into place. So an empty ``kvchat.db`` is never one that
+    kvchat was making: it is a file that lost its contents (see :func:`_keep_empty_aside`)."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    for leftover in (tmp, *(tmp.with_name(tmp.name + s) for s in ("-wal", "-shm", "-journal"))):
+        leftover.unlink(missing_ok=True)
+    _create_private_file(tmp)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            db = sqlite_utils.Database(conn)
+            db.execute("PRAGMA journal_mode=WAL")
+            applied = migrate(db)
+        finally:
+            conn.close()  # the last connection: the WAL is folded in and removed
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return applied
+
+
+def _keep_empty_aside(path: Path) -> None:
+    """A 0-byte database (and no WAL holding pages for it) lost its conversations: rename
+    it aside and say so, instead of quietly starting a new database in its place."""
+    wal = path.with_name(path.name + "-wal")
+    if path.stat().st_size != 0 or (wal.exists() and wal.stat().st_size > 0):
+        return
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.empty-{stamp}")
+    path.rename(aside)
+    raise KvchatError(
+        f"the database {path} is empty (0 bytes: whatever it held is gone); it is kept "
+        f"aside as {aside.name}, and the next kvchat command starts a new database "
+        "(put a backup in its place first to keep your conversations)"
+    )
 
 
 class Store(
@@ -52,28 +102,35 @@ class Store(
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
-    Opening checks the file (``PRAGMA quick_check``) and runs the migrations while holding
-    an exclusive lock on ``<db>.lock``, so two processes opening a new home never race.
-    A damaged file raises :class:`DamagedDatabase` and is never written to.
+    Opening checks the file on a read-only connection (SQLite's full ``integrity_check``
+    for a file up to :data:`FULL_CHECK_AT_OPEN_BYTES`, else ``quick_check`` and the full
+    check in the background) and runs the migrations while holding an exclusive lock on
+    ``<db>.lock``, so two processes opening a new home never race. A damaged file raises
+    :class:`DamagedDatabase` and is never written to: not even its WAL is checkpointed.
     """
 
     def __init__(self, path: Path, *, check: bool = True) -> None:
         self.path = path
         self._lock = threading.RLock()
+        self._damage = None
+        self._checker: threading.Thread | None = None
+        self._check_conn: sqlite3.Connection | None = None
         ensure_private_dir(path.parent)
+        background = False
         try:
             with file_lock(self.lock_path(path)):
-                _create_private_file(path)
+                created = [] if path.exists() else _create_database(path)
+                _keep_empty_aside(path)
+                if check:
+                    background = not self._check_read_only()
                 conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
                 self.db = sqlite_utils.Database(conn)
                 try:
-                    if check:
-                        self._quick_check()
                     self.db.execute("PRAGMA journal_mode=WAL")
                     self.db.execute("PRAGMA synchronous=FULL")
                     self.db.execute("PRAGMA foreign_keys=ON")
                     with self._lock:
-                        self.applied_migrations = migrate(self.db)
+                        self.applied_migrations = created + migrate(self.db)
                 except BaseException:
                     conn.close()
                     raise
@@ -81,18 +138,81 @@ class Store(
             raise _translate(path, exc) from None
         except OSError as exc:
             raise KvchatError(f"cannot open the database {path}: {exc.strerror or exc}") from None
+        if background:
+            self._checker = threading.Thread(
+                target=self._full_check, name="kvchat-integrity-check", daemon=True
+            )
+            self._checker.start()
 
     @staticmethod
     def lock_path(path: Path) -> Path:
         return path.with_name(path.name + ".lock")
 
-    def _quick_check(self) -> None:
-        result = [row[0] for row in self.db.execute("PRAGMA quick_check").fetchall()]
+    def _check_read_only(self) -> bool:
+        """Check the file before it is opened for writing; True when the check was the full
+        one. Raises DamagedDatabase (the file and its WAL untouched) when it fails."""
+        size = self.path.stat().st_size
+        wal = self.path.with_name(self.path.name + "-wal")
+        if wal.exists():
+            size += wal.stat().st_size
+        full = size <= FULL_CHECK_AT_OPEN_BYTES
+        conn = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=30)
+        try:
+            pragma = "integrity_check(5)" if full else "quick_check(5)"
+            result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+        finally:
+            conn.close()
         if result != ["ok"]:
             raise DamagedDatabase(damaged_message(self.path, "; ".join(map(str, result[:3]))))
+        return full
+
+    def _full_check(self) -> None:
+        """SQLite's full integrity_check on a read-only connection (a background thread):
+        damage it finds (an index that disagrees with its table, which quick_check does not
+        look at) stops every later write."""
+        try:
+            conn = sqlite3.connect(
+                read_only_uri(self.path), uri=True, timeout=30, check_same_thread=False
+            )
+            self._check_conn = conn
+            try:
+                result = [row[0] for row in conn.execute("PRAGMA integrity_check(5)").fetchall()]
+            finally:
+                self._check_conn = None
+                conn.close()
+            if result != ["ok"]:
+                self._found_damage("; ".join(map(str, result[:3])))
+        except sqlite3.DatabaseError as exc:
+            if "interrupt" not in str(exc):
+                self._found_damage(str(exc))
+
+    def wait_for_check(self, timeout: float | None = None) -> str | None:
+        """Wait for the background integrity check (if one runs); the damage it found."""
+        if self._checker is not None:
+            self._checker.join(timeout)
+        return self._damage
 
     def close(self) -> None:
-        self.db.conn.close()
+        checker, conn = self._checker, self._check_conn
+        if checker is not None and checker.is_alive():
+            if conn is not None:
+                conn.interrupt()
+            checker.join(5)
+        if self._damage is None:
+            self.db.conn.close()
+            return
+        # Damaged: a reader holds the file while this connection closes, so the close does
+        # not checkpoint the WAL into the damaged file (a read-only connection never does).
+        try:
+            reader = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=1)
+            try:
+                reader.execute("BEGIN")
+                reader.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+                self.db.conn.close()
+            finally:
+                reader.close()
+        except sqlite3.DatabaseError:
+            self.db.conn.close()
 
     def integrity_check(self) -> str:
         return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])

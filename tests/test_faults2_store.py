@@ -1,0 +1,214 @@
+"""Damage the open check misses (issue 20 items 2, 5 and 8): a damaged index, a WAL on a
+damaged file, an empty database file. Real SQLite files, damaged byte by byte."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from kvchat.errors import KvchatError
+from kvchat.store import Store
+from kvchat.store import store as store_module
+from kvchat.store.store import DamagedDatabase
+
+
+def _home(path: Path, n: int = 6) -> tuple[str, str]:
+    """A database with a session of ``n`` messages and another, folded into the main file;
+    returns (the session's id, the other's)."""
+    store = Store(path)
+    other = store.create_session("Other")
+    store.add_message(other.id, "user", "hello", token_count=2)
+    session = store.create_session("Six")
+    for i in range(n):
+        store.add_message(session.id, ("user", "assistant")[i % 2], f"m{i}", token_count=5)
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    return session.id, other.id
+
+
+def damage_index(path: Path, index: str, session_id: str) -> None:
+    """Flip one bit of the session id in every entry of ``index`` (its root page): the
+    table keeps its rows, the index points elsewhere; quick_check does not see it."""
+    db = sqlite3.connect(path)
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    (root,) = db.execute("SELECT rootpage FROM sqlite_master WHERE name=?", (index,)).fetchone()
+    db.close()
+    data = bytearray(path.read_bytes())
+    at = (root - 1) * page_size
+    page = bytes(data[at : at + page_size])
+    sid = session_id.encode()
+    assert sid in page
+    data[at : at + page_size] = page.replace(sid, bytes([sid[0] ^ 1]) + sid[1:])
+    path.write_bytes(bytes(data))
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    assert db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+    assert db.execute("PRAGMA integrity_check").fetchall() != [("ok",)]
+    db.close()
+
+
+def _files(path: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for suffix in ("", "-wal"):
+        side = path.with_name(path.name + suffix)
+        out[suffix] = side.read_bytes() if side.exists() else None
+    return out
+
+
+@pytest.fixture
+def background_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file counts as big: a quick check at open, the full one in the background."""
+    monkeypatch.setattr(store_module, "FULL_CHECK_AT_OPEN_BYTES", 0)
+
+
+def test_a_damaged_message_index_is_caught_at_open(tmp_path: Path):
+    path = tmp_path / "kvchat.db"
+    session_id, _ = _home(path)
+    damage_index(path, "idx_messages_session_id_id", session_id)
+    before = _files(path)
+    with pytest.raises(DamagedDatabase, match="kvchat doctor"):
+        Store(path)
+    assert _files(path) == before
+
+
+def test_a_history_its_index_hides_is_damage_not_a_short_history(tmp_path, background_check):
+    path = tmp_path / "kvchat.db"
+    session_id, other_id = _home(path)
+    damage_index(path, "idx_messages_session_id_id", session_id)
+    before = _files(path)
+    store = Store(path)  # the quick check passes
+    try:
+        with pytest.raises(DamagedDatabase) as excinfo:
+            store.messages(session_id)
+        line = str(excinfo.value)
+        assert "records 6 messages" in line and "kvchat doctor" in line and "\n" not in line
+        with pytest.raises(DamagedDatabase):
+            store.add_message(session_id, "user", "lost?")
+        # Nothing more is written anywhere, and the full check confirms the damage.
+        with pytest.raises(DamagedDatabase):
+            store.add_message(other_id, "user", "elsewhere")
+        assert store.wait_for_check(30) is not None
+    finally:
+        store.close()
+    assert _files(path) == before
+
+
+def test_the_background_check_stops_writes_it_did_not_see_coming(tmp_path, background_check):
+    path = tmp_path / "kvchat.db"
+    session_id, other_id = _home(path)
+    damage_index(path, "idx_messages_session_id_id", session_id)
+    store = Store(path)
+    try:
+        assert store.wait_for_check(30) is not None
+        # The other session's rows read as recorded, but the file is damaged: no writes.
+        assert [m.content for m in store.messages(other_id)] == ["hello"]
+        with pytest.raises(DamagedDatabase, match="kvchat doctor"):
+            store.add_message(other_id, "user", "more")
+        with pytest.raises(DamagedDatabase):
+            store.create_session("new")
+    finally:
+        store.close()
+
+
+def test_a_session_its_id_index_hides_is_named_damage(tmp_path, background_check):
+    path = tmp_path / "kvchat.db"
+    session_id, _ = _home(path)
+    damage_index(path, "sqlite_autoindex_sessions_1", session_id)
+    store = Store(path)
+    try:
+        for find in (store.get_session, store.resolve_session):
+            with pytest.raises(DamagedDatabase, match="kvchat doctor"):
+                find(session_id)
+        with pytest.raises(KvchatError, match="no session matches"):
+            store.resolve_session("ffffffff")  # an id that is really not there
+    finally:
+        store.close()
+
+
+def test_counts_follow_every_write(tmp_path: Path):
+    store = Store(tmp_path / "kvchat.db")
+    session = store.create_session("S")
+    ids = [store.add_message(session.id, "user", f"m{i}", token_count=i).id for i in range(4)]
+    store.update_message(ids[1], "longer", False, token_count=10)
+    store.delete_message(ids[3])
+    child = store.copy_session(session.id, "C", upto_message=ids[1], then=("user", "x", 7))
+    assert [m.content for m in store.messages(session.id)] == ["m0", "longer", "m2"]
+    assert [m.content for m in store.messages(child.id)] == ["m0", "longer", "x"]
+    summary = {s.session.id: (s.messages, s.tokens) for s in store.list_sessions()}
+    assert summary == {session.id: (3, 12), child.id: (3, 17)}
+    store.close()
+
+
+def test_a_damaged_database_is_opened_read_only_and_its_wal_kept(tmp_path: Path):
+    """A WAL holding the last writes, and damage in the main file: the open check must not
+    checkpoint the WAL into the file (nor remove it)."""
+    source = tmp_path / "live.db"
+    session_id, _ = _home(source, n=200)
+    writer = sqlite3.connect(source)
+    writer.execute("PRAGMA wal_autocheckpoint=0")
+    with writer:
+        writer.execute(
+            "INSERT INTO messages (session_id, role, content, created) VALUES (?, ?, ?, ?)",
+            (session_id, "user", "only in the WAL", "2026-01-01"),
+        )
+    path = tmp_path / "kvchat.db"
+    for suffix in ("", "-wal", "-shm"):  # a copy while the writer has it open: WAL kept
+        shutil.copyfile(source.with_name(source.name + suffix), path.with_name(path.name + suffix))
+    writer.close()
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(os.urandom(4096))
+    before = _files(path)
+    assert before["-wal"]
+    with pytest.raises(DamagedDatabase):
+        Store(path)
+    assert _files(path) == before
+
+
+def test_damage_found_after_open_leaves_the_wal_alone(tmp_path, background_check):
+    source = tmp_path / "live.db"
+    session_id, other_id = _home(source)
+    damage_index(source, "idx_messages_session_id_id", session_id)
+    writer = sqlite3.connect(source)
+    writer.execute("PRAGMA wal_autocheckpoint=0")
+    with writer:
+        writer.execute("UPDATE sessions SET title='renamed' WHERE id=?", (other_id,))
+    path = tmp_path / "kvchat.db"
+    for suffix in ("", "-wal", "-shm"):
+        shutil.copyfile(source.with_name(source.name + suffix), path.with_name(path.name + suffix))
+    writer.close()
+    before = _files(path)
+    assert before["-wal"]
+    store = Store(path)
+    assert store.wait_for_check(30) is not None
+    store.close()
+    assert _files(path) == before
+
+
+def test_an_empty_database_file_is_kept_aside_and_said(tmp_path: Path):
+    path = tmp_path / "kvchat.db"
+    path.touch(mode=0o600)
+    with pytest.raises(KvchatError) as excinfo:
+        Store(path)
+    line = str(excinfo.value)
+    assert "empty (0 bytes" in line and "kept aside" in line and "\n" not in line
+    [aside] = tmp_path.glob("kvchat.db.empty-*")
+    assert aside.stat().st_size == 0 and not path.exists()
+    Store(path).close()  # the next open starts a new database
+    assert path.stat().st_size > 0
+
+
+def test_a_new_database_appears_whole(tmp_path: Path):
+    """A new home's database is built under another name and renamed: never a 0-byte
+    kvchat.db that a kill mid-creation leaves (which would read as a lost database)."""
+    path = tmp_path / "kvchat.db"
+    store = Store(path)
+    assert store.applied_migrations and path.stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir() if ".new-" in p.name) == []
+    store.close()
