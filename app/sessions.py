@@ -142,6 +142,21 @@ class SessionBook(ServiceParts):
             self.store.delete_session(session_id)
         self.locks.remove(session_id)
 
+    def drop_if_unused(self, session_id: str) -> bool:
+        """Delete a session that never got a message and is as it was made (the default
+        title, no system prompt, no settings): True if it was. Checked under the session's
+        turn lock, so one that a turn elsewhere is writing to is kept."""
+        with self._turn_lock(session_id):
+            session = self.store.get_session(session_id)
+            if self.store.messages(session_id) or (
+                session.title != DEFAULT_TITLE or session.system_prompt or session.settings
+            ):
+                return False
+            self.tiers.forget(session_id)
+            self.store.delete_session(session_id)
+        self.locks.remove(session_id)
+        return True
+
     def export(self, session_id: str, fmt: ExportFormat) -> str:
         return export_session(
             self.store.get_session(session_id), self.store.messages(session_id), fmt

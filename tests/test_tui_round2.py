@@ -335,3 +335,39 @@ async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome:
         # As said: the conversation was read again, not reused.
         assert report.tokens.reused < 10
         assert report.tokens.decoded >= held - 10
+
+
+# --- item 7: a "New chat" that never got a message is dropped at quit --------------------------
+
+
+@pytest.mark.e2e
+async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Path) -> None:
+    from kvchat.chat import ChatService
+    from tests.conftest import run_cli
+    from tests.test_tui_items import make_settings, quit_app
+
+    service = ChatService(make_settings())
+    kept_empty = service.new_session()  # not made by the app's run: not its to drop
+    service.close()
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await pilot.press("ctrl+n")
+        await wait_until(lambda: main.session_id not in (None, kept_empty.id))
+        await send(pilot, main, "Hello.")
+        used = main.session_id
+        await pilot.press("ctrl+n")
+        await wait_until(lambda: main.session_id not in (None, kept_empty.id, used))
+        await pilot.press("ctrl+n")
+        await wait_until(lambda: len(main.made_sessions) == 3)
+        await wait_until(lambda: len(main.sessions.rows) == 4)
+        await quit_app(app)
+
+    listed = run_cli(kvhome, "list", "--json").json
+    assert sorted(s["id"] for s in listed) == sorted([used, kept_empty.id])
+    again = make_app()
+    async with again.run_test(size=SIZE):
+        main = await ready(again)
+        assert main.session_id == used  # the session last open was dropped: the one used
+        await quit_app(again)

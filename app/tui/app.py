@@ -162,13 +162,27 @@ class KvchatApp(App[None]):
         if self.service is not None and not self._closed:
             self._closed = True
             main = self.screen_stack[0] if self.screen_stack else None
-            if isinstance(main, MainScreen) and main.session_id is not None:
+            dropped = self._drop_unused(main.made_sessions) if isinstance(main, MainScreen) else ()
+            if isinstance(main, MainScreen) and main.session_id not in (None, *dropped):
                 # The next launch reopens the session the user was in.
                 try:
                     self.service.remember_open(main.session_id)
                 except KvchatError:
                     pass  # a convenience: closing goes on
             self.service.close()
+
+    def _drop_unused(self, made: set[str]) -> list[str]:
+        """At quit: the sessions this run made that never got a message go (an empty "New
+        chat" would pile up in the list); returns their ids."""
+        assert self.service is not None
+        dropped = []
+        for session_id in made:
+            try:
+                if self.service.drop_if_unused(session_id):
+                    dropped.append(session_id)
+            except KvchatError:
+                pass  # deleted meanwhile, or busy elsewhere: kept
+        return dropped
 
     def shutdown(self) -> None:
         """Close the service if quitting did not (an exit from elsewhere), then the threads.

@@ -47,6 +47,7 @@ class ScreenBase(_Base):
         _flusher: Timer | None
         # The figures of the turns of this run, by the id of the reply each produced.
         turn_figures: dict[int, TurnReport]
+        made_sessions: set[str]  # made by this run (see MainScreen)
         # User actions queued on the engine thread so far / not finished yet (housekeeping
         # runs only when none is in flight, and not once a later one was queued).
         _engine_actions: int

@@ -77,6 +77,8 @@ class MainScreen(
         self.last_switch_ms: float | None = None
         self.last_jump_ms: float | None = None
         self.turn_figures: dict[int, TurnReport] = {}
+        # Sessions this run made (Ctrl+N, a first message): those left empty go at quit.
+        self.made_sessions: set[str] = set()
         self._flusher: Timer | None = None
         # Engine-thread work: user actions queued / in flight, and housekeeping running.
         self._engine_actions = 0

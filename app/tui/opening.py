@@ -104,6 +104,7 @@ class SessionOpening(ScreenBase):
 
     async def _new_session_id(self) -> str:
         session = await self.on_store(self.service.new_session)
+        self.made_sessions.add(session.id)  # dropped at quit if it never gets a message
         await self.on_store(self.service.remember_open, session.id)
         return str(session.id)
 
