@@ -148,7 +148,8 @@ async def test_send_stream_quit_and_resume_from_disk(home: Path) -> None:
         assert main.last_report is not None
         assert main.last_report.tokens.reused >= restored - 1
         assert main.status.turn_text.startswith("hot context, reused")
-        assert "restored" in main.status.memory_text  # still says how the session came back
+        # What this turn did to the KV (saved it), not the opening's restore any more.
+        assert main.status.memory_text.startswith("KV: hot · ")
         assert len(main.conversation.views) == 6
         await quit_app(app2)
 

@@ -371,3 +371,38 @@ async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Pa
         main = await ready(again)
         assert main.session_id == used  # the session last open was dropped: the one used
         await quit_app(again)
+
+
+# --- item 10: the status bar's KV figures are the latest --------------------------------------
+
+
+@pytest.mark.e2e
+async def test_the_kv_status_follows_each_turn_after_a_restore(kvhome: Path) -> None:
+    from tests.test_tui_items import quit_app
+
+    app = make_app(max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Name a colour.")
+        await quit_app(app)
+
+    again = make_app(max_tokens=16)
+    async with again.run_test(size=SIZE) as pilot:
+        main = await ready(again)
+        assert main.status.memory_text.startswith("KV: restored ")  # how it came back
+        for text in ("Name a fruit.", "Name a tree."):
+            await send(pilot, main, text)
+            report = main.last_report
+            assert report is not None and report.snapshot.written > 0
+            # Each turn's own figure: what it wrote, not the restore at opening.
+            assert main.status.memory_text.startswith("KV: hot · wrote ")
+            held = await again.engine_thread.run(lambda: again.service.context_tokens)  # type: ignore[union-attr]
+            assert main.status.used == held
+        before = main.last_turn
+        await pilot.press("ctrl+r")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await wait_until(lambda: main.housekeeping_idle)
+        await pilot.pause()
+        held = await again.engine_thread.run(lambda: again.service.context_tokens)  # type: ignore[union-attr]
+        assert main.status.used == held  # the gauge after a regenerate too
+        await quit_app(again)

@@ -281,15 +281,14 @@ class TurnActions(ScreenBase):
         summary = report.summary() + (f" · {CONTINUE_HINT}" if cut else "")
         self.status.set_turn(summary, "warning" if report.partial or cut else "")
         self.status.set_context(used)
+        # The memory part says what happened to the KV last: this turn's restore, else
+        # what was saved (the snapshot write after the reply updates it), never an earlier
+        # turn's or the opening's figure.
         restore = report.restore
-        if restore.source in ("disk", "ram"):
-            self.last_restore = restore
+        self.last_restore = restore
+        if restore.source in ("disk", "ram", "server"):
             self.status.set_memory(f"KV: {restore_phrase(restore)}", restore.source)
-        elif restore.source == "none" or not (
-            self.last_restore is not None and self.last_restore.source in ("disk", "ram")
-        ):
-            # Keep showing how the session came back (after a restore); else what was saved.
-            self.last_restore = restore
+        else:
             self.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
         if report.snapshot.error:
             self.notify(report.snapshot.error, severity="warning", markup=False)
@@ -360,8 +359,7 @@ class TurnActions(ScreenBase):
             report is not None
             and report is self.last_report
             and report.session_id == self.session_id
-            and self.last_restore is report.restore
-            and report.restore.source not in ("disk", "ram")  # it shows how the KV came back
+            and self.last_restore is report.restore  # no restore (a switch) since
         ):
             self.status.set_memory(f"KV: hot · {snapshot_phrase(snapshot)}", "hot")
         if snapshot.error:
