@@ -32,10 +32,11 @@ from kvchat.bench_report import (
     format_report,
     machine,
     machine_line,
+    threads_line,
 )
 from kvchat.chat import ChatService, open_service
 from kvchat.config import Settings
-from kvchat.engine import GenerationParams, GenerationStats
+from kvchat.engine import Engine, GenerationParams, GenerationStats
 from kvchat.kvcache import SnapshotStore
 from kvchat.store import SnapshotRow
 from kvchat.window import system_head
@@ -123,6 +124,9 @@ def run_bench(
         engine = service.load_engine()
         report.machine = machine(engine)
         say(machine_line(report.machine))
+        report.threads = _bench_threads(engine)
+        if report.threads.get("speeds"):
+            say(threads_line(report.threads))
         for target in sizes:
             if target + 200 > engine.n_ctx:
                 say(f"skipping {target} tokens: does not fit n_ctx={engine.n_ctx}")
@@ -142,6 +146,17 @@ def run_bench(
         report.layouts += other
     report.machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def _bench_threads(engine: Engine) -> dict[str, Any]:
+    """Tokens/s with the thread count in use (the probe's choice, or the setting) against
+    the physical-core count, measured now, one after the other, in the same context."""
+    from kvchat.config import physical_cores
+
+    chosen, physical = engine.config.n_threads, physical_cores()
+    counts = sorted({chosen, physical}, reverse=True)
+    speeds = engine.measure_threads(counts, prompt=128, generate=32)
+    return {"chosen": chosen, "physical": physical, "speeds": speeds} if speeds else {}
 
 
 @dataclass

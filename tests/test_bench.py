@@ -46,6 +46,11 @@ def test_e2e_bench_json_reports_the_limit_and_both_layouts(kvhome: Path, cli) ->
     machine = report["machine"]
     assert machine["cpu_cores"] >= 1 and isinstance(machine["gpu"], bool)
     assert len(machine["load_avg"]) == 3 and len(machine["load_avg_end"]) == 3
+    # Tokens/s with the threads the probe chose against the physical cores, in this run.
+    threads = report["threads"]
+    assert threads["chosen"] == machine["threads"]
+    assert set(threads["speeds"]) == {str(threads["chosen"]), str(threads["physical"])}
+    assert all(row["generate"] > 0 and row["prefill"] > 0 for row in threads["speeds"].values())
 
 
 @pytest.mark.e2e

@@ -240,6 +240,13 @@ class Engine(Protocol):
 
     def state_save_file(self, path: Path) -> int: ...
 
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Prefill and generation tokens/s per thread count, measured without touching the
+        conversation's KV; {} where the engine cannot (a llama-server's threads are its own)."""
+        ...
+
     def state_load_file(self, path: Path) -> int: ...
 
     def close(self) -> None: ...

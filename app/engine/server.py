@@ -345,5 +345,11 @@ class ServerEngine:
     def state_load_file(self, path: Path) -> int:
         raise NotImplementedError("llama-server keeps its KV: use slot files")
 
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Nothing: the server's thread counts are set where it runs."""
+        return {}
+
     def close(self) -> None:
         """Nothing to release: the server keeps running (and keeps its slots)."""
