@@ -7,6 +7,7 @@ through :func:`visible`, and every way text enters the service passes :func:`che
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from kvchat.errors import KvchatError
 
@@ -38,6 +39,30 @@ def short_title(text: str, limit: int = 48) -> str:
     """A session's title from its first message: the text on one line, cut at ``limit``."""
     line = one_line(text)
     return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def display_width(text: str) -> int:
+    """How many terminal columns ``text`` takes: wide (CJK) characters two, combining marks
+    none (so that columns of a table line up whatever the script)."""
+    width = 0
+    for ch in text:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return width
+
+
+def fit_width(text: str, width: int) -> str:
+    """``text`` cut (with "…") and padded to exactly ``width`` terminal columns."""
+    if display_width(text) > width:
+        out, used = "", 0
+        for ch in text:
+            w = display_width(ch)
+            if used + w > width - 1:
+                break
+            out, used = out + ch, used + w
+        text = out + "…"
+    return text + " " * (width - display_width(text))
 
 
 def check_text(text: str, what: str = "the message") -> str:

@@ -47,3 +47,61 @@ def test_session_and_new_together(kvhome: Path, cli):
 
 def test_list_empty(kvhome: Path, cli):
     assert "No sessions yet" in cli(kvhome, "list").stdout
+
+
+# --- issue 22.17: `kvchat list` nits ---------------------------------------------------------
+
+
+def test_list_reads_only_it_makes_no_database(kvhome: Path, cli):
+    result = cli(kvhome, "list")
+    assert "No sessions yet" in result.stdout and result.stderr == ""
+    assert cli(kvhome, "list", "--json").json == []
+    assert not (kvhome / "kvchat.db").exists()
+
+
+def test_list_into_head_ends_quietly(kvhome: Path, tmp_path: Path):
+    import subprocess
+    import sys
+
+    from kvchat.chat import ChatService
+    from kvchat.config import Settings
+    from tests.conftest import REPO, clean_env
+
+    service = ChatService(Settings())
+    for n in range(1500):  # more than a pipe holds: the writer meets the closed pipe
+        service.new_session(f"Session number {n}")
+    service.close()
+    env = {**clean_env(), "KVCHAT_HOME": str(kvhome)}
+    proc = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m kvchat list | head -1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.stdout.startswith("ID ") and proc.stdout.count("\n") == 1
+    assert proc.stderr == "" and proc.returncode == 0
+
+
+def test_list_columns_line_up_with_wide_titles(kvhome: Path, cli):
+    from rich.cells import cell_len
+
+    from kvchat.chat import ChatService
+    from kvchat.config import Settings
+
+    service = ChatService(Settings())
+    for title in (
+        "日本への旅行の計画",
+        "Plan a trip to Japan",
+        "東京と京都と大阪と奈良と広島の旅行の計画を立てる",
+    ):
+        session = service.new_session(title)
+        service.add_message(session.id, "user", "hello")
+    service.close()
+    lines = cli(kvhome, "list").stdout.splitlines()
+    assert len(lines) == 4
+    assert len({cell_len(line) for line in lines}) == 1, lines  # every column lines up
+    msgs_at = {cell_len(line[: line.index(" 1 ")]) for line in lines[1:]}
+    assert len(msgs_at) == 1, lines
+    assert any("…" in line for line in lines)  # the long title is cut to its column

@@ -20,7 +20,7 @@ from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.export import FORMATS
 from kvchat.limits import RANGE_TEXT, sampling_problem
-from kvchat.text import check_text, one_line
+from kvchat.text import check_text, fit_width, one_line
 from kvchat.units import human_bytes
 
 # Commands that run the model (None: the app): a native crash in them leaves a crash log.
@@ -189,34 +189,54 @@ def _stream(piece: str) -> None:
         sys.stdout.write(shown(piece))
         sys.stdout.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout went away: what is left goes to /dev/null (no error at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _print(text: str) -> None:
+    """Print ``text`` to stdout; a reader that stops early (``kvchat list | head -1``) ends
+    the output quietly, not with an error."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
 
 
 @main.command(name="list")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def list_sessions(ctx: click.Context, as_json: bool) -> None:
-    """Sessions, most recently updated first."""
-    with service(settings_from(ctx)) as chat:
-        summaries = chat.list_sessions()
+    """Sessions, most recently updated first (reads only: no database is made)."""
+    from kvchat.config import data_dir
+
+    settings = settings_from(ctx)
+    summaries = []
+    if (data_dir() / "kvchat.db").exists():
+        with service(settings) as chat:
+            summaries = chat.list_sessions()
     if as_json:
-        click.echo(to_json([s.to_json() for s in summaries], indent=2))
+        _print(to_json([s.to_json() for s in summaries], indent=2))
         return
     if not summaries:
-        click.echo('No sessions yet. Start one with: kvchat ask --new "Hello"')
+        _print('No sessions yet. Start one with: kvchat ask --new "Hello"')
         return
-    header = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"
-    click.echo(header)
+    # Columns by display width: a wide (CJK) title takes two columns a character.
+    lines = [f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"]
     for s in summaries:
-        title = one_line(s.session.title)
-        title = title if len(title) <= 32 else title[:31] + "…"
+        title = fit_width(one_line(s.session.title), 32)
         snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
         updated = s.session.updated[:16].replace("T", " ")
-        click.echo(
-            f"{s.session.id:<9} {title:<32} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
+        lines.append(
+            f"{s.session.id:<9} {title} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
         )
+    _print("\n".join(lines))
 
 
 @main.command()
