@@ -56,6 +56,8 @@ def test_list_reads_only_it_makes_no_database(kvhome: Path, cli):
     result = cli(kvhome, "list")
     assert "No sessions yet" in result.stdout and result.stderr == ""
     assert cli(kvhome, "list", "--json").json == []
+    exported = cli(kvhome, "export", "anything", check=False)
+    assert_user_error(exported, "no session matches")
     assert not (kvhome / "kvchat.db").exists()
 
 

@@ -192,6 +192,13 @@ def _stream(piece: str) -> None:
         _drop_stdout()
 
 
+def _database_exists() -> bool:
+    """Whether there is a database to read (a read-only command makes none)."""
+    from kvchat.config import data_dir
+
+    return (data_dir() / "kvchat.db").exists()
+
+
 def _drop_stdout() -> None:
     """The reader of stdout went away: what is left goes to /dev/null (no error at exit)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -214,11 +221,9 @@ def _print(text: str) -> None:
 @click.pass_context
 def list_sessions(ctx: click.Context, as_json: bool) -> None:
     """Sessions, most recently updated first (reads only: no database is made)."""
-    from kvchat.config import data_dir
-
     settings = settings_from(ctx)
     summaries = []
-    if (data_dir() / "kvchat.db").exists():
+    if _database_exists():
         with service(settings) as chat:
             summaries = chat.list_sessions()
     if as_json:
@@ -255,12 +260,18 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
     """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences)."""
     if fmt == "bundle":
         return export_bundle(ctx, session_ref, output)  # text + KV, see kvchat.transfer
-    with service(settings_from(ctx)) as chat:
+    settings = settings_from(ctx)
+    if not _database_exists():  # reads only: no database is made to say there is nothing
+        raise KvchatError(f"no session matches {session_ref!r} (no sessions yet)")
+    with service(settings) as chat:
         session = chat.resolve(session_ref)
         text = chat.export(session.id, fmt)  # type: ignore[arg-type]
     if output is None or str(output) == "-":
-        sys.stdout.write(shown(text))
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(shown(text))
+            sys.stdout.flush()
+        except BrokenPipeError:  # `kvchat export S | head`: the reader has what it wanted
+            _drop_stdout()
         return
     try:
         output.write_text(text, encoding="utf-8")
