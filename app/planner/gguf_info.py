@@ -128,11 +128,31 @@ def _per_layer(value: Any, n_layer: int, key: str) -> tuple[int, ...]:
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
+# read_gguf's last readings, by (path, size, mtime, name): the planner, the engine's KV spec
+# and the engine probe each read the same file at start-up (~30-50 ms a reading).
+_READINGS: dict[tuple[str, int, int, str | None], ModelInfo] = {}
+_KEEP_READINGS = 8
+
+
 def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInfo:
-    """Read a GGUF file's metadata and tensor table (no weights are loaded)."""
+    """Read a GGUF file's metadata and tensor table (no weights are loaded); a file read
+    before and unchanged since (same size and modification time) is not read again."""
     path = Path(path)
-    if not path.is_file():
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    if stat is None or not path.is_file():
         raise KvchatError(f"model file not found: {path}")
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, name)
+    if key not in _READINGS:
+        if len(_READINGS) >= _KEEP_READINGS:
+            _READINGS.pop(next(iter(_READINGS)))
+        _READINGS[key] = _read_gguf(path, name)
+    return _READINGS[key]
+
+
+def _read_gguf(path: Path, name: str | None) -> ModelInfo:
     try:
         reader = _metadata_reader(path)
     except Exception as exc:  # the gguf package raises ValueError/struct errors on junk
