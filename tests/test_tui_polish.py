@@ -676,13 +676,16 @@ async def test_real_turns_numbers_details_and_figures_agree(kvhome: Path, no_tmu
         await _settled(pilot)
         report = main.last_report
         assert report is not None and report.snapshot.written > 0
-        # The last reply, when cut at max_tokens, says so and how to go on (issue 11.4).
-        cut = " · stopped at the token limit (F12 continues)"
+        # The last reply, when cut at max_tokens, says so and how to go on (issue 11.4); an
+        # earlier one cut says so too, from its stored finish reason (issue 22.4).
+        first = app.service.messages(main.session_id)[1]  # type: ignore[union-attr,arg-type]
+        cut = " · stopped at the token limit"
         assert [header(v) for v in main.conversation.views] == [
             "You · #1",
-            "Assistant · #2",
+            "Assistant · #2" + (cut if first.finish_reason == "length" else ""),
             "You · #3",
-            "Assistant · #4" + (cut if report.finish_reason == "length" else ""),
+            "Assistant · #4"
+            + (f"{cut} (F12 continues)" if report.finish_reason == "length" else ""),
         ]
         # The memory line says what the turn wrote (a few chunks), not the snapshot's size.
         assert main.status.memory_text.startswith("KV: hot · wrote ")

@@ -406,3 +406,61 @@ async def test_the_kv_status_follows_each_turn_after_a_restore(kvhome: Path) -> 
         held = await again.engine_thread.run(lambda: again.service.context_tokens)  # type: ignore[union-attr]
         assert main.status.used == held  # the gauge after a regenerate too
         await quit_app(again)
+
+
+# --- item 14: the code-block picker --------------------------------------------------------------
+
+THREE_BLOCKS = """Three ways:
+
+```python
+def rev(s):
+    return s[::-1]
+```
+
+```python
+def rev(s):
+    return "".join(reversed(s))
+```
+
+```python
+def rev(s):
+    out = ""
+    for ch in s:
+        out = ch + out
+    return out
+```
+"""
+
+
+@pytest.mark.e2e
+async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked(
+    kvhome: Path,
+) -> None:
+    from textual.widgets import OptionList
+
+    from kvchat.chat import ChatService
+    from kvchat.tui.format import code_blocks
+    from kvchat.tui.screens.dialogs import CodePickerDialog
+    from tests.test_tui_items import make_settings
+
+    service = ChatService(make_settings())
+    session = service.new_session("Reverse a string")
+    service.add_message(session.id, "user", "How do I reverse a string?")
+    service.add_message(session.id, "assistant", THREE_BLOCKS)
+    service.close()
+    blocks = code_blocks(THREE_BLOCKS)
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await wait_until(lambda: len(main.conversation.views) == 2)
+        await pilot.press("f5")
+        await wait_until(lambda: isinstance(app.screen, CodePickerDialog))
+        picker = app.screen.query_one("#blocks", OptionList)
+        shown = [str(picker.get_option_at_index(i).prompt) for i in range(picker.option_count)]
+        assert [line.split(".")[0] for line in shown] == ["1", "2", "3"]
+        assert len(set(shown)) == 3  # each preview tells its block from the others
+        assert "return s[::-1]" in shown[0] and "reversed" in shown[1] and 'out = ""' in shown[2]
+        picker.highlighted = 2  # "3."
+        await pilot.press("enter")
+        await wait_until(lambda: app.clipboard == blocks[2])

@@ -119,6 +119,25 @@ def code_blocks(markdown: str) -> list[str]:
     return [m.group("body").rstrip("\n") for m in _FENCE.finditer(markdown)]
 
 
+def block_previews(blocks: list[str], limit: int = 60) -> list[str]:
+    """One line per code block that tells it from the others: its first line, and when
+    another block starts the same way, the first of its lines no such block has."""
+    lines = [[line.strip() for line in b.splitlines() if line.strip()] for b in blocks]
+    previews = []
+    for i, own in enumerate(lines):
+        first = own[0] if own else ""
+        alike = [other for j, other in enumerate(lines) if j != i and other[:1] == own[:1]]
+        shown = first
+        if alike:
+            seen = {line for other in alike for line in other}
+            distinct = next((line for line in own[1:] if line not in seen), None)
+            if distinct is not None:
+                shown = f"{first} … {distinct}"
+        count = len(blocks[i].splitlines())
+        previews.append(f"{shorten(shown, limit)} ({count:,} line{'s' if count != 1 else ''})")
+    return previews
+
+
 def shorten(text: str, limit: int) -> str:
     """One visible line of at most ``limit`` characters, e.g. a title in a notice."""
     text = " ".join(visible(text).split())

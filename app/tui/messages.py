@@ -43,7 +43,8 @@ class MessageActions(ScreenBase):
     async def action_copy_code(self, view: MessageView | None = None) -> None:
         focused = view or self._focused_message()
         sources = [focused] if focused is not None else self.conversation.views
-        blocks = [b for v in sources for b in code_blocks(v.text)]
+        found = [(b, v) for v in sources for b in code_blocks(v.text)]  # as on screen
+        blocks = [b for b, _ in found]
         if not blocks:
             self.notify("No code block to copy", severity="warning")
             return
@@ -52,7 +53,10 @@ class MessageActions(ScreenBase):
             return
         from kvchat.tui.screens.dialogs import CodePickerDialog
 
-        picked = await self.app.push_screen_wait(CodePickerDialog(blocks[::-1]))
+        where = [
+            f"#{v.number}" if v.number is not None and len(sources) > 1 else "" for _, v in found
+        ]
+        picked = await self.app.push_screen_wait(CodePickerDialog(blocks, where))
         if picked is not None:
             self._copy(picked, "code block")
 

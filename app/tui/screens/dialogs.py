@@ -26,7 +26,7 @@ from textual.widgets import (
 from textual.widgets.option_list import Option
 
 from kvchat.limits import RANGE_TEXT, sampling_problem
-from kvchat.tui.format import shorten
+from kvchat.tui.format import block_previews, shorten
 from kvchat.tui.widgets.prompt import PromptInput
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}
@@ -374,28 +374,31 @@ class SettingsDialog(Dialog):
 
 
 class CodePickerDialog(Dialog):
-    """Pick one of several code blocks to copy."""
+    """Pick one of several code blocks to copy: numbered as they appear on screen (the last,
+    newest, highlighted), each previewed by a line that tells it from the others."""
 
-    def __init__(self, blocks: list[str]) -> None:
+    def __init__(self, blocks: list[str], where: list[str] | None = None) -> None:
+        """``where``: for each block, the message it is in (e.g. "#4"), shown with it."""
         super().__init__(classes="dialog-screen")
         self.blocks = blocks
+        self.where = where or [""] * len(blocks)
 
     def compose(self) -> ComposeResult:
+        previews = block_previews(self.blocks)
         with Vertical(classes="dialog -wide"):
             yield Label("Copy which code block?", classes="dialog-title")
-            yield OptionList(
+            picker = OptionList(
                 *(
                     Option(
-                        Content(
-                            f"{i + 1}. {shorten(b.splitlines()[0] if b else '', 60)} "
-                            f"({len(b.splitlines()):,} lines)"
-                        ),
+                        Content(f"{i + 1}. {f'{where} · ' if where else ''}{preview}"),
                         id=str(i),
                     )
-                    for i, b in enumerate(self.blocks)
+                    for i, (preview, where) in enumerate(zip(previews, self.where))
                 ),
                 id="blocks",
             )
+            picker.highlighted = len(self.blocks) - 1
+            yield picker
 
     @on(OptionList.OptionSelected)
     def _picked(self, event: OptionList.OptionSelected) -> None:
