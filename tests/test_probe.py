@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import Settings, bundled_model_path, load_settings
 from kvchat.engine.base import EngineConfig, GenerationParams, GenerationStats
 from kvchat.engine.probe import (
     ProbeBook,
@@ -165,21 +165,7 @@ def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(k
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        partial: list[tuple] = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (kvhome / "kvchat.db").exists():
-                try:
-                    partial = _db_rows(
-                        kvhome,
-                        "SELECT length(content) FROM messages WHERE role = 'assistant' AND partial = 1",
-                    )
-                except sqlite3.OperationalError:
-                    partial = []
-            if partial and partial[0][0] > 0:
-                break
-            time.sleep(0.1)
-        assert partial, "no partial reply was stored while the reply streamed"
+        _wait_for_partial_reply(kvhome, proc)
         os.kill(proc.pid, signal.SIGSEGV)
         proc.wait(30)
     finally:
@@ -324,3 +310,85 @@ def test_a_reply_far_slower_than_measured_makes_the_engine_measure_again():
         assert engine.config.n_threads == fastest_now
     finally:
         engine.close()
+
+
+# The app in a process of its own, as `kvchat` runs it (with its crash log), sending one
+# message whose reply is long; the test kills it mid-reply.
+_APP_SCRIPT = """
+import asyncio, sys
+from kvchat.config import Settings, data_dir
+from kvchat.crashes import start_crash_log
+from kvchat.tui.app import KvchatApp
+
+async def main():
+    start_crash_log(data_dir())
+    settings = Settings(temperature=0, max_tokens=1500, n_ctx=2048, n_threads=1)
+    app = KvchatApp(settings, cursor_blink=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        while not app.main.ready:
+            await asyncio.sleep(0.05)
+        app.main.prompt.focus()
+        app.main.prompt.insert(sys.argv[1])
+        await pilot.press("enter")
+        while True:
+            await asyncio.sleep(0.1)
+
+asyncio.run(main())
+"""
+
+
+def _wait_for_partial_reply(home: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (home / "kvchat.db").exists():
+            try:
+                rows = _db_rows(
+                    home,
+                    "SELECT length(content) FROM messages WHERE role = 'assistant' AND partial = 1",
+                )
+            except sqlite3.OperationalError:
+                rows = []
+            if rows and rows[0][0] > 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("no partial reply was stored while the reply streamed")
+
+
+@pytest.mark.e2e
+async def test_the_app_killed_by_sigsegv_mid_reply_loses_nothing_and_says_so_next_time(
+    kvhome: Path,
+) -> None:
+    from kvchat.tui.app import KvchatApp
+
+    message = "Write a long essay about the history of Rome."
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _APP_SCRIPT, message],
+        cwd=REPO,
+        env={**clean_env(), "KVCHAT_HOME": str(kvhome)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_partial_reply(kvhome, proc)
+        os.kill(proc.pid, signal.SIGSEGV)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGSEGV
+    messages = _db_rows(kvhome, "SELECT role, content FROM messages ORDER BY id")
+    assert messages[0] == ("user", message)
+    assert messages[1][0] == "assistant" and messages[1][1].strip()
+
+    app = KvchatApp(Settings(temperature=0, max_tokens=8, n_ctx=2048, n_threads=1))
+    async with app.run_test(size=(100, 30)) as pilot:
+        deadline = time.monotonic() + 60
+        while not app.main.ready and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+        said = [n.message for n in app._notifications if "ended in a crash" in n.message]
+        assert len(said) == 1 and "conversations are intact" in said[0]
+        # The conversation is there, reopened with its partial reply.
+        assert [v.role for v in app.main.conversation.views][:2] == ["user", "assistant"]
+    doctor = run_cli(kvhome, "doctor").stdout
+    assert "crash " in doctor and "log: " in doctor
