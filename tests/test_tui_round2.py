@@ -267,6 +267,13 @@ async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_
 # --- item 5: F1 help wraps, whatever the width --------------------------------------------------
 
 
+def _body_text(view: MessageView) -> str:
+    """The text of a message's rendered Markdown blocks."""
+    from textual.widgets._markdown import MarkdownBlock
+
+    return "\n".join(str(b._content.plain) for b in view.body.query(MarkdownBlock))
+
+
 def _shown_text(widget: object) -> str:
     """The words a widget shows on screen (its rendered lines, joined)."""
     from textual.geometry import Region
@@ -464,3 +471,40 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
         picker.highlighted = 2  # "3."
         await pilot.press("enter")
         await wait_until(lambda: app.clipboard == blocks[2])
+
+
+# --- item 16: a long paste folds ------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+async def test_a_long_paste_shows_folded_and_enter_unfolds_it(kvhome: Path) -> None:
+    from textual.widgets import Label
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        paste = "\n".join(f"row {n}:" for n in range(1, 101))
+        main.prompt.focus()
+        main.prompt.insert(paste)
+        await pilot.press("enter")
+        await wait_until(lambda: main.turn is None and main.last_turn is not None)
+        await pilot.pause()
+        mine = main.conversation.views[0]
+        assert mine.text == paste  # stored and copied whole
+        note = mine.query_one(".fold-note", Label)
+        assert "80 more lines" in str(note.render())
+        assert mine.size.height < 30  # not the whole screen and more
+        shown = _body_text(mine)
+        assert "row 20:" in shown and "row 21:" not in shown
+        mine.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        shown = _body_text(mine)
+        assert "row 21:" in shown and "row 100:" in shown
+        assert mine.size.height > 100
+        await pilot.press("enter")  # folds again
+        await pilot.pause()
+        assert "row 21:" not in _body_text(mine)
+        # A short message of yours has no fold.
+        await send(pilot, main, "Short one.")
+        assert not main.conversation.views[2].query(".fold-note")

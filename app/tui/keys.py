@@ -116,6 +116,13 @@ KEYS: tuple[Key, ...] = (
         "Branch from that message / edit it (yours) in a new branch",
         palette=False,
     ),
+    Key(
+        "",
+        "Enter (on a long message)",
+        None,
+        "Show all of a long message of yours (folded after 20 lines), or fold it again",
+        palette=False,
+    ),
     Key("f1", "F1", "help", "Show every key", footer="Help"),
     Key("ctrl+p", "Ctrl+P", None, "Command palette: every action by name", palette=False),
     Key(

@@ -82,6 +82,11 @@ FILL_BATCH = 4
 BEFORE_HIT = 2
 HIT_WINDOW = 12
 
+# A message of yours longer than this many lines (a long paste) shows folded to its first
+# FOLD_LINES; Enter on it (or a click on the note) shows it all.
+FOLD_LINES = 20
+FOLD_AFTER = 24
+
 WELCOME = """\
 # Welcome to kvchat
 
@@ -111,6 +116,7 @@ class MessageView(Vertical, can_focus=True):
         Binding("down", "move(1)", "Next message", show=False),
         Binding("left", "version(-1)", "Previous version of the reply", show=False),
         Binding("right", "version(1)", "Next version of the reply", show=False),
+        Binding("enter", "toggle_fold", "Show all / fold a long message", show=False),
     ]
     OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
 
@@ -177,6 +183,8 @@ class MessageView(Vertical, can_focus=True):
         self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
         # Your message as Enter sent it, before it is stored (it left the input at once).
         self.pending = pending
+        # A long message of yours shows its first FOLD_LINES lines until unfolded.
+        self.folded = self.foldable
 
     @classmethod
     def from_message(cls, message: Message, number: int | None = None) -> MessageView:
@@ -193,10 +201,41 @@ class MessageView(Vertical, can_focus=True):
         yield Label(self._header(), classes="message-role", markup=False)
         parser = user_parser if self.role == "user" else message_parser
         yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
+        if self.foldable:
+            yield Label(self._fold_note(), classes="fold-note", markup=False)
+
+    @property
+    def foldable(self) -> bool:
+        """A message of yours long enough to fold (a long paste)."""
+        return self.role == "user" and self.text.count("\n") >= FOLD_AFTER
 
     def _shown(self, text: str) -> str:
-        """The Markdown source shown for ``text``: as written, without control codes."""
-        return visible(text)
+        """The Markdown source shown for ``text``: as written, without control codes (the
+        first FOLD_LINES lines while folded)."""
+        text = visible(text)
+        if self.folded:
+            text = "\n".join(text.split("\n")[:FOLD_LINES])
+        return text
+
+    def _fold_note(self) -> str:
+        if self.folded:
+            more = self.text.count("\n") + 1 - FOLD_LINES
+            return f"⋯ {more:,} more lines · Enter shows them all"
+        return "Enter folds this message again"
+
+    async def action_toggle_fold(self) -> None:
+        """Enter on a long message of yours: show all of it, or fold it again."""
+        if not self.foldable:
+            return
+        self.folded = not self.folded
+        await self.body.update(self._shown(self.text))
+        for note in self.query(".fold-note").results(Label):
+            note.update(self._fold_note())
+
+    async def on_click(self, event: events.Click) -> None:
+        widget = event.widget
+        if widget is not None and widget.has_class("fold-note"):
+            await self.action_toggle_fold()
 
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)
