@@ -236,7 +236,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
 
     def cache_gc(self) -> CacheGc:
         """Remove orphaned files and unused chunks, evict snapshots beyond the disk budget."""
-        return self._kv().gc()
+        return self._kv().gc(self.locks)  # a session with a turn running is not evicted
 
     def cache_clear(self, session_id: str | None = None) -> int:
         """Delete the saved KV of one session, or of all; returns snapshots deleted. Text is kept."""

@@ -8,6 +8,7 @@ KV tiers where a session's memory lives.
 from __future__ import annotations
 
 import re
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvchat.errors import KvchatError
@@ -101,6 +102,12 @@ class SessionBook(ServiceParts):
         except SessionBusy as exc:
             return str(exc)
 
+    def holding(self, session_id: str) -> AbstractContextManager[None]:
+        """Hold the session's turn lock as a turn does (waiting a little for a turn running
+        elsewhere, then ``SessionBusy``): what reads a whole session to copy it (fork, edit,
+        a bundle) never copies a reply that is still streaming."""
+        return self._turn_lock(session_id)
+
     def add_message(
         self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
     ) -> Message:
@@ -173,16 +180,20 @@ class SessionBook(ServiceParts):
         """A new session with this one's messages up to ``at_message`` (an id; default all).
 
         Its KV is shared, not copied: a whole-session fork points at the same chunks; an
-        earlier fork point finds the shared prefix in the chunks on its first turn.
+        earlier fork point finds the shared prefix in the chunks on its first turn. Made
+        under the session's turn lock: never from a reply still streaming.
         """
-        if at_message is not None and at_message not in {m.id for m in self.messages(session_id)}:
-            raise KvchatError(f"session {session_id} has no message {at_message}")
-        child = self._branch(session_id, at_message)
-        row = self.store.get_snapshot(session_id)
-        if at_message is None and row is not None and row.format == "chunks":
-            row.session_id = child.id
-            row.created = ""
-            self.store.put_snapshot(row)
+        with self._turn_lock(session_id):
+            if at_message is not None and at_message not in {
+                m.id for m in self.messages(session_id)
+            }:
+                raise KvchatError(f"session {session_id} has no message {at_message}")
+            child = self._branch(session_id, at_message)
+            row = self.store.get_snapshot(session_id)
+            if at_message is None and row is not None and row.format == "chunks":
+                row.session_id = child.id
+                row.created = ""
+                self.store.put_snapshot(row)
         return child
 
     def edit(self, session_id: str, message_id: int, text: str) -> Session:
@@ -194,13 +205,14 @@ class SessionBook(ServiceParts):
         text = check_text(text).strip()
         if not text:
             raise KvchatError("the message is empty")
-        history = self.store.messages(session_id)
-        target = next((m for m in history if m.id == message_id), None)
-        if target is None or target.role != "user":
-            raise KvchatError(f"session {session_id} has no user message {message_id}")
-        index = history.index(target)
         edited = ("user", text, self.engine.count_tokens(text))
-        return self._branch(session_id, history[index - 1].id if index else 0, edited)
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            target = next((m for m in history if m.id == message_id), None)
+            if target is None or target.role != "user":
+                raise KvchatError(f"session {session_id} has no user message {message_id}")
+            index = history.index(target)
+            return self._branch(session_id, history[index - 1].id if index else 0, edited)
 
     def _branch(
         self, session_id: str, upto: int | None, then: tuple[str, str, int] | None = None

@@ -17,6 +17,8 @@ import json
 import os
 import stat
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from kvchat.kvcache import format as fmt
@@ -26,6 +28,7 @@ from kvchat.kvcache.errors import SnapshotRejected
 from kvchat.kvcache.files import dir_problem, entries, regular_file, remove_file, temp_writer_alive
 from kvchat.kvcache.fingerprint import fingerprint_problem
 from kvchat.store import ChunkRow, SnapshotRow, Store
+from kvchat.store.locks import SessionBusy
 
 # Unreferenced files younger than this may belong to another kvchat process that renamed
 # its file and is about to commit the row; older ones are orphans.
@@ -275,9 +278,16 @@ class Housekeeper:
         index = self.store.get_chunks(list(keys))
         return sum(_count(index[key].n_bytes) for key in keys if key in index)
 
-    def enforce_budget(self, budget_bytes: int | None, keep: str | None = None) -> list[str]:
+    def enforce_budget(
+        self,
+        budget_bytes: int | None,
+        keep: str | None = None,
+        hold: Callable[[str], AbstractContextManager[None]] | None = None,
+    ) -> list[str]:
         """Evict least recently used snapshots (never ``keep``) until ``budget_bytes`` holds,
-        those shelved for other settings first.
+        those shelved for other settings first. With ``hold`` (a session's turn lock, tried
+        once), a session is evicted only while holding it: one with a turn running is
+        skipped.
 
         Each evicted session's next restore says it was evicted, and for what budget.
         """
@@ -297,8 +307,12 @@ class Housekeeper:
                 break
             if row.session_id == keep:
                 continue
-            self.delete(row.session_id)
-            self.mark_gone(row.session_id, {"why": "budget", "budget_bytes": budget_bytes})
+            try:
+                with hold(row.session_id) if hold is not None else nullcontext():
+                    self.delete(row.session_id)
+                    self.mark_gone(row.session_id, {"why": "budget", "budget_bytes": budget_bytes})
+            except SessionBusy:
+                continue  # a turn is running on it: its snapshot is in use
             evicted.append(row.session_id)
             used = self.disk_bytes()
         return evicted

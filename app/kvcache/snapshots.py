@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from kvchat.engine import Engine
@@ -258,15 +260,20 @@ class SnapshotStore:
         """Bytes of snapshot data on disk (each shared chunk counted once)."""
         return self._housekeeper.disk_bytes()
 
-    def enforce_budget(self, keep: str | None = None) -> list[str]:
+    def enforce_budget(
+        self,
+        keep: str | None = None,
+        hold: Callable[[str], AbstractContextManager[None]] | None = None,
+    ) -> list[str]:
         """Evict least recently used snapshots until the disk budget holds; never text.
 
         Without ``keep`` (a full pass, as ``kvchat cache gc`` runs it) damaged rows are
-        dropped first (:meth:`drop_damaged`); they are not in the returned list.
+        dropped first (:meth:`drop_damaged`); they are not in the returned list. With
+        ``hold`` (a session's turn lock), sessions with a turn running are not evicted.
         """
         if keep is None:
             self.drop_damaged()
-        return self._housekeeper.enforce_budget(self.budget_bytes, keep)
+        return self._housekeeper.enforce_budget(self.budget_bytes, keep, hold)
 
     def drop_damaged(self) -> dict[str, str]:
         """Remove every snapshot row that can never be loaded; returns {session id: why}.

@@ -22,6 +22,7 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore, windows
 from kvchat.kvcache.warm import WarmTier
 from kvchat.store import SnapshotRow, Store
+from kvchat.store.locks import SessionLocks
 from kvchat.store.store import DamagedDatabase, StoreFull
 
 if TYPE_CHECKING:
@@ -378,11 +379,14 @@ class KVTiers(HotSession):
 
     # --- housekeeping ----------------------------------------------------------------------
 
-    def gc(self) -> CacheGc:
-        """Remove orphaned files and unused chunks, then evict snapshots over the disk budget."""
+    def gc(self, locks: SessionLocks | None = None) -> CacheGc:
+        """Remove orphaned files and unused chunks, then evict snapshots over the disk budget
+        (with ``locks``, only of sessions whose turn lock is free: as a turn would)."""
         orphans = self.cold.cleanup_orphans()
         freed = self.cold.drop_unreferenced_chunks()
-        return CacheGc(orphans=orphans, freed_bytes=freed, evicted=self.cold.enforce_budget())
+        hold = None if locks is None else (lambda session_id: locks.hold(session_id, wait_s=0))
+        evicted = self.cold.enforce_budget(hold=hold)
+        return CacheGc(orphans=orphans, freed_bytes=freed, evicted=evicted)
 
     def clear(self, session_id: str | None = None) -> int:
         """Delete the saved KV (disk and RAM) of one session or all; returns snapshots deleted."""

@@ -96,8 +96,13 @@ def write_bundle(service: ChatService, session_id: str, output: Path) -> BundleW
 
     The KV is the session's own snapshot on disk (the hot session's is saved first); a
     session without one, or whose snapshot fails its checks, gets a text-only bundle and
-    the reason.
+    the reason. Written under the session's turn lock, like a turn.
     """
+    with service.holding(session_id):  # never a reply still streaming, nor its KV half-saved
+        return _write_bundle(service, session_id, output)
+
+
+def _write_bundle(service: ChatService, session_id: str, output: Path) -> BundleWritten:
     tiers = service.tiers
     if tiers.hot_session_id == session_id and tiers.dirty:
         tiers.save_hot()

@@ -1,0 +1,99 @@
+"""Fork, export-bundle and gc take the session's turn lock like a turn (issue 20 item 6):
+none of them copies or evicts what a streaming reply is still writing."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, REPO, run_cli
+
+pytestmark = pytest.mark.e2e
+
+LONG = ["--temperature", "0", "--max-tokens", "1500", "--n-ctx", "2048"]
+
+
+def _partial_rows(home: Path, session: str) -> int:
+    db = sqlite3.connect(f"file:{home / 'kvchat.db'}?mode=ro", uri=True)
+    try:
+        return db.execute(
+            "SELECT count(*) FROM messages WHERE session_id=? AND partial=1", (session,)
+        ).fetchone()[0]
+    finally:
+        db.close()
+
+
+def _start(home: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    full.update(KVCHAT_HOME=str(home), **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvchat", *args],
+        cwd=REPO,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _streaming(home: Path, session: str) -> subprocess.Popen[str]:
+    """A turn streaming a long reply on ``session``, once its partial reply is stored."""
+    story = "Write a very long story about a dragon who learns to bake bread."
+    turn = _start(home, "ask", "--session", session, "--json", *LONG, story)
+    deadline = time.monotonic() + 120
+    while _partial_rows(home, session) == 0:
+        if turn.poll() is not None or time.monotonic() > deadline:
+            turn.kill()
+            pytest.skip("the reply ended before it could be caught streaming")
+        time.sleep(0.1)
+    return turn
+
+
+def test_fork_export_and_gc_wait_for_a_streaming_reply(tmp_path):
+    home = tmp_path / "home"
+    first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
+    session = first["session"]
+    idle = run_cli(home, "ask", "--new", "Hello there", "--json", *FAST).json["session"]
+    bundle = tmp_path / "b.kvchat"
+    turn = _streaming(home, session)
+    try:
+        # All at once, while the reply streams (each waits a few seconds for the lock).
+        commands = [
+            _start(home, "fork", session, "--json"),
+            _start(home, "export", session, "--format", "bundle", "-o", str(bundle)),
+            _start(home, "cache", "gc", env={"KVCHAT_DISK_CACHE_GIB": "0.000001"}),
+        ]
+        results = [(c.wait(120), *c.communicate()) for c in commands]
+        still_streaming = turn.poll() is None
+    finally:
+        out, err = turn.communicate(timeout=300)
+    assert turn.returncode == 0, err
+    if not still_streaming:
+        pytest.skip("the reply ended while the commands ran")
+    (fork_rc, _, fork_err), (export_rc, _, export_err), (gc_rc, gc_out, gc_err) = results
+    for rc, stderr in ((fork_rc, fork_err), (export_rc, export_err)):
+        assert rc == 2 and "busy" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not bundle.exists()
+    assert gc_rc == 0 and "evicted 1 snapshots" in gc_out, gc_err  # the idle session's
+
+    db = sqlite3.connect(home / "kvchat.db")
+    titles = [t for (t,) in db.execute("SELECT title FROM sessions")]
+    assert not any("(fork)" in t for t in titles)
+    kept = {s for (s,) in db.execute("SELECT session_id FROM kv_snapshots")}
+    assert session in kept and idle not in kept
+
+    # Once the turn has ended, the fork holds the whole reply, not a cut one.
+    child = run_cli(home, "fork", session, "--json").json
+    rows = db.execute(
+        "SELECT content, partial FROM messages WHERE session_id=? ORDER BY id", (child["session"],)
+    ).fetchall()
+    parent = db.execute(
+        "SELECT content, partial FROM messages WHERE session_id=? ORDER BY id", (session,)
+    ).fetchall()
+    assert rows == parent and rows[-1][1] == 0
