@@ -267,6 +267,18 @@ async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_
 # --- item 5: F1 help wraps, whatever the width --------------------------------------------------
 
 
+def _screen_lines(app: object) -> list[str]:
+    """The screen as text lines (from the app's screenshot)."""
+    import html
+    import re
+
+    svg = app.export_screenshot()  # type: ignore[attr-defined]
+    rows: dict[float, list[tuple[float, str]]] = {}
+    for m in re.finditer(r'<text[^>]*x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>', svg):
+        rows.setdefault(float(m.group(2)), []).append((float(m.group(1)), m.group(3)))
+    return ["".join(html.unescape(t) for _, t in sorted(rows[y])) for y in sorted(rows)]
+
+
 def _body_text(view: MessageView) -> str:
     """The text of a message's rendered Markdown blocks."""
     from textual.widgets._markdown import MarkdownBlock
@@ -508,3 +520,56 @@ async def test_a_long_paste_shows_folded_and_enter_unfolds_it(kvhome: Path) -> N
         # A short message of yours has no fold.
         await send(pilot, main, "Short one.")
         assert not main.conversation.views[2].query(".fold-note")
+
+
+# --- item 15: small windows --------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+async def test_a_narrow_window_hides_the_sidebar_and_ctrl_l_brings_it_back(kvhome: Path) -> None:
+    from textual.widgets import Button
+
+    app = make_app()
+    async with app.run_test(size=(60, 20)) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Hello.")
+        assert not main.sessions.display
+        assert main.conversation.size.width >= 55  # the chat has the window
+        footer = [line for line in _screen_lines(app) if "Stop" in line][-1]
+        assert "palette" not in footer  # no key overlapping another
+        await pilot.press("ctrl+l")
+        assert main.sessions.display and app.focused is main.sessions
+        await pilot.press("ctrl+l")  # in the list: hide it again
+        assert not main.sessions.display and app.focused is main.prompt
+        await pilot.press("ctrl+l")
+        await pilot.press("enter")  # open the highlighted session: the chat gets the room
+        await wait_until(lambda: not main.sessions.display)
+
+        # The settings dialog scrolls: its Save button can be reached and seen.
+        await pilot.press("ctrl+g")
+        await wait_until(lambda: app.screen.__class__.__name__ == "SettingsDialog")
+        save = app.screen.query_one("#save", Button)
+        save.focus()
+        await pilot.pause()
+        assert 0 <= save.region.y and save.region.bottom <= 20
+        await pilot.press("escape")
+        await wait_until(lambda: app.screen is main)
+
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert main.sessions.display  # wide enough: shown again
+
+
+@pytest.mark.e2e
+async def test_at_80_columns_and_wider_the_sidebar_stays(kvhome: Path) -> None:
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        main = await ready(app)
+        assert main.sessions.display
+        main.prompt.focus()
+        await pilot.press("ctrl+l")
+        assert app.focused is main.sessions
+        await pilot.press("ctrl+l")  # hidden on request, at any width
+        assert not main.sessions.display
+        await pilot.press("ctrl+l")
+        assert main.sessions.display and app.focused is main.sessions

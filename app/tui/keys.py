@@ -73,7 +73,13 @@ KEYS: tuple[Key, ...] = (
         "pick_model",
         "Pick a model (catalog and local files, with what fits this machine)",
     ),
-    Key("ctrl+l", "Ctrl+L", "focus_sessions", "Go to the sessions list (Enter opens a session)"),
+    Key(
+        "ctrl+l",
+        "Ctrl+L",
+        "focus_sessions",
+        "Go to the sessions list (Enter opens a session); in the list, hide it (it hides "
+        "itself below 80 columns)",
+    ),
     Key(
         "",
         "Space (on a session)",

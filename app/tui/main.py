@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from kvchat.chat import RestoreResult, TurnReport
 
 __all__ = ["ActiveTurn", "MainScreen"]
+
+# Below this many columns the sessions sidebar hides itself (Ctrl+L shows it).
+NARROW_COLUMNS = 80
 
 
 class MainScreen(
@@ -84,6 +87,8 @@ class MainScreen(
         self._engine_actions = 0
         self._engine_jobs = 0
         self._housekeeping = False
+        # The sidebar as the user set it with Ctrl+L; None: by the width (see NARROW_COLUMNS).
+        self.sidebar_wanted: bool | None = None
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -116,6 +121,24 @@ class MainScreen(
     def _session_selected(self, event: SessionList.Selected) -> None:
         if isinstance(event.item, SessionItem):
             self.open_session(event.item.session_id, focus_prompt=True)
+            if self.size.width < NARROW_COLUMNS:
+                self.sidebar_wanted = None  # picked: a narrow window gives the chat room back
+                self._show_sidebar()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._show_sidebar()
+        # A narrow footer: the palette's key, docked right, would overlap the others.
+        self.query_one(Footer).show_command_palette = event.size.width >= NARROW_COLUMNS
+
+    def _show_sidebar(self) -> None:
+        """Show or hide the sessions sidebar: as set by Ctrl+L, else by the width."""
+        wanted = self.sidebar_wanted
+        shown = wanted if wanted is not None else self.size.width >= NARROW_COLUMNS
+        sessions = self.sessions
+        if sessions.display != shown:
+            sessions.display = shown
+            if not shown and self.focused is sessions:
+                self.prompt.focus()
 
     @on(PromptInput.Submitted)
     def _submitted(self, event: PromptInput.Submitted) -> None:
@@ -190,7 +213,17 @@ class MainScreen(
         return [w for w in chain if not isinstance(w, MessageView) or w is stop]
 
     def action_focus_sessions(self) -> None:
-        self.sessions.focus()
+        """Ctrl+L: to the sessions list (shown if it was hidden); in the list: hide it."""
+        sessions = self.sessions
+        if self.focused is sessions:
+            self.sidebar_wanted = False
+            self._show_sidebar()
+            self.prompt.focus()
+            return
+        if not sessions.display:
+            self.sidebar_wanted = True
+            self._show_sidebar()
+        sessions.focus()
 
     def action_help(self) -> None:
         from kvchat.tui.screens.help import HelpScreen
