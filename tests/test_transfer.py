@@ -412,7 +412,7 @@ def test_sizes_and_counts_are_bounded_before_reading(service, tmp_path, monkeypa
     monkeypatch.setattr("kvchat.transfer.importer.MAX_JSON_BYTES", 1000)
     with pytest.raises(BadFile, match="over the 1,000-byte JSON limit"):
         import_file(service, path)
-    with pytest.raises(BadFile, match="not a regular file"):
+    with pytest.raises(BadFile, match="is a directory"):
         import_file(service, tmp_path)
     assert service.list_sessions() == []
 

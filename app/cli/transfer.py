@@ -46,7 +46,7 @@ def _made_elsewhere(item: Any) -> str:
 
 
 @click.command(name="import")
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--no-kv", is_flag=True, help="Take only the text of a bundle, not its KV.")
 @model_options
@@ -84,6 +84,11 @@ def import_cmd(
                 continue
             for item in result.sessions:
                 click.echo(_line(item, result.format == BUNDLE))
+            if result.empty:
+                click.echo(
+                    f"{path}: {result.empty} conversation{'' if result.empty == 1 else 's'} "
+                    "with no text (images, tool calls, empty messages) left out"
+                )
     if as_json:
         document: dict[str, Any] = {"sessions": sessions}
         if errors:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from kvchat.errors import KvchatError
+from kvchat.limits import sampling_problem
 from kvchat.turns import SESSION_SETTINGS
 
 # A JSON file (or a bundle's messages.json) larger than this is refused before it is read.
@@ -22,6 +26,13 @@ MAX_SESSIONS = 100_000
 # One message's text, where a format can hold more than its file's size suggests (SQLite).
 MAX_TEXT_CHARS = 64 << 20
 TITLE_CHARS = 48
+# How deeply arrays and objects may nest in any JSON an import reads (every format kvchat
+# reads needs fewer than 10 levels; Python's parser would recurse for each level).
+MAX_JSON_DEPTH = 100
+
+# A JSON string (escapes included), to blank out before brackets are counted.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if chr(c) not in "[]{}")
 
 
 class ImportedMessage(NamedTuple):
@@ -85,13 +96,24 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
-def load_json(path: Path, data: bytes, what: str = "JSON") -> Any:
-    """Parse a JSON document, mapping every failure to one line that names the file."""
-    if len(data) > MAX_JSON_BYTES:
+def json_depth(text: str) -> int:
+    """How deeply arrays and objects nest in ``text`` (strings skipped), counted at C speed
+    before any parser recurses into it."""
+    bare = _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
+    brackets = np.frombuffer(bare.translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if brackets.size == 0:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps, dtype=np.int64).max())
+
+
+def parse_json(path: Path, text: str, what: str = "JSON") -> Any:
+    """Parse JSON text from a file, bounded in depth; every failure is one line naming it."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
         raise BadFile(
-            path, f"{what} of {len(data):,} bytes is over the {MAX_JSON_BYTES:,}-byte limit"
+            path, f"{what} nests {depth:,} levels deep (at most {MAX_JSON_DEPTH}): refused"
         )
-    text = decode_utf8(path, data)
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
@@ -102,6 +124,15 @@ def load_json(path: Path, data: bytes, what: str = "JSON") -> Any:
         raise BadFile(path, f"not valid {what} ({exc})") from None
     except RecursionError:
         raise BadFile(path, f"{what} nested too deeply") from None
+
+
+def load_json(path: Path, data: bytes, what: str = "JSON") -> Any:
+    """Parse a JSON document, mapping every failure to one line that names the file."""
+    if len(data) > MAX_JSON_BYTES:
+        raise BadFile(
+            path, f"{what} of {len(data):,} bytes is over the {MAX_JSON_BYTES:,}-byte limit"
+        )
+    return parse_json(path, decode_utf8(path, data), what)
 
 
 def check_text(path: Path, value: object, where: str, *, optional: bool = False) -> str | None:
@@ -153,38 +184,45 @@ def iso_time(value: object) -> str | None:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds")
 
 
-def _number(low: float, high: float, integer: bool = False) -> Callable[[object], bool]:
+def _number(integer: bool = False, high: float = math.inf) -> Callable[[object], bool]:
+    """A type check: a finite number (a whole one with ``integer``) up to ``high``."""
+
     def ok(value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False
         if integer and not isinstance(value, int):
             return False
-        return math.isfinite(value) and low <= value <= high
+        return math.isfinite(value) and value <= high
 
     return ok
 
 
-_SETTING_CHECKS: dict[str, Callable[[object], bool]] = {
-    "temperature": _number(0.0, 100.0),
-    "top_p": _number(1e-9, 1.0),
-    "max_tokens": _number(1, 1 << 20, integer=True),
-    "seed": lambda v: v is None or _number(0, 2**63 - 1, integer=True)(v),
+# The type of each setting; its range is kvchat.limits', the same as the CLI's and the app's.
+_SETTING_TYPES: dict[str, Callable[[object], bool]] = {
+    "temperature": _number(),
+    "top_p": _number(),
+    "max_tokens": _number(integer=True, high=1 << 20),
+    "seed": lambda v: v is None or _number(integer=True, high=2**63 - 1)(v),
 }
-assert set(_SETTING_CHECKS) == set(SESSION_SETTINGS)
+assert set(_SETTING_TYPES) == set(SESSION_SETTINGS)
 
 
 def check_settings(path: Path, settings: object, where: str) -> dict[str, Any]:
-    """A session's sampling overrides: known names with values the sampler accepts."""
+    """A session's sampling overrides: known names with values in the ranges every other
+    way in allows (:func:`kvchat.limits.sampling_problem`)."""
     if settings is None:
         return {}
     if not isinstance(settings, dict):
         raise BadFile(path, f"{where} is not an object")
     for name, value in settings.items():
-        check = _SETTING_CHECKS.get(name)
+        check = _SETTING_TYPES.get(name)
         if check is None:
             raise BadFile(path, f"{where} has an unknown setting {name!r}")
         if not check(value):
             raise BadFile(path, f"{where}.{name} has an invalid value {value!r}")
+        problem = None if value is None else sampling_problem(name, value)
+        if problem is not None:
+            raise BadFile(path, f"{where}.{name} has an invalid value: {problem}")
     return dict(settings)
 
 

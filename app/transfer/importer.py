@@ -99,6 +99,8 @@ class FileImport:
     sessions: list[SessionImport] = field(default_factory=list)
     # Set when this very file was imported before (its sessions are those, not new ones).
     already: bool = False
+    # Conversations left out because nothing in them is text (images, tool calls, nulls).
+    empty: int = 0
 
 
 def _open_regular(path: Path) -> tuple[int, os.stat_result]:
@@ -107,6 +109,9 @@ def _open_regular(path: Path) -> tuple[int, os.stat_result]:
     except OSError as exc:
         raise BadFile(path, f"cannot be read ({exc.strerror or exc})") from None
     info = os.fstat(fd)
+    if stat.S_ISDIR(info.st_mode):
+        os.close(fd)
+        raise BadFile(path, f"is a directory: name the files in it (kvchat import {path}/*)")
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise BadFile(path, "not a regular file")
@@ -141,6 +146,16 @@ def _store_sessions(
     service: ChatService, result: FileImport, sessions: list[ImportedSession]
 ) -> None:
     count_messages(Path(result.path), sessions)
+    kept = [s for s in sessions if s.messages]
+    result.empty = len(sessions) - len(kept)
+    if sessions and not kept:
+        left = sum(s.skipped for s in sessions)
+        raise BadFile(
+            Path(result.path),
+            "holds no text to import"
+            + (f" ({left} parts left out: images, tool calls, empty messages)" if left else ""),
+        )
+    sessions = kept
     items = [
         {
             "title": s.title,

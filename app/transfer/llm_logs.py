@@ -16,7 +16,6 @@ is read once, from the thread.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import urllib.parse
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from kvchat.transfer.common import (
     check_text,
     default_title,
     iso_time,
+    parse_json,
 )
 
 NAME = "llm logs.db"
@@ -156,10 +156,7 @@ def _part_text(
     """A text part's text: the ``text`` column, or its ``text_ref`` pieces resolved."""
     if text is not None:
         return _text(path, text, where)
-    try:
-        data = json.loads(payload) if isinstance(payload, str) else None
-    except ValueError:
-        raise BadFile(path, f"{where} has a payload that is not JSON") from None
+    data = parse_json(path, payload, f"{where}'s payload") if isinstance(payload, str) else None
     pieces = data.get("text_ref") if isinstance(data, dict) else None
     if not isinstance(pieces, list):
         return ""
