@@ -102,16 +102,36 @@ def to_json(session: Session, messages: list[Message]) -> str:
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:50rem;margin:2rem auto;padding:0 1rem;
 line-height:1.5;color:#1d1d1f;background:#fafafa}
-.msg{border-radius:.6rem;padding:.6rem 1rem;margin:.8rem 0;white-space:pre-wrap;
-overflow-wrap:anywhere}
+.msg{border-radius:.6rem;padding:.6rem 1rem;margin:.8rem 0;overflow-wrap:anywhere}
 .user{background:#e3efff}.assistant{background:#fff;border:1px solid #ddd}
-.system{background:#f3f3f3;font-style:italic}.role{font-weight:600;display:block}
+.system{background:#f3f3f3;font-style:italic;white-space:pre-wrap}
+.role{font-weight:600;display:block}
 .partial{color:#a15c00;font-weight:400}footer{color:#888;font-size:.8rem}
+.body>:first-child{margin-top:.3rem}.body>:last-child{margin-bottom:0}
+code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:.9em;
+background:#f0f0f3;border-radius:.25rem;padding:0 .2rem}
+pre{background:#f6f8fa;border:1px solid #ddd;border-radius:.4rem;padding:.6rem .8rem;
+overflow-x:auto}pre code{background:none;padding:0}
+table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2rem .5rem}
+blockquote{margin:.5rem 0;padding-left:.8rem;border-left:3px solid #ccc;color:#555}
 """
 
 
+def markdown_html(text: str, *, typed: bool = False) -> str:
+    """A message's Markdown as HTML, as the app renders it (markdown-it, the same library
+    and rules): raw HTML and character references stay text (escaped), images stay links
+    (the page loads nothing), unsafe link schemes are dropped by markdown-it. ``typed``
+    (your messages): every line break is kept, as in the app."""
+    from markdown_it import MarkdownIt
+
+    parser = MarkdownIt("gfm-like", {"html": False, "breaks": typed})
+    parser.disable(["html_inline", "html_block", "entity", "image"])
+    return parser.render(text)
+
+
 def to_html(session: Session, messages: list[Message]) -> str:
-    """One file, no scripts, no external resources; every piece of text is escaped."""
+    """One file, no scripts, no external resources; every piece of text is escaped and the
+    messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script)."""
     esc = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -123,15 +143,16 @@ def to_html(session: Session, messages: list[Message]) -> str:
     ]
     if session.system_prompt:
         parts.append(
-            '<div class="msg system"><span class="role">System</span>'
+            '<div class="msg system" dir="auto"><span class="role">System</span>'
             f"{esc(session.system_prompt)}</div>"
         )
     for m in messages:
         flag = f' <span class="partial">({_flag(m)})</span>' if _flag(m) else ""
         role = esc(ROLE_NAMES.get(m.role, m.role))
+        body = markdown_html(m.content, typed=m.role == "user")
         parts.append(
-            f'<div class="msg {esc(m.role)}"><span class="role">{role}{flag}</span>'
-            f"{esc(m.content)}</div>"
+            f'<div class="msg {esc(m.role)}" dir="auto"><span class="role">{role}{flag}</span>'
+            f'<div class="body">{body}</div></div>'
         )
     parts.append(f"<footer>Exported by kvchat {esc(__version__)}</footer></body></html>")
     return "\n".join(parts) + "\n"

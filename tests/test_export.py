@@ -52,7 +52,29 @@ def test_html_is_self_contained_and_escapes_everything(kvhome: Path, cli):
     session = make_session(kvhome)
     page = cli(kvhome, "export", session, "--format", "html").stdout
     assert "<script" not in page.lower()
-    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in page
+    assert "&lt;script&gt;alert('x')&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in page
     assert "<title>Export &lt;me&gt;</title>" in page
     assert "http://" not in page and "https://" not in page
     assert page.count('class="msg ') == 5
+
+
+def test_html_renders_each_message_markdown_like_the_app(kvhome: Path, cli):
+    service = ChatService(Settings())
+    session = service.new_session(title="Markdown")
+    service.store.add_message(session.id, "user", "Shopping:\n- eggs\n- milk\n\nfirst\nsecond")
+    reply = (
+        "Use **sorted**:\n\n```python\nprint(sorted(x, key=len))\n```\n\n"
+        "| a | b |\n| --- | --- |\n| 1 | 2 |\n\n"
+        "![tracker](http://example.com/t.png) [bad](javascript:alert(1)) <img src=x>"
+    )
+    service.store.add_message(session.id, "assistant", reply)
+    service.close()
+    page = cli(kvhome, "export", session.id, "--format", "html").stdout
+    assert '<pre><code class="language-python">print(sorted(x, key=len))' in page
+    assert "font-family:ui-monospace" in page  # code blocks in monospace
+    assert "<strong>sorted</strong>" in page and "<table>" in page
+    assert "<li>eggs</li>" in page and "first<br />" in page  # your lines kept
+    assert page.count('dir="auto"') == 2
+    # Self-contained and safe: no image is loaded, no script link, raw HTML is text.
+    assert "<img" not in page and 'href="javascript' not in page
+    assert "&lt;img src=x&gt;" in page
