@@ -46,6 +46,7 @@ class StreamSaver:
         self.session_id = session_id
         self.every_s = every_s
         self.message_id: int | None = None
+        self.stored_chars = 0  # of the reply, as the database holds it now
         self._next = time.monotonic() + every_s
 
     def tick(self, pieces: list[str], generated: int) -> None:
@@ -62,5 +63,6 @@ class StreamSaver:
                 ).id
             else:
                 self.store.update_message(self.message_id, text, True, token_count=generated)
+            self.stored_chars = len(text)
         except KvchatError:
             pass

@@ -212,6 +212,13 @@ class TurnRunner(ServiceParts):
                     )
             except KvchatError as exc:
                 report.reply_error = f"the reply could not be saved: {exc}"
+                if streamed is not None and saver is not None:  # what the database holds
+                    report.stored_part = saver.stored_chars
+                    report.reply_error = (
+                        f"the reply could not be saved whole: {exc}; the database keeps its "
+                        f"first {saver.stored_chars:,} of {len(reply):,} characters, marked "
+                        "partial"
+                    )
             else:
                 report.message_id = message.id
         elif streamed is not None:

@@ -104,6 +104,9 @@ class TurnReport:
     window_note: str | None = None
     # The reply was generated (it is in ``reply``) but could not be stored: why, in one line.
     reply_error: str | None = None
+    # With reply_error: characters of the reply the database holds all the same (its copy
+    # saved while it streamed, marked partial), or None when it holds none of it.
+    stored_part: int | None = None
 
     @classmethod
     def of_run(

@@ -156,7 +156,9 @@ def ask(
         sys.stdout.write("\n")
         sys.stdout.flush()
     if report.reply_error:
-        # The reply is shown above; say once, and last, that it is not in the database.
+        # The reply is shown above; say once, and last, what of it the database holds.
+        if report.stored_part is not None:
+            raise KvchatError(report.reply_error)
         raise KvchatError(f"{report.reply_error} (the reply above is not stored)")
     if as_json:
         return
