@@ -74,7 +74,7 @@ class ReplyTurns(ServiceParts):
             stats = GenerationStats()
             restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
             self.tiers.mark_hot(session_id)
-            prefill = engine.prefill(prompt, cancel)
+            prefill = self._read_prompt(engine, prompt, cancel)
             self.tiers.mark_dirty()
             more = stream_reply(engine, prefill, params, stats, cancel, on_token)
             report = TurnReport.of_run(session_id, more, restore, prefill, stats)

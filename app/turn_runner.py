@@ -3,9 +3,11 @@ benchmark times (mixed into ChatService)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
-from kvchat.engine import CancelCheck, GenerationParams, GenerationStats
+from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
 from kvchat.errors import KvchatError
 from kvchat.generation import StreamSaver, stream_reply
 from kvchat.service_checks import os_error_line
@@ -27,6 +29,9 @@ from kvchat.window import fit_window
 # How long post() waits for the session's turn lock by default (as a turn does).
 POST_WAIT_S = 3.0
 
+# (tokens read so far, tokens to read, seconds since the prefill started)
+PrefillProgress = Callable[[int, int, float], None]
+
 
 class TurnRunner(ServiceParts):
     """A turn's model work: make the session hot, fit and shift the window, prefill, stream
@@ -34,6 +39,28 @@ class TurnRunner(ServiceParts):
 
     # How often a streaming reply is stored (ChatService sets it from STREAM_SAVE_EVERY_S).
     stream_save_every_s: float
+    # A caller's hook for the prompt read before a reply: called on the engine thread between
+    # the prefill's batches (a long paste can take minutes; a UI shows how far it is).
+    prefill_progress: PrefillProgress | None = None
+
+    def _read_prompt(
+        self, engine: Engine, prompt: list[int], cancel: CancelCheck | None
+    ) -> PrefillResult:
+        """``engine.prefill``, reporting its progress to :attr:`prefill_progress`."""
+        hook = self.prefill_progress
+        if hook is None:
+            return engine.prefill(prompt, cancel)
+        started = time.perf_counter()
+        base: int | None = None
+
+        def check() -> bool:  # asked before each batch: the context holds what was read
+            nonlocal base
+            held = engine.n_tokens
+            base = held if base is None else base
+            hook(held - base, len(prompt) - base, time.perf_counter() - started)
+            return cancel is not None and cancel()
+
+        return engine.prefill(prompt, check)
 
     def post(self, session_id: str, text: str, *, wait_s: float = POST_WAIT_S) -> Message:
         """Commit the user's message now, without the model: a UI calls it off its engine
@@ -159,7 +186,7 @@ class TurnRunner(ServiceParts):
         restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
         self.tiers.mark_hot(session_id)
         shift = self._shift_window(head, chat, prompt, dropped)
-        prefill = engine.prefill(prompt, cancel)
+        prefill = self._read_prompt(engine, prompt, cancel)
         self.tiers.mark_dirty()
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.

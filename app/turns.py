@@ -204,6 +204,16 @@ class TurnReport:
         return " · ".join(parts)
 
 
+def reading_phrase(done: int, total: int, seconds: float) -> str:
+    """How far the prompt's read is, e.g. "reading the prompt · 2,048 / 5,727 tokens ·
+    ~35 s left" (the estimate once some of it was read)."""
+    text = f"reading the prompt · {done:,} / {total:,} tokens"
+    if done > 0 and seconds > 0 and total > done:
+        left = (total - done) * seconds / done
+        text += f" · ~{left:,.0f} s left" if left < 120 else f" · ~{left / 60:,.0f} min left"
+    return text
+
+
 @dataclass
 class WindowShift:
     """What a turn did when messages left the window: a KV shift, or a note why not."""

@@ -61,6 +61,7 @@ def test_list_reads_only_it_makes_no_database(kvhome: Path, cli):
     assert not (kvhome / "kvchat.db").exists()
 
 
+@pytest.mark.e2e
 def test_list_into_head_ends_quietly(kvhome: Path, tmp_path: Path):
     import subprocess
     import sys
@@ -107,3 +108,26 @@ def test_list_columns_line_up_with_wide_titles(kvhome: Path, cli):
     msgs_at = {cell_len(line[: line.index(" 1 ")]) for line in lines[1:]}
     assert len(msgs_at) == 1, lines
     assert any("…" in line for line in lines)  # the long title is cut to its column
+
+
+@pytest.mark.e2e
+def test_ask_says_how_far_a_long_prompt_is_read(kvhome: Path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, clean_env
+    from tests.test_tui_round2 import LONG_MESSAGE
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvchat", "ask", "--n-ctx", "4096", "--max-tokens", "2", "-"],
+        cwd=REPO,
+        env={**clean_env(), "KVCHAT_HOME": str(kvhome), "KVCHAT_N_THREADS": "1"},
+        input=LONG_MESSAGE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "reading the prompt ·" in line]
+    assert lines, proc.stderr  # a line after 2 s (stderr is not a terminal here)
+    assert " tokens" in lines[0] and " left" in lines[0]

@@ -573,3 +573,37 @@ async def test_at_80_columns_and_wider_the_sidebar_stays(kvhome: Path) -> None:
         assert not main.sessions.display
         await pilot.press("ctrl+l")
         assert main.sessions.display and app.focused is main.sessions
+
+
+# --- item 13: a long prompt's read shows its progress -------------------------------------------
+
+LONG_MESSAGE = "Summarise these notes.\n" + "\n".join(
+    f"Note {n}: the meeting moved to room {n % 7} on day {n % 5}." for n in range(1, 90)
+)
+
+
+@pytest.mark.e2e
+async def test_a_long_prompt_shows_tokens_read_and_time_left(kvhome: Path) -> None:
+    import asyncio
+    import re
+
+    app = make_app(n_ctx=4096, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        main.prompt.focus()
+        main.prompt.insert(LONG_MESSAGE)
+        await pilot.press("enter")
+        seen: list[str] = []
+        while main.turn is not None or main.last_turn is None:
+            text = main.status.turn_text
+            if text.startswith("reading the prompt ·") and text not in seen:
+                seen.append(text)
+            await asyncio.sleep(0.01)
+        report = main.last_report
+        assert report is not None and report.tokens.decoded > 1000
+        read = [re.search(r"([\d,]+) / ([\d,]+) tokens", t) for t in seen]
+        pairs = [(int(m[1].replace(",", "")), int(m[2].replace(",", ""))) for m in read if m]
+        assert len(pairs) >= 2, seen  # it moved while the prompt was read
+        assert all(total == report.tokens.decoded for _, total in pairs), (pairs, report)
+        assert [done for done, _ in pairs] == sorted(done for done, _ in pairs)
+        assert any(" s left" in t or " min left" in t for t in seen)

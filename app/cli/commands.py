@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +130,15 @@ def ask(
         check_text(system, "the system prompt")
     settings = settings_from(ctx, **flags)
     settings.model_path()
+    reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
     turn: dict[str, Any] = dict(
-        on_token=None if as_json else _stream,
+        on_token=None if as_json else reading.then(_stream),
         no_restore=no_restore,
         **sampling,
     )
     with service(settings) as chat:
         chat.load_engine()
+        chat.prefill_progress = reading
         for notice in chat.startup_notices():
             click.echo(f"kvchat: {one_line(notice)}", err=True)
         if session_ref is not None:
@@ -150,6 +153,7 @@ def ask(
         else:
             assert message is not None
             report = chat.start(message, system_prompt=system, **turn)
+    reading.clear()
     if as_json:
         click.echo(to_json(report.to_json()))
     else:
@@ -179,6 +183,48 @@ def ask(
         )
     if report.snapshot.error:
         click.echo(f"kvchat: {one_line(report.snapshot.error)}", err=True)
+
+
+class _ReadingLine:
+    """How far a long prompt's read is, on stderr: one line redrawn on a terminal (at most
+    4 times a second), else a line after 2 s and then every 10 s. Prompts under 512 new
+    tokens say nothing."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = -1.0
+        self.drawn = False  # a line is on the terminal, to clear before the reply
+
+    def clear(self) -> None:
+        """Take the redrawn line off the terminal (the reply follows)."""
+        if self.drawn:
+            self.drawn = False
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def then(self, write: Callable[[str], None]) -> Callable[[str], None]:
+        """``write`` for the reply's pieces, clearing the line first."""
+
+        def piece(text: str) -> None:
+            self.clear()
+            write(text)
+
+        return piece
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        from kvchat.turns import reading_phrase
+
+        if total < 512:
+            return
+        due = 0.25 if self.tty else (2.0 if self.last < 0 else 10.0)
+        if seconds - max(self.last, 0.0) < due:
+            return
+        self.last = seconds
+        line = f"kvchat: {reading_phrase(done, total, seconds)}"
+        self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
+        self.stream.flush()
+        self.drawn = self.tty
 
 
 def _stream(piece: str) -> None:

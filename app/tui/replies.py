@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,8 @@ class ActiveTurn:
     started: float = field(default_factory=time.perf_counter)
     before: str = ""  # a continued reply: its text before this turn
     asked: MessageView | None = None  # a send: the user's message, pending until stored
+    # The prompt being read, from the engine thread: (read, to read, seconds so far).
+    progress: tuple[int, int, float] | None = None
     message_id: int | None = None  # a send: the user's message once stored
 
 
@@ -227,6 +230,21 @@ class TurnActions(ScreenBase):
         service = self.service
         assert turn.session_id is not None
         on_token, cancel = turn.sink.append, turn.cancel.is_set
+
+        def read(done: int, total: int, seconds: float) -> None:
+            turn.progress = (done, total, seconds)  # one assignment: drawn by _flush
+
+        service.prefill_progress = read
+        try:
+            return self._engine_turn_run(turn, on_token, cancel)
+        finally:
+            service.prefill_progress = None
+
+    def _engine_turn_run(
+        self, turn: ActiveTurn, on_token: Callable[[str], None], cancel: Callable[[], bool]
+    ) -> tuple[TurnReport, int]:
+        service = self.service
+        assert turn.session_id is not None
         if turn.kind == "send":
             assert turn.message_id is not None
             report = service.answer(
@@ -247,6 +265,10 @@ class TurnActions(ScreenBase):
         while turn.sink:
             chunks.append(turn.sink.popleft())
         if not chunks:
+            if not turn.pieces and not turn.cancel.is_set() and turn.progress is not None:
+                from kvchat.turns import reading_phrase  # loaded with the service already
+
+                self.status.set_turn(f"{reading_phrase(*turn.progress)}  (Esc stops)", "busy")
             return
         turn.pieces += len(chunks)
         if not turn.cancel.is_set():
