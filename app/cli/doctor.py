@@ -71,8 +71,8 @@ def doctor(do_salvage: bool) -> None:
         f"salvaged {done.sessions} sessions, {done.messages} messages into a fresh database; "
         f"the damaged file is kept at {done.moved_to}"
     )
-    unreadable = [line for line in done.lost if "unreadable" in line]
-    click.echo(f"lost: {len(unreadable)} unreadable rows")
+    for table, counts in done.tables.items():  # what SQLite read, what came from pages
+        click.echo(counts.line(table))
     for line in done.lost[:SHOW_LOST]:
         click.echo(f"  {one_line(line)}")
     if len(done.lost) > SHOW_LOST:
