@@ -20,7 +20,10 @@ from kvchat.text import check_text
 from kvchat.turns import SESSION_SETTINGS
 
 DEFAULT_TITLE = "New chat"
-# What a fork adds to its parent's title: " (fork)", " (fork 2)", …
+# A branch's title says what it is and where it starts, first (a narrow list cuts the end):
+# "Fork at #7: Title", "Edit of #3: Title", then "Fork at #7 (2): Title"…
+_BRANCH_PREFIX = re.compile(r"^(?:Fork at|Edit of) #\d+(?: \((\d+)\))?: ")
+# What a fork added to its parent's title before kvchat named branches by what they are.
 _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 LAST_SESSION_KEY = "last_session"
 # The session the app had open last (set by the app alone: a CLI `ask` never moves it).
@@ -184,11 +187,11 @@ class SessionBook(ServiceParts):
         under the session's turn lock: never from a reply still streaming.
         """
         with self._turn_lock(session_id):
-            if at_message is not None and at_message not in {
-                m.id for m in self.messages(session_id)
-            }:
+            ids = [m.id for m in self.messages(session_id)]
+            if at_message is not None and at_message not in ids:
                 raise KvchatError(f"session {session_id} has no message {at_message}")
-            child = self._branch(session_id, at_message)
+            kept = ids.index(at_message) + 1 if at_message is not None else len(ids)
+            child = self._branch(session_id, at_message, label=f"Fork at #{kept}")
             row = self.store.get_snapshot(session_id)
             if at_message is None and row is not None and row.format == "chunks":
                 row.session_id = child.id
@@ -212,31 +215,37 @@ class SessionBook(ServiceParts):
             if target is None or target.role != "user":
                 raise KvchatError(f"session {session_id} has no user message {message_id}")
             index = history.index(target)
-            return self._branch(session_id, history[index - 1].id if index else 0, edited)
+            upto = history[index - 1].id if index else 0
+            return self._branch(session_id, upto, edited, label=f"Edit of #{index + 1}")
 
     def _branch(
-        self, session_id: str, upto: int | None, then: tuple[str, str, int] | None = None
+        self,
+        session_id: str,
+        upto: int | None,
+        then: tuple[str, str, int] | None = None,
+        *,
+        label: str,
     ) -> Session:
-        """Copy a session's messages up to ``upto`` (and ``then``) in one transaction."""
-        title = self._fork_title(self.store.get_session(session_id).title)
+        """Copy a session's messages up to ``upto`` (and ``then``) in one transaction, titled
+        by ``label`` (what the branch is: "Fork at #7", "Edit of #3")."""
+        title = self._branch_title(self.store.get_session(session_id).title, label)
         branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
         self._remember(branch.id)
         return branch
 
-    def _fork_title(self, parent_title: str) -> str:
-        """ "Title (fork)", then "Title (fork 2)", "Title (fork 3)"…: never "(fork) (fork)".
-
-        A fork of a fork is numbered among the forks of the same original title.
-        """
-        base = _FORK_SUFFIX.sub("", parent_title) or parent_title
+    def _branch_title(self, parent_title: str, label: str) -> str:
+        """ "Fork at #7: Title", "Edit of #3: Title"; a second branch of the same kind at the
+        same point "Fork at #7 (2): Title"…; a branch of a branch names the original title
+        once (never "Fork at #2: Fork at #4: …")."""
+        base = _BRANCH_PREFIX.sub("", _FORK_SUFFIX.sub("", parent_title)) or parent_title
         taken = 0
         for summary in self.store.list_sessions():
             title = summary.session.title
-            if title.startswith(base):
-                match = _FORK_SUFFIX.fullmatch(title[len(base) :])
-                if match:
+            match = _BRANCH_PREFIX.match(title)
+            if match and title.startswith(label) and title[match.end() :] == base:
+                if title[len(label) :].startswith((": ", " (")):
                     taken = max(taken, int(match.group(1) or 1))
-        return f"{base} (fork)" if taken == 0 else f"{base} (fork {taken + 1})"
+        return f"{label}: {base}" if taken == 0 else f"{label} ({taken + 1}): {base}"
 
     def message_at(self, session_id: str, number: int) -> Message:
         """The session's message #``number`` (1-based, in order: what the app shows)."""

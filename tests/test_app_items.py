@@ -120,18 +120,20 @@ def test_fork_at_takes_the_message_number_and_numbers_titles(one_turn_home, copy
     exported = run_cli(home, "export", first["session"], "--format", "json").json
     assert [m["role"] for m in exported["messages"]] == ["user"]
     parent_title = run_cli(home, "export", session, "--format", "json").json["session"]["title"]
-    assert first["title"] == f"{parent_title} (fork)"
+    # Named by what it is and where it starts, first (issue 22.8).
+    assert first["title"] == f"Fork at #1: {parent_title}"
     second = run_cli(home, "fork", session, "--json").json
-    assert second["title"] == f"{parent_title} (fork 2)" and second["messages"] == 2
-    # A fork of a fork is numbered among the forks of the original title.
+    assert second["title"] == f"Fork at #2: {parent_title}" and second["messages"] == 2
+    again = run_cli(home, "fork", session, "--json").json
+    assert again["title"] == f"Fork at #2 (2): {parent_title}"
+    # A fork of a fork names the original title once.
     third = run_cli(home, "fork", first["session"], "--json").json
-    assert third["title"] == f"{parent_title} (fork 3)"
-    assert "(fork) (fork)" not in third["title"]
+    assert third["title"] == f"Fork at #1 (2): {parent_title}"
     # Numbers out of range are one line, exit 2; nothing is made.
     for bad in ("0", "3"):
         result = run_cli(home, "fork", session, "--at", bad, check=False)
         assert result.returncode == 2 and "no message #" in result.stderr, result.stderr
-    assert len(run_cli(home, "list", "--json").json) == 4
+    assert len(run_cli(home, "list", "--json").json) == 5
     assert "--at N" in run_cli(home, "fork", "--help").stdout
 
 

@@ -42,7 +42,7 @@ async def test_the_sidebar_shows_forks_under_their_parent_and_folds_them(kvhome:
         await wait_until(lambda: len(main.sessions.rows) == 3)
         # Roots by last update; the fork right under its parent, indented.
         assert [r.id for r in main.sessions.rows] == [beta.id, alpha.id, fork.id]
-        await wait_until(lambda: titles(main) == ["Beta", "▾ Alpha", "└ Alpha (fork)"])
+        await wait_until(lambda: titles(main) == ["Beta", "▾ Alpha", "└ Fork at #2: Alpha"])
 
         await pilot.press("ctrl+l")
         main.sessions.index = 1  # Alpha
@@ -53,7 +53,7 @@ async def test_the_sidebar_shows_forks_under_their_parent_and_folds_them(kvhome:
 
         await pilot.press("space")
         await wait_until(lambda: [r.id for r in main.sessions.rows] == [beta.id, alpha.id, fork.id])
-        assert titles(main) == ["Beta", "▾ Alpha", "└ Alpha (fork)"]
+        assert titles(main) == ["Beta", "▾ Alpha", "└ Fork at #2: Alpha"]
 
         # Space on the branch folds its parent's branches too; opening a folded branch
         # (here as a search jump would) unfolds its ancestors: it stays visible.

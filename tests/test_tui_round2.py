@@ -607,3 +607,39 @@ async def test_a_long_prompt_shows_tokens_read_and_time_left(kvhome: Path) -> No
         assert all(total == report.tokens.decoded for _, total in pairs), (pairs, report)
         assert [done for done, _ in pairs] == sorted(done for done, _ in pairs)
         assert any(" s left" in t or " min left" in t for t in seen)
+
+
+# --- item 8: branches are named by what they are ------------------------------------------------
+
+
+@pytest.mark.e2e
+async def test_a_fork_and_an_edit_read_differently_in_the_sidebar(kvhome: Path) -> None:
+    from kvchat.tui.screens.dialogs import EditDialog
+    from kvchat.tui.widgets.prompt import PromptInput
+    from tests.test_tui_branches import titles
+
+    app = make_app(max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Let's plan a trip to Japan in the spring.")
+        original = main.session_id
+        main.conversation.views[1].focus()
+        await pilot.press("f")  # fork at the reply, #2
+        await wait_until(lambda: main.session_id not in (None, original))
+        main.open_session(original)  # type: ignore[arg-type]
+        await wait_until(lambda: main.session_id == original and len(main.conversation.views) == 2)
+        main.conversation.views[0].focus()
+        await pilot.pause()
+        await pilot.press("e")  # edit #1
+        await wait_until(lambda: isinstance(app.screen, EditDialog))
+        area = app.screen.query_one("#edit-text", PromptInput)
+        area.clear()
+        area.insert("Let's plan a trip to Korea in the spring.")
+        last = main.last_turn
+        await pilot.press("enter")
+        await wait_until(lambda: main.last_turn is not last and main.turn is None, 90)
+        main.request_refresh()
+        await wait_until(lambda: len(main.sessions.rows) == 3)
+        shown = titles(main)
+        assert shown[0].startswith("▾ Let's plan a trip")
+        assert sorted(t.split(":")[0] for t in shown[1:]) == ["└ Edit of #1", "└ Fork at #2"]

@@ -454,7 +454,7 @@ def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: b
     """Branch a session; the shared history's KV is reused, not copied.
 
     --at N keeps the first N messages: N is the message's number in the session (#N in the
-    app), not a database id. Forks are titled "TITLE (fork)", "TITLE (fork 2)", …
+    app), not a database id. Forks are titled "Fork at #N: TITLE" ("Fork at #N (2): TITLE"…)
     """
     with service(settings_from(ctx)) as chat:
         parent = chat.resolve(session_ref)
