@@ -212,3 +212,23 @@ def test_a_new_database_appears_whole(tmp_path: Path):
     assert store.applied_migrations and path.stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir() if ".new-" in p.name) == []
     store.close()
+
+
+def test_every_command_on_a_damaged_index_says_doctor_and_writes_nothing(tmp_path, cli):
+    home = tmp_path / "home"
+    home.mkdir()
+    path = home / "kvchat.db"
+    session_id, _ = _home(path)
+    damage_index(path, "idx_messages_session_id_id", session_id)
+    before = _files(path)
+    for args in (
+        ["ask", "--session", session_id, "Hello?"],
+        ["list"],
+        ["export", session_id],
+        ["fork", session_id],
+    ):
+        result = cli(home, *args, check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, (args, result.stderr)
+        assert "damaged" in lines[0] and "kvchat doctor" in lines[0]
+    assert _files(path) == before

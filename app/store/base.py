@@ -46,6 +46,14 @@ def read_only_uri(path: Path) -> str:
     return f"file:{urllib.parse.quote(str(path))}?mode=ro"
 
 
+def check_connection(path: Path, timeout: float = 30) -> sqlite3.Connection:
+    """A read-only connection for checking ``path``: what SQLite says of a damaged file may
+    quote bytes that are not UTF-8, so its text is decoded leniently (never a traceback)."""
+    conn = sqlite3.connect(read_only_uri(path), uri=True, timeout=timeout, check_same_thread=False)
+    conn.text_factory = lambda raw: raw.decode("utf-8", "replace")
+    return conn
+
+
 def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
     """One clear line for what SQLite raises on a full disk, a busy or a damaged file.
 
@@ -109,6 +117,8 @@ class SqlBase:
             if isinstance(error, DamagedDatabase):
                 self._damage = self._damage or str(exc)
             raise error from None
+        except UnicodeDecodeError:  # SQLite's message about a damaged file quotes its bytes
+            raise self._found_damage("SQLite's report of the damage is not even text") from None
 
     def _rows(
         self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()
@@ -120,3 +130,5 @@ class SqlBase:
                 return [dict(zip(names, row)) for row in cursor.fetchall()]
         except sqlite3.DatabaseError as exc:
             raise _translate(self.path, exc) from None
+        except UnicodeDecodeError:
+            raise self._found_damage("SQLite's report of the damage is not even text") from None

@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.store import page_scan
-from kvchat.store.base import read_only_uri
+from kvchat.store.base import check_connection, read_only_uri
 from kvchat.store.locks import file_lock
 from kvchat.store.store import DamagedDatabase, Store
 
 SIDE_FILES = ("-wal", "-shm")
+# What reading a damaged file can raise: SQLite's errors, and its message about the damage
+# when that quotes bytes that are not UTF-8 (Python cannot even decode the error).
+READ_ERRORS = (sqlite3.DatabaseError, UnicodeDecodeError)
 
 
 @dataclass
@@ -67,7 +70,7 @@ def check(path: Path) -> CheckReport:
     if not path.exists():
         return CheckReport(path, True, "no database yet")
     try:
-        db = sqlite3.connect(read_only_uri(path), uri=True)
+        db = check_connection(path)
         try:
             result = [r[0] for r in db.execute("PRAGMA integrity_check").fetchall()]
             if result != ["ok"]:
@@ -76,7 +79,7 @@ def check(path: Path) -> CheckReport:
             messages = db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
         finally:
             db.close()
-    except sqlite3.DatabaseError as exc:
+    except READ_ERRORS as exc:
         return CheckReport(path, False, str(exc))
     return CheckReport(path, True, "ok", sessions, messages)
 
@@ -91,11 +94,11 @@ def _rows(
         names = [d[0] for d in cursor.description]
         yield from (dict(zip(names, r)) for r in cursor.fetchall())
         return
-    except sqlite3.DatabaseError as exc:
+    except READ_ERRORS as exc:
         lost.append(f"{table}: SQLite's full scan failed ({exc}); reading row by row")
     try:
         high = db.execute(f"SELECT MAX(rowid) FROM {table}").fetchone()[0] or 0
-    except sqlite3.DatabaseError:
+    except READ_ERRORS:
         high = 0  # not even the table's last row: the page scan reads what is left
     misses = 0
     for rowid in range(1, high + 1):
@@ -103,7 +106,7 @@ def _rows(
             cursor = db.execute(f"SELECT rowid AS _rowid, * FROM {table} WHERE rowid=?", (rowid,))
             names = [d[0] for d in cursor.description]
             row = cursor.fetchone()
-        except sqlite3.DatabaseError:
+        except READ_ERRORS:
             unreadable.add(rowid)
             misses += 1
             if misses > 10_000:
@@ -192,7 +195,7 @@ def _read_with_sqlite(
     messages: dict[int, dict[str, Any]] = {}
     try:
         source = sqlite3.connect(read_only_uri(aside), uri=True)
-    except sqlite3.DatabaseError as exc:
+    except READ_ERRORS as exc:
         lost.append(f"SQLite cannot open the damaged file at all: {exc}")
         return sessions, messages
     try:
@@ -202,7 +205,7 @@ def _read_with_sqlite(
         for row in _rows(source, "messages", lost, unreadable["messages"]):
             if isinstance(row.get("id"), int):
                 messages[row["id"]] = row
-    except sqlite3.DatabaseError as exc:
+    except READ_ERRORS as exc:
         lost.append(f"SQLite stopped reading: {exc}")
     finally:
         source.close()

@@ -69,6 +69,7 @@ class MessagesSql(SqlBase):
             (session_id,),
         )
         if not rows:
+            self._missing_by_index(session_id)  # a session its id index hides is damage
             return []
         found = [r for r in rows if r["id"] is not None]
         recorded = (rows[0]["_n"], rows[0]["_last"], rows[0]["_tokens"])

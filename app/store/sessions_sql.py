@@ -61,8 +61,15 @@ def check_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
     there is no such session)."""
     row = conn.execute(_COUNTS_SQL, (session_id,)).fetchone()
     if row is None:
-        return None
+        hidden = conn.execute(
+            "SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)
+        ).fetchone()
+        return None if hidden is None else _hidden_session(session_id)
     return counts_problem(row[:3], row[3:], session_id)
+
+
+def _hidden_session(session_id: str) -> str:
+    return f"session {session_id} is in the sessions table but its index does not find it"
 
 
 def new_session_id(conn: sqlite3.Connection) -> str:
@@ -111,9 +118,7 @@ class SessionsSql(SqlBase):
         except KvchatError:
             return  # the scan itself fails: the caller's "no session" stands
         if hidden:
-            raise self._found_damage(
-                f"session {session_id} is in the sessions table but its index does not find it"
-            )
+            raise self._found_damage(_hidden_session(session_id))
 
     def check_session(self, session_id: str) -> None:
         """Raise DamagedDatabase when the session's messages disagree with its row."""

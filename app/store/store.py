@@ -17,6 +17,7 @@ from kvchat.store.base import (
     DamagedDatabase,
     StoreFull,
     _translate,
+    check_connection,
     damaged_message,
     now,
     read_only_uri,
@@ -156,10 +157,12 @@ class Store(
         if wal.exists():
             size += wal.stat().st_size
         full = size <= FULL_CHECK_AT_OPEN_BYTES
-        conn = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=30)
+        conn = check_connection(self.path)
         try:
             pragma = "integrity_check(5)" if full else "quick_check(5)"
             result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+        except UnicodeDecodeError:  # SQLite's message quotes damaged bytes
+            result = ["SQLite's report of the damage is not even text"]
         finally:
             conn.close()
         if result != ["ok"]:
@@ -171,9 +174,7 @@ class Store(
         damage it finds (an index that disagrees with its table, which quick_check does not
         look at) stops every later write."""
         try:
-            conn = sqlite3.connect(
-                read_only_uri(self.path), uri=True, timeout=30, check_same_thread=False
-            )
+            conn = check_connection(self.path)
             self._check_conn = conn
             try:
                 result = [row[0] for row in conn.execute("PRAGMA integrity_check(5)").fetchall()]
@@ -185,6 +186,8 @@ class Store(
         except sqlite3.DatabaseError as exc:
             if "interrupt" not in str(exc):
                 self._found_damage(str(exc))
+        except UnicodeDecodeError:
+            self._found_damage("SQLite's report of the damage is not even text")
 
     def wait_for_check(self, timeout: float | None = None) -> str | None:
         """Wait for the background integrity check (if one runs); the damage it found."""
