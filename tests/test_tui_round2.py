@@ -60,6 +60,32 @@ async def test_the_message_leaves_the_input_at_enter_and_what_is_typed_after_sta
 
 
 @pytest.mark.e2e
+async def test_keys_that_reach_the_input_before_the_screen_hears_of_enter_are_kept(
+    kvhome: Path,
+) -> None:
+    """A terminal can deliver the next keys before the screen has handled Enter (seen in
+    tmux: a Backspace right after Enter); they belong to the next message."""
+    from textual import events
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await send(pilot, main, "Hello.")
+        main.prompt.focus()
+        main.prompt.insert("Name a bird.\n")
+        before = main.last_turn
+        # Enter, then (before the screen handles the message Enter posted) a Backspace and
+        # the start of the next message, as the terminal delivered them.
+        await main.prompt._on_key(events.Key("enter", "\r"))
+        main.prompt.action_delete_left()
+        main.prompt.insert("Next")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await pilot.pause()
+        assert stored(app, main.session_id)[-2] == ("user", "Name a bird.")
+        assert main.prompt.text == "Next"
+
+
+@pytest.mark.e2e
 async def test_a_message_not_sent_goes_back_to_the_input_above_what_was_typed_since(
     kvhome: Path,
 ) -> None:

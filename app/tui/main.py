@@ -97,6 +97,7 @@ class MainScreen(
                 yield Conversation(id="conversation")
                 yield PromptInput(
                     id="prompt",
+                    takes_sent=True,
                     placeholder=LOADING_PLACEHOLDER,
                     soft_wrap=True,
                     show_line_numbers=False,

@@ -66,19 +66,20 @@ class TurnActions(ScreenBase):
     """Send, regenerate, continue and stop replies (see the module docstring)."""
 
     def submit(self, text: str) -> None:
-        """Enter in the input: send ``text``. It leaves the input now (anything typed after
-        Enter stays) and shows as pending until it is stored (see the module docstring)."""
-        sent = text
-        text = text.strip()
+        """Enter in the input: send ``text``, which left the input as Enter was pressed
+        (anything typed since stays there); it shows as pending until it is stored. A
+        message that cannot be sent now goes back to the input (see the module docstring)."""
+        typed, text = text, text.strip()
         if not text:
             return
         if not self.ready:
+            self.prompt.give_back(typed)
             self.notify("The model is still loading; your message is kept", severity="warning")
             return
         if self.turn is not None:
+            self.prompt.give_back(typed)
             self.notify("Wait for the reply, or press Esc to stop it", severity="warning")
             return
-        self.prompt.take_sent(sent)
         self.turn = ActiveTurn("send", self.session_id, text)
         self.run_turn(self.turn)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from textual import events
 from textual.message import Message
@@ -12,7 +13,18 @@ NEWLINE_KEYS = frozenset({"ctrl+j", "shift+enter", "alt+enter", "ctrl+enter"})
 
 
 class PromptInput(TextArea):
-    """A TextArea whose Enter key submits instead of inserting a line break."""
+    """A TextArea whose Enter key submits instead of inserting a line break.
+
+    With ``takes_sent`` (the message input), Enter also empties it at once, in the same
+    step that reads the text: a key typed straight after Enter (even one the terminal
+    delivers before the screen hears of the Enter) lands in the empty input and is never
+    mistaken for part of the message. A message that is not sent after all is handed back
+    with :meth:`give_back`.
+    """
+
+    def __init__(self, *args: Any, takes_sent: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.takes_sent = takes_sent
 
     @dataclass
     class Submitted(Message):
@@ -22,19 +34,6 @@ class PromptInput(TextArea):
         @property
         def control(self) -> PromptInput:
             return self.prompt
-
-    def take_sent(self, sent: str) -> None:
-        """Remove ``sent``, the text Enter just sent, from the input: what was typed after
-        Enter stays. Text that is not exactly what was sent is never removed."""
-        index = self.text.find(sent) if sent else -1
-        if index < 0:
-            return
-        document = self.document
-        start = document.get_location_from_index(index)
-        end = document.get_location_from_index(index + len(sent))
-        self.delete(start, end)
-        if not self.text.strip():  # only the blank around what was sent is left
-            self.clear()
 
     def give_back(self, text: str) -> None:
         """Put a message that was not sent back at the start of the input, above anything
@@ -49,7 +48,12 @@ class PromptInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            self.post_message(self.Submitted(self, self.text))
+            text = self.text
+            if self.takes_sent:
+                if not text.strip():
+                    return  # nothing to send: what is there (blank) stays
+                self.clear()
+            self.post_message(self.Submitted(self, text))
             return
         if event.key in NEWLINE_KEYS:
             event.stop()
