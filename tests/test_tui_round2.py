@@ -584,6 +584,11 @@ async def test_a_narrow_window_hides_the_sidebar_and_ctrl_l_brings_it_back(kvhom
         await pilot.resize_terminal(100, 30)
         await pilot.pause()
         assert main.sessions.display  # wide enough: shown again
+        assert "palette" in [line for line in _screen_lines(app) if "Stop" in line][-1]
+        await pilot.resize_terminal(60, 20)  # narrowed while running: the same as at start
+        await pilot.pause()
+        assert not main.sessions.display
+        assert "palette" not in [line for line in _screen_lines(app) if "Stop" in line][-1]
 
 
 @pytest.mark.e2e

@@ -129,7 +129,11 @@ class MainScreen(
     def on_resize(self, event: events.Resize) -> None:
         self._show_sidebar()
         # A narrow footer: the palette's key, docked right, would overlap the others.
-        self.query_one(Footer).show_command_palette = event.size.width >= NARROW_COLUMNS
+        footer = self.query_one(Footer)
+        wide = event.size.width >= NARROW_COLUMNS
+        if footer.show_command_palette != wide:
+            footer.show_command_palette = wide
+            footer.refresh(recompose=True)  # the footer builds its keys when composed
 
     def _show_sidebar(self) -> None:
         """Show or hide the sessions sidebar: as set by Ctrl+L, else by the width."""
