@@ -203,9 +203,17 @@ def _salvage_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
         finally:
             store.close()
         for row in rows:  # salvaged text is the text written, in its own session
-            session_id, written = texts[row["id"]]
-            assert row["session_id"] == session_id, case
-            assert _same_text(row["content"], written, how), (case, how, row["id"])
+            written = texts.get(row["id"])
+            if written is not None and _same_text(row["content"], written[1], how):
+                assert row["session_id"] == written[0] or how == "bytes", case
+                continue
+            # Bytes changed in place can change a row's id or session id (SQLite reads
+            # them as they now are): its text must still be one that was written.
+            assert how == "bytes", (case, how, row["id"])
+            assert any(_same_text(row["content"], text, how) for _, text in texts.values()), (
+                case,
+                row["id"],
+            )
         assert report.messages == len(rows), case
         tally["messages_salvaged"] += len(rows)
         assert doctor.check(path).ok, case
@@ -324,7 +332,7 @@ def _wal_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
             after = {s: Path(f"{path}{s}").read_bytes() for s in ("", "-wal")}
             assert after == before, case  # neither the file nor its WAL was touched
         except KvchatError as exc:  # an empty file kept aside, said on one line
-            assert "empty" in str(exc), (case, exc)
+            assert "empty" in str(exc) and "\n" not in str(exc), (case, exc)
         shutil.rmtree(home)
     return tally
 

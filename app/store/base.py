@@ -67,7 +67,8 @@ def _translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
         return StoreFull(f"the disk is full: could not write to {path} ({text})")
     if "locked" in text or "busy" in text:
         return KvchatError(f"the database {path} is busy (another kvchat is writing): {text}")
-    if "malformed" in text or "not a database" in text or "encrypted" in text:
+    if any(sign in text for sign in ("malformed", "not a database", "encrypted", "decode")):
+        # "Could not decode to UTF-8": a byte of stored text changed on disk
         return DamagedDatabase(damaged_message(path, text))
     return KvchatError(f"database error in {path}: {text}")
 

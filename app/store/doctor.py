@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -221,7 +222,7 @@ def _read_pages(
     wal = aside.with_name(aside.name + "-wal")
     try:
         scanned = page_scan.scan(aside, wal if wal.exists() else None)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, IndexError, struct.error) as exc:
         lost.append(f"the file's pages cannot be read: {exc}")
         return {}, {}
     lost.extend(scanned.notes)

@@ -77,7 +77,7 @@ def _guess_page_size(data: mmap.mmap | bytes) -> int:
     best, best_hits = 4096, -1
     for size in PAGE_SIZES:
         hits = 0
-        for start in range(size, min(len(data), size * 400), size):
+        for start in range(size, min(len(data) - size + 1, size * 400), size):
             if data[start] in PAGE_TYPES and _cells_plausible(data, start, 0, size):
                 hits += 1
         if hits > best_hits:

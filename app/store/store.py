@@ -76,6 +76,25 @@ def _create_database(path: Path) -> list[str]:
     return applied
 
 
+def _close_keeping_wal(conn: sqlite3.Connection, path: Path) -> None:
+    """Close ``conn`` without checkpointing the WAL into a damaged file: a read-only
+    connection holds a read lock meanwhile, so the closing one is not the last (and a
+    read-only connection never checkpoints)."""
+    try:
+        reader = sqlite3.connect(read_only_uri(path), uri=True, timeout=1)
+    except sqlite3.DatabaseError:
+        conn.close()
+        return
+    try:
+        reader.execute("BEGIN")
+        reader.execute("PRAGMA schema_version").fetchone()  # the header only: a read lock
+    except (sqlite3.DatabaseError, UnicodeDecodeError):
+        pass
+    finally:
+        conn.close()
+        reader.close()
+
+
 def _keep_empty_aside(path: Path) -> None:
     """A 0-byte database (and no WAL holding pages for it) lost its conversations: rename
     it aside and say so, instead of quietly starting a new database in its place."""
@@ -133,7 +152,7 @@ class Store(
                     with self._lock:
                         self.applied_migrations = created + migrate(self.db)
                 except BaseException:
-                    conn.close()
+                    _close_keeping_wal(conn, path)  # a failed open changes nothing
                     raise
         except sqlite3.DatabaseError as exc:
             raise _translate(path, exc) from None
@@ -203,19 +222,8 @@ class Store(
             checker.join(5)
         if self._damage is None:
             self.db.conn.close()
-            return
-        # Damaged: a reader holds the file while this connection closes, so the close does
-        # not checkpoint the WAL into the damaged file (a read-only connection never does).
-        try:
-            reader = sqlite3.connect(read_only_uri(self.path), uri=True, timeout=1)
-            try:
-                reader.execute("BEGIN")
-                reader.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-                self.db.conn.close()
-            finally:
-                reader.close()
-        except sqlite3.DatabaseError:
-            self.db.conn.close()
+        else:
+            _close_keeping_wal(self.db.conn, self.path)
 
     def integrity_check(self) -> str:
         return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])
