@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,45 @@ def test_fork_export_and_gc_wait_for_a_streaming_reply(tmp_path):
         "SELECT content, partial FROM messages WHERE session_id=? ORDER BY id", (session,)
     ).fetchall()
     assert rows == parent and rows[-1][1] == 0
+
+
+def _hold(directory: str, session_id: str, ready: Any, release: Any) -> None:
+    from kvchat.store.locks import SessionLocks
+
+    with SessionLocks(Path(directory)).hold(session_id):
+        ready.set()
+        release.wait(60)
+
+
+def test_edit_and_fork_wait_for_the_turn_lock_then_say_busy(kvhome: Path):
+    import multiprocessing
+
+    from kvchat.chat import ChatService
+    from kvchat.config import Settings
+    from kvchat.store.locks import SessionBusy
+
+    service = ChatService(Settings(temperature=0.0, max_tokens=8, n_ctx=1024))
+    try:
+        session = service.new_session()
+        first = service.add_message(session.id, "user", "Hi")
+        service.add_message(session.id, "assistant", "Hello", partial=True)  # streaming
+        ctx = multiprocessing.get_context("spawn")
+        ready, release = ctx.Event(), ctx.Event()
+        holder = ctx.Process(target=_hold, args=(str(kvhome / "locks"), session.id, ready, release))
+        holder.start()
+        try:
+            assert ready.wait(60)
+            before = len(service.list_sessions())
+            for act in (
+                lambda: service.edit(session.id, first.id, "Hi there"),
+                lambda: service.fork(session.id),
+            ):
+                with pytest.raises(SessionBusy, match="busy"):
+                    act()
+            assert len(service.list_sessions()) == before  # no branch of a streaming reply
+        finally:
+            release.set()
+            holder.join(60)
+        assert service.fork(session.id).id  # free again: the fork is made
+    finally:
+        service.close()
