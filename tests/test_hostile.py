@@ -239,6 +239,7 @@ def test_startup_housekeeping_on_a_full_disk_is_no_error(
 def test_the_cli_turns_os_and_sqlite_errors_into_one_line(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ):
+    ChatService(Settings()).close()  # a database to read (`list` makes none)
     for error in (_full("oserror"), _full("sqlite")):
 
         def broken(self, error=error):
