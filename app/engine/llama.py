@@ -331,13 +331,23 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self.truncate(reused)
         if reused in marks:
             self._capture()
+        llama_cpp.llama_perf_context_reset(self.ctx)
         for start, end in _cuts(reused, len(prompt), marks, self.prefill_slice):
             if cancel is not None and cancel():
                 break
             self.llm.eval(list(prompt[start:end]))
             if end in marks:
                 self._capture()
-        return PrefillResult(prompt=len(prompt), reused=reused, decoded=self.n_tokens - reused)
+        decoded = self._evaluated(fallback=self.n_tokens - reused)
+        return PrefillResult(prompt=len(prompt), reused=reused, decoded=decoded)
+
+    def _evaluated(self, fallback: int) -> int:
+        """Prompt tokens llama.cpp itself evaluated since its counters were reset (its perf
+        counters: a resume's "decoded N" is llama.cpp's word, not a subtraction). They read
+        at least 1, so 0 or 1 token is ``fallback`` (prefill decodes 2 or more, or none)."""
+        llama_cpp.llama_synchronize(self.ctx)
+        counted = int(llama_cpp.llama_perf_context(self.ctx).n_p_eval)
+        return counted if counted > 1 else fallback
 
     def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
         """Re-decode everything after position ``keep`` as batches, ending with ``tokens``.
