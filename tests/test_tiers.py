@@ -152,6 +152,31 @@ def test_switching_back_restores_from_ram(kvhome: Path):
     service.close()
 
 
+def test_a_ram_restore_continues_exactly_as_a_full_prefill(kvhome: Path, tmp_path: Path):
+    """Issue 28.3: away and back through the RAM tier, the greedy reply is the one a full
+    prefill of the same history gives (a copy of the home, --no-restore)."""
+    import shutil
+
+    service = ChatService(Settings(**SMALL_CHUNKS))
+    a = service.new_session()
+    b = service.new_session()
+    service.send(a.id, "Tell me about cats.")
+    service.send(b.id, "Say goodbye.")
+    assert service.kv_location(a.id) == "ram"
+    baseline_home = tmp_path / "baseline"
+    shutil.copytree(kvhome, baseline_home)
+    back = service.send(a.id, "Tell me more.")
+    service.close()
+    assert back.restore.source == "ram" and back.tokens.reused == back.restore.tokens
+    baseline = ChatService(Settings(**SMALL_CHUNKS), home=baseline_home)
+    try:
+        full = baseline.send(a.id, "Tell me more.", no_restore=True)
+    finally:
+        baseline.close()
+    assert full.tokens.reused == 0 and full.tokens.prompt == back.tokens.prompt
+    assert back.reply == full.reply
+
+
 def test_ram_budget_zero_falls_through_to_disk(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS, ram_cache_mib=0))
     a = service.new_session()
