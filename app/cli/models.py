@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from kvchat.cli.group import KvchatGroup
+from kvchat.cli.group import KvchatGroup, shown
 from kvchat.config import bundled_model_path, data_dir, ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.planner.gguf_info import (
@@ -41,6 +41,7 @@ from kvchat.planner.plan import (
     make_plan,
     parse_size,
 )
+from kvchat.text import one_line
 
 HASH_CHUNK = 8 * 1024 * 1024
 BUNDLED_ALIASES = ("bundled", "default")
@@ -62,11 +63,17 @@ def local_path(entry: CatalogEntry) -> Path | None:
 def resolve_model(
     spec: str, catalog: Sequence[CatalogEntry] | None = None
 ) -> tuple[ModelInfo, CatalogEntry | None]:
-    """MODEL as a path, a file in the models dir, a catalog name, or ``bundled``."""
+    """MODEL as a path, a store name, a file in the models dir, a catalog name, or
+    ``bundled``."""
     catalog = load_catalog() if catalog is None else catalog
     path = Path(spec).expanduser()
     if path.is_file():
         return read_gguf(path), None
+    from kvchat.config import load_settings, resolve_model_file
+    from kvchat.planner.stores import is_store_name
+
+    if is_store_name(spec):  # a model in another app's store: "ollama:qwen3:8b"
+        return read_gguf(resolve_model_file(spec, load_settings().model_dirs)), None
     if spec.lower() in BUNDLED_ALIASES:
         entry = next((e for e in catalog if e.bundled), None)
         bundled = bundled_model_path()
@@ -251,10 +258,71 @@ def list_models() -> list[dict[str, Any]]:
     return rows
 
 
+def local_models(settings: Any) -> list[dict[str, Any]]:
+    """The models in other apps' stores (kvchat.planner.stores), each with its size,
+    quantization, attention and the planner's fit for this machine, or why it can't be used."""
+    from kvchat.model_choice import PlannerFit
+    from kvchat.planner.stores import discover
+
+    fit = PlannerFit(settings)
+    rows = []
+    for found in discover(settings.model_dirs):
+        info, problem = None, found.problem
+        if found.path is not None and problem is None:
+            try:
+                info = read_gguf(found.path)
+            except KvchatError as exc:
+                problem = str(exc)
+        attention = None
+        if info is not None:
+            attention = info.attention_kind + (" + window" if info.sliding_window else "")
+        rows.append(
+            {
+                "name": found.name,
+                "store": found.store,
+                "path": str(found.path) if found.path else None,
+                "size_bytes": found.size_bytes or None,
+                "quantization": info.quantization if info else None,
+                "architecture": info.architecture if info else None,
+                "attention": attention,
+                "context_length": info.context_length if info else None,
+                "fit": problem or fit.fit(info),
+                "usable": problem is None,
+            }
+        )
+    return rows
+
+
 @models_group.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-def list_cmd(as_json: bool) -> None:
+@click.option(
+    "--local",
+    "local",
+    is_flag=True,
+    help="The models already on this machine in other apps' stores (Ollama, LM Studio, Jan, "
+    "GPT4All, the Hugging Face and llama.cpp caches, model_dirs), usable by name.",
+)
+@click.pass_context
+def list_cmd(ctx: click.Context, as_json: bool, local: bool) -> None:
     """Recommended models and the GGUF files on this machine."""
+    if local:
+        from kvchat.cli.group import settings_from
+
+        found = local_models(settings_from(ctx))
+        if as_json:
+            click.echo(json.dumps({"models": found}, indent=2))
+            return
+        if not found:
+            click.echo("no models found in the stores of other apps on this machine")
+        for row in found:
+            size = fmt_bytes(row["size_bytes"]) if row["size_bytes"] else "?"
+            what = " · ".join(
+                str(v) for v in (row["quantization"], row["attention"]) if v is not None
+            )
+            line = f"{row['name']}  ({row['store']}, {size}{', ' + what if what else ''})"
+            click.echo(shown(one_line(line)))
+            click.echo("    " + shown(one_line(row["fit"])))
+        return
     rows = list_models()
     if as_json:
         click.echo(json.dumps({"models_dir": str(models_dir()), "models": rows}, indent=2))
