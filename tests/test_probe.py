@@ -36,6 +36,8 @@ from kvchat.planner.defaults import DefaultsChoice, retry_plan
 from tests.conftest import FAST, REPO, clean_env, run_cli
 
 CRASH_ENV = "KVCHAT_TEST_PROBE_CRASH"
+# A message whose greedy reply runs to the token limit (1,500 tokens: 10-20 s here).
+LONG_REPLY = "Write a long essay about the history of Rome."
 
 
 def _probe_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -139,42 +141,51 @@ def _db_rows(home: Path, sql: str) -> list[tuple]:
         db.close()
 
 
-@pytest.mark.e2e
-def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(kvhome):
+def _wait_for_partial_reply(home: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (home / "kvchat.db").exists():
+            try:
+                rows = _db_rows(
+                    home,
+                    "SELECT length(content) FROM messages WHERE role = 'assistant' AND partial = 1",
+                )
+            except sqlite3.OperationalError:
+                rows = []
+            if rows and rows[0][0] > 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("no partial reply was stored while the reply streamed")
+
+
+def _segfault_mid_reply(home: Path, argv: list[str], message: str) -> None:
+    """Run ``python ARGV`` (a kvchat sending ``message``), kill it by SIGSEGV once part of
+    the reply is stored, and check that the message and the partial reply are there."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvchat",
-            "ask",
-            "--new",
-            "Write a long essay about the history of Rome.",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "1500",
-            "--n-ctx",
-            "2048",
-            "--threads",
-            "1",
-        ],
+        [sys.executable, *argv],
         cwd=REPO,
-        env={**clean_env(), "KVCHAT_HOME": str(kvhome)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        env={**clean_env(), "KVCHAT_HOME": str(home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_for_partial_reply(kvhome, proc)
+        _wait_for_partial_reply(home, proc)
         os.kill(proc.pid, signal.SIGSEGV)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGSEGV
-    messages = _db_rows(kvhome, "SELECT role, content FROM messages ORDER BY id")
-    assert messages[0] == ("user", "Write a long essay about the history of Rome.")
+    messages = _db_rows(home, "SELECT role, content FROM messages ORDER BY id")
+    assert messages[0] == ("user", message)
     assert messages[1][0] == "assistant" and messages[1][1].strip()
+
+
+@pytest.mark.e2e
+def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(kvhome):
+    argv = ["-m", "kvchat", "ask", "--new", LONG_REPLY, "--temperature", "0"]
+    argv += ["--max-tokens", "1500", "--n-ctx", "2048", "--threads", "1"]
+    _segfault_mid_reply(kvhome, argv, LONG_REPLY)
     (log,) = (kvhome / "crashes").glob("run-*.log")
     assert "Segmentation fault" in log.read_text()
 
@@ -337,48 +348,13 @@ asyncio.run(main())
 """
 
 
-def _wait_for_partial_reply(home: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (home / "kvchat.db").exists():
-            try:
-                rows = _db_rows(
-                    home,
-                    "SELECT length(content) FROM messages WHERE role = 'assistant' AND partial = 1",
-                )
-            except sqlite3.OperationalError:
-                rows = []
-            if rows and rows[0][0] > 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError("no partial reply was stored while the reply streamed")
-
-
 @pytest.mark.e2e
 async def test_the_app_killed_by_sigsegv_mid_reply_loses_nothing_and_says_so_next_time(
     kvhome: Path,
 ) -> None:
     from kvchat.tui.app import KvchatApp
 
-    message = "Write a long essay about the history of Rome."
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _APP_SCRIPT, message],
-        cwd=REPO,
-        env={**clean_env(), "KVCHAT_HOME": str(kvhome)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait_for_partial_reply(kvhome, proc)
-        os.kill(proc.pid, signal.SIGSEGV)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGSEGV
-    messages = _db_rows(kvhome, "SELECT role, content FROM messages ORDER BY id")
-    assert messages[0] == ("user", message)
-    assert messages[1][0] == "assistant" and messages[1][1].strip()
+    _segfault_mid_reply(kvhome, ["-c", _APP_SCRIPT, LONG_REPLY], LONG_REPLY)
 
     app = KvchatApp(Settings(temperature=0, max_tokens=8, n_ctx=2048, n_threads=1))
     async with app.run_test(size=(100, 30)) as pilot:
