@@ -7,7 +7,7 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.store.base import SqlBase, now
 from kvchat.store.models import Message, SearchHit
-from kvchat.store.sessions_sql import check_counts, counts_problem
+from kvchat.store.sessions_sql import TRUE_ID, check_counts, counts_problem
 from kvchat.store.versions_sql import sync_current_version
 
 
@@ -63,7 +63,8 @@ class MessagesSql(SqlBase):
         """The session's messages in order; raises DamagedDatabase when they do not read as
         its row records them (a damaged index hides some: never a shortened history)."""
         rows = self._rows(
-            "SELECT m.*, s.n_messages AS _n, s.last_message_id AS _last, s.n_tokens AS _tokens"
+            "SELECT m.*, s.n_messages AS _n, s.last_message_id AS _last, s.n_tokens AS _tokens,"
+            f" {TRUE_ID} AS _true_id"
             " FROM sessions s LEFT JOIN messages m ON m.session_id = s.id"
             " WHERE s.id=? ORDER BY m.id",
             (session_id,),
@@ -71,6 +72,10 @@ class MessagesSql(SqlBase):
         if not rows:
             self._missing_by_index(session_id)  # a session its id index hides is damage
             return []
+        if rows[0]["_true_id"] != session_id:  # the id index led to another session's row
+            raise self._found_damage(
+                f"session {session_id}: its index leads to another session's row"
+            )
         found = [r for r in rows if r["id"] is not None]
         recorded = (rows[0]["_n"], rows[0]["_last"], rows[0]["_tokens"])
         read = (

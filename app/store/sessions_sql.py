@@ -33,8 +33,13 @@ def insert_session(
 
 # What the session row records about its messages, and what its messages read now: one
 # statement, so both come from the same moment.
-_COUNTS_SQL = """
-SELECT s.n_messages, s.last_message_id, s.n_tokens,
+# A session row's own id, read from the table by rowid: a damaged id index can hand back
+# another session's row for an id (its entries out of order), and may answer ``s.id`` from
+# its own damaged key.
+TRUE_ID = "(SELECT x.id FROM sessions x WHERE x.rowid = s.rowid)"
+
+_COUNTS_SQL = f"""
+SELECT {TRUE_ID}, s.n_messages, s.last_message_id, s.n_tokens,
        (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id),
        (SELECT COALESCE(MAX(m.id), 0) FROM messages m WHERE m.session_id = s.id),
        (SELECT COALESCE(SUM(m.token_count), 0) FROM messages m WHERE m.session_id = s.id)
@@ -60,12 +65,14 @@ def check_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
     """Why ``session_id``'s messages disagree with its row (damage), or None (also when
     there is no such session)."""
     row = conn.execute(_COUNTS_SQL, (session_id,)).fetchone()
-    if row is None:
+    if row is None or row[0] != session_id:
         hidden = conn.execute(
             "SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)
         ).fetchone()
-        return None if hidden is None else _hidden_session(session_id)
-    return counts_problem(row[:3], row[3:], session_id)
+        if row is None and hidden is None:
+            return None
+        return _hidden_session(session_id)
+    return counts_problem(row[1:4], row[4:], session_id)
 
 
 def _hidden_session(session_id: str) -> str:
@@ -105,11 +112,23 @@ class SessionsSql(SqlBase):
         )
 
     def get_session(self, session_id: str) -> Session:
-        rows = self._rows("SELECT * FROM sessions WHERE id=?", (session_id,))
-        if not rows:
-            self._missing_by_index(session_id)
+        row = self._by_id(session_id)
+        if row is None:
             raise KvchatError(f"no session with id {session_id}")
-        return self._session(rows[0])
+        return self._session(row)
+
+    def _by_id(self, session_id: str) -> dict[str, Any] | None:
+        """The session row of this id, checked to be that session's own (a damaged id index
+        can point elsewhere, or nowhere: both raise DamagedDatabase); None when none."""
+        rows = self._rows(
+            f"SELECT s.*, {TRUE_ID} AS _true_id FROM sessions s WHERE s.id=?", (session_id,)
+        )
+        if rows and rows[0]["_true_id"] == session_id:
+            return rows[0]
+        if rows:
+            raise self._found_damage(_hidden_session(session_id))
+        self._missing_by_index(session_id)
+        return None
 
     def _missing_by_index(self, session_id: str) -> None:
         """A session the id index does not find but the table holds is damage: raise it."""
@@ -132,10 +151,9 @@ class SessionsSql(SqlBase):
 
     def resolve_session(self, ref: str) -> Session:
         """A session by exact id, else by unique title prefix (case-insensitive)."""
-        rows = self._rows("SELECT * FROM sessions WHERE id=?", (ref,))
-        if rows:
-            return self._session(rows[0])
-        self._missing_by_index(ref)
+        row = self._by_id(ref)
+        if row is not None:
+            return self._session(row)
         pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._rows(
             "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC",
