@@ -54,7 +54,7 @@ def _outcomes(tmp_path: Path) -> list[ProbeOutcome]:
 
 def test_fallbacks_turn_off_one_risky_option_at_a_time():
     wanted = Trial(repack=True, flash_attn=True, n_gpu_layers=-1, type_k="q8_0", type_v="q8_0")
-    trials = wanted.fallbacks(repack_fixed=False)
+    trials = wanted.fallbacks(repack_fixed=False, gpu=True)
     assert [(t.repack, t.flash_attn, t.n_gpu_layers) for t in trials] == [
         (True, True, -1),
         (False, True, -1),
@@ -64,7 +64,9 @@ def test_fallbacks_turn_off_one_risky_option_at_a_time():
     # Flash attention off needs an f16 V cache; K may stay quantized.
     assert (trials[2].type_k, trials[2].type_v) == ("q8_0", "f16")
     # repack = "on" is the user's: never turned off by the probe.
-    assert all(t.repack for t in wanted.fallbacks(repack_fixed=True))
+    assert all(t.repack for t in wanted.fallbacks(repack_fixed=True, gpu=True))
+    # A build without GPU offload has nothing to turn off there.
+    assert all(t.n_gpu_layers == -1 for t in wanted.fallbacks(repack_fixed=False, gpu=False))
 
 
 def test_the_fastest_thread_count_is_the_measured_one():

@@ -72,9 +72,10 @@ class Trial:
             type_v=config.type_v,
         )
 
-    def fallbacks(self, repack_fixed: bool) -> list[Trial]:
+    def fallbacks(self, repack_fixed: bool, gpu: bool) -> list[Trial]:
         """This trial, then with repacking off (unless fixed by the setting), then flash
-        attention off (a quantized V cache needs it: f16 then), then no GPU offload."""
+        attention off (a quantized V cache needs it: f16 then), then no GPU offload (where
+        this llama.cpp build has any: ``gpu``)."""
         trials = [self]
         current = self
         if current.repack and not repack_fixed:
@@ -83,7 +84,7 @@ class Trial:
         if current.flash_attn:
             current = replace(current, flash_attn=False, type_v="f16")
             trials.append(current)
-        if current.n_gpu_layers != 0:
+        if gpu and current.n_gpu_layers != 0:
             current = replace(current, n_gpu_layers=0)
             trials.append(current)
         return trials
@@ -142,12 +143,11 @@ class ProbeOutcome:
         if not self.changes:
             return None
         crash = self.failures[0].split(": ", 1)[-1] if self.failures else "it crashed"
-        where = "this CPU (AMX)" if self.amx and not self.wanted.n_gpu_layers else "this machine"
+        amx = self.amx and self.changes[0] == "weight repacking off"
+        where = "this CPU (AMX)" if amx else "this machine"
         line = f"{', '.join(self.changes)}: llama.cpp crashed with the faster settings on {where}"
         line += f" ({crash} in a test run)"
-        if self.amx and self.changes[0] == "weight repacking off":
-            line += f"; see {AMX_ISSUE}"
-        return line
+        return line + (f"; see {AMX_ISSUE}" if amx else "")
 
     def best_threads(self, kind: str) -> int | None:
         """The thread count with the highest measured ``kind`` ("prefill"/"generate") speed."""
@@ -433,7 +433,7 @@ def run_probe(
     started = time.perf_counter()
     counts = thread_candidates(physical, os.cpu_count())
     failures: list[str] = []
-    for trial in wanted.fallbacks(repack_fixed):
+    for trial in wanted.fallbacks(repack_fixed, gpu=bool(facts["gpu_offload"])):
         result = run_child(trial.apply(config), counts)
         if result.ok or not result.crashed:
             break
