@@ -8,12 +8,9 @@ small files written with ``gguf.GGUFWriter`` (no real weights).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import re
-import shutil
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -447,39 +444,6 @@ def test_list_shows_catalog_local_and_bundled(home: Path) -> None:
 # ------------------------------------------------------------------------------ pull
 
 
-def fake_hub(
-    source: Path, sha256: str, *, paths_info: bool = True, listed: str = ""
-) -> types.ModuleType:
-    """A stand-in for huggingface_hub that "downloads" ``source`` from local disk.
-
-    Its sha256 comes from ``get_paths_info``, or (``paths_info=False``) from
-    ``model_info(files_metadata=True)``, which lists the file ``listed``.
-    """
-    hub = types.ModuleType("huggingface_hub")
-    calls: dict[str, Any] = {}
-
-    class HfApi:
-        def get_paths_info(self, repo_id: str, paths: list[str], **_: Any) -> list[Any]:
-            if not paths_info:
-                raise RuntimeError("old server")
-            return [types.SimpleNamespace(path=paths[0], lfs=types.SimpleNamespace(sha256=sha256))]
-
-        def model_info(self, repo_id: str, files_metadata: bool = False) -> Any:
-            sibling = types.SimpleNamespace(rfilename=listed, lfs={"sha256": sha256})
-            return types.SimpleNamespace(siblings=[sibling])
-
-    def hf_hub_download(repo_id: str, filename: str, local_dir: str) -> str:
-        calls.update(repo=repo_id, file=filename)
-        target = Path(local_dir) / filename
-        shutil.copyfile(source, target)
-        return str(target)
-
-    hub.HfApi = HfApi  # type: ignore[attr-defined]
-    hub.hf_hub_download = hf_hub_download  # type: ignore[attr-defined]
-    hub.calls = calls  # type: ignore[attr-defined]
-    return hub
-
-
 def test_pull_unknown_name() -> None:
     result = invoke("pull", "no-such-model")
     assert result.exit_code == 2
@@ -490,35 +454,6 @@ def test_pull_without_huggingface_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
     result = invoke("pull", "qwen2.5-1.5b")
     assert result.exit_code == 2 and "pip install 'kvchat[pull]'" in result.output
-
-
-@pytest.mark.parametrize("paths_info", [True, False])
-def test_pull_copies_and_verifies(
-    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch, paths_info: bool
-) -> None:
-    source = write_gguf(tmp_path / "src.gguf", "qwen2", layers=2, n_embd=128, heads=4, kv_heads=2)
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    entry = find_entry("qwen2.5-1.5b", load_catalog())
-    hub = fake_hub(source, digest, paths_info=paths_info, listed=entry.file)
-    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
-    result = invoke("pull", "qwen2.5-1.5b")
-    assert result.exit_code == 0, result.output
-    assert hub.calls["repo"] == entry.hf_repo and hub.calls["file"] == entry.file
-    pulled = home / "models" / entry.file
-    assert pulled.read_bytes() == source.read_bytes() and "ok:" in result.output
-    # Now present: plan reads the file instead of the catalog.
-    assert resolve_model("qwen2.5-1.5b")[0].source == "gguf"
-
-
-def test_pull_checksum_mismatch_removes_the_file(
-    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    source = tmp_path / "src.gguf"
-    source.write_bytes(b"GGUF" + b"\0" * 64)
-    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub(source, "0" * 64))
-    result = invoke("pull", "--repo", "someone/Some-GGUF", "--file", "some.gguf")
-    assert result.exit_code == 2 and "checksum mismatch" in result.output
-    assert not (home / "models" / "some.gguf").exists()
 
 
 @needs_bundled

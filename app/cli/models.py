@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,8 @@ from kvchat.planner.plan import (
 from kvchat.text import one_line
 
 HASH_CHUNK = 8 * 1024 * 1024
+# Room kept free on the disk beyond a download's size.
+DISK_MARGIN = 64 * 1024 * 1024
 BUNDLED_ALIASES = ("bundled", "default")
 
 
@@ -357,23 +360,40 @@ def _lfs_sha256(item: Any) -> str | None:
     return str(sha).lower() if sha else None
 
 
-def expected_sha256(hub: Any, repo: str, filename: str) -> str | None:
-    """The file's sha256 from the repo's LFS metadata, or None when it cannot be had."""
+def remote_file(hub: Any, repo: str, filename: str) -> tuple[str | None, int | None]:
+    """The file's sha256 (from the repo's LFS metadata) and size, each None when it cannot
+    be had."""
     api = hub.HfApi()
     try:
         for item in api.get_paths_info(repo, [filename]):
             if getattr(item, "path", filename) == filename and _lfs_sha256(item):
-                return _lfs_sha256(item)
+                return _lfs_sha256(item), getattr(item, "size", None)
     except Exception:  # older hub, offline, gated: fall back to model_info
         pass
     try:
         info = api.model_info(repo, files_metadata=True)
         for sibling in info.siblings or []:
             if sibling.rfilename == filename:
-                return _lfs_sha256(sibling)
+                return _lfs_sha256(sibling), getattr(sibling, "size", None)
     except Exception:
-        return None
-    return None
+        return None, None
+    return None, None
+
+
+def check_room(dest: Path, size: int | None, partial: Path) -> None:
+    """Refuse a download the disk cannot hold (what a stopped one left counts as here)."""
+    import shutil
+
+    if not size:
+        return
+    here = partial.stat().st_size if partial.exists() else 0
+    needed = size - here + DISK_MARGIN
+    free = shutil.disk_usage(dest).free
+    if free < needed:
+        raise KvchatError(
+            f"{partial.name[1:-8]} needs {fmt_bytes(needed)} more on the disk holding {dest}, "
+            f"which has {fmt_bytes(free)} free: nothing was downloaded"
+        )
 
 
 def sha256_file(path: Path, label: str = "verifying sha256") -> str:
@@ -431,25 +451,75 @@ def pull_model(
     dest = models_dir()
     ensure_private_dir(data_dir())
     dest.mkdir(parents=True, exist_ok=True)
-    expected = expected_sha256(hub, repo, filename)
+    name = Path(filename).name  # the file kvchat writes is named by it, in the models dir only
+    path, partial = dest / name, dest / f".{name}.partial"
+    expected, size = remote_file(hub, repo, filename)
+    check_room(dest, size, partial)
     echo(f"downloading {repo}/{filename} into {dest}")
-    try:
-        # Resumable: an interrupted download continues from its .incomplete file.
-        path = Path(hub.hf_hub_download(repo_id=repo, filename=filename, local_dir=str(dest)))
-    except Exception as exc:
-        raise KvchatError(f"download of {repo}/{filename} failed: {exc}") from exc
+    url = hub.hf_hub_url(repo, filename)
+    fetch(url, hub.utils.build_hf_headers(), partial, size, f"{repo}/{filename}")
     if expected is None:
         echo("warning: the repo publishes no sha256 for this file; it was not verified")
-        return path
-    actual = sha256_file(path)
-    if actual != expected:
-        path.unlink(missing_ok=True)
-        raise KvchatError(
-            f"checksum mismatch for {filename}: expected {expected}, got "
-            f"{actual}; the file was removed, run the pull again"
-        )
-    echo(f"ok: {path} (sha256 {actual[:16]}…)")
+    else:
+        actual = sha256_file(partial)
+        if actual != expected:
+            partial.unlink(missing_ok=True)
+            raise KvchatError(
+                f"checksum mismatch for {filename}: expected {expected}, got "
+                f"{actual}; the file was removed, run the pull again"
+            )
+        echo(f"sha256 {actual[:16]}… matches the repo's")
+    os.replace(partial, path)
+    echo(f"ok: {path}")
     return path
+
+
+def fetch(url: str, headers: dict[str, str], partial: Path, size: int | None, label: str) -> None:
+    """Download ``url`` into ``partial``, going on from what a stopped download left there
+    (an HTTP Range request); a progress bar on stderr. A failure says how much is here and
+    that the same pull resumes."""
+    import urllib.error
+    import urllib.request
+
+    have = partial.stat().st_size if partial.exists() else 0
+    if size and have == size:
+        return
+    if size and have > size:
+        partial.unlink()
+        have = 0
+    wanted = dict(headers)
+    if have:
+        wanted["Range"] = f"bytes={have}-"
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=wanted), timeout=60
+        ) as resp:
+            if have and resp.status != 206:
+                have = 0  # the server sends the whole file again
+            fd = os.open(
+                partial, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC), 0o600
+            )
+            with (
+                os.fdopen(fd, "wb") as fh,
+                click.progressbar(length=size or 0, label=label, file=sys.stderr) as bar,
+            ):
+                bar.update(have)
+                while chunk := resp.read(1 << 20):
+                    fh.write(chunk)
+                    bar.update(len(chunk))
+                fh.flush()
+                os.fsync(fh.fileno())
+    except (urllib.error.URLError, OSError) as exc:
+        here = partial.stat().st_size if partial.exists() else 0
+        raise KvchatError(
+            f"download of {label} stopped ({getattr(exc, 'reason', None) or exc}); "
+            f"{fmt_bytes(here)} are here: run the same pull again to go on from there"
+        ) from None
+    if size and partial.stat().st_size != size:
+        raise KvchatError(
+            f"download of {label} ended short ({fmt_bytes(partial.stat().st_size)} of "
+            f"{fmt_bytes(size)}): run the same pull again to go on from there"
+        )
 
 
 @models_group.command("pull")
