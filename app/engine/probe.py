@@ -219,9 +219,10 @@ def probe_words(outcome: ProbeOutcome) -> str:
     trial = outcome.trial
     options = (
         f"weight repacking {'on' if trial.repack else 'off'}, flash attention "
-        f"{'on' if trial.flash_attn else 'off'}, "
-        + ("GPU offload off" if trial.n_gpu_layers == 0 else "GPU layers as planned")
+        f"{'on' if trial.flash_attn else 'off'}"
     )
+    if trial.n_gpu_layers == 0 and outcome.wanted.n_gpu_layers != 0:
+        options += ", GPU offload off"
     return f"{options}; {outcome.reason}" if outcome.reason else f"{options} (as asked; it ran)"
 
 
