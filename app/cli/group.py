@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import sqlite3
 import sys
@@ -44,6 +45,11 @@ class KvchatGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            # The reader of stdout stopped early (`kvchat doctor | head -1`): it has what it
+            # wanted; what is left goes nowhere, quietly.
+            drop_stdout()
+            sys.exit(0)
         except KvchatError as exc:
             fail(str(exc))
         except OSError as exc:
@@ -54,6 +60,13 @@ class KvchatGroup(click.Group):
         except sqlite3.OperationalError as exc:
             text = str(exc)
             fail(f"the disk is full: {text}" if "full" in text else f"database error: {text}")
+
+
+def drop_stdout() -> None:
+    """The reader of stdout went away: what is left goes to /dev/null (no error at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def shown(text: str, stream: IO[str] | None = None) -> str:
