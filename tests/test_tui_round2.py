@@ -563,6 +563,11 @@ async def test_a_narrow_window_hides_the_sidebar_and_ctrl_l_brings_it_back(kvhom
         assert main.conversation.size.width >= 55  # the chat has the window
         footer = [line for line in _screen_lines(app) if "Stop" in line][-1]
         assert "palette" not in footer  # no key overlapping another
+        # The last turn's figures wrap onto a second line instead of being cut.
+        summary = main.status.turn_text
+        assert len(summary) > 60 and "…" not in summary
+        shown = " ".join(" ".join(_screen_lines(app)).split())
+        assert " ".join(summary.split()[-3:]) in shown
         await pilot.press("ctrl+l")
         assert main.sessions.display and app.focused is main.sessions
         await pilot.press("ctrl+l")  # in the list: hide it again
@@ -575,9 +580,8 @@ async def test_a_narrow_window_hides_the_sidebar_and_ctrl_l_brings_it_back(kvhom
         await pilot.press("ctrl+g")
         await wait_until(lambda: app.screen.__class__.__name__ == "SettingsDialog")
         save = app.screen.query_one("#save", Button)
-        save.focus()
-        await pilot.pause()
-        assert 0 <= save.region.y and save.region.bottom <= 20
+        save.focus()  # as Tab reaches it: the dialog scrolls it into sight
+        await wait_until(lambda: 0 <= save.region.y and save.region.bottom <= 20, timeout=10)
         await pilot.press("escape")
         await wait_until(lambda: app.screen is main)
 

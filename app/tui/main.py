@@ -128,6 +128,7 @@ class MainScreen(
 
     def on_resize(self, event: events.Resize) -> None:
         self._show_sidebar()
+        self.set_class(event.size.width < NARROW_COLUMNS, "-narrow")  # see kvchat.tcss
         # A narrow footer: the palette's key, docked right, would overlap the others.
         footer = self.query_one(Footer)
         wide = event.size.width >= NARROW_COLUMNS
