@@ -15,7 +15,7 @@ import pytest
 
 from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine.base import EngineConfig
+from kvchat.engine.base import EngineConfig, GenerationParams, GenerationStats
 
 
 @pytest.fixture
@@ -48,6 +48,14 @@ def test_prefill_reports_what_llama_decode_was_given(decoded_by_llama: list[int]
         resumed = engine.prefill(tokens[:130])
         assert resumed.reused == 100 and resumed.decoded == 30 == sum(decoded_by_llama)
         assert int(llama_cpp.llama_perf_context(engine.ctx).n_p_eval) == 30
+        # A reply cut at max_tokens ends on a decode whose logits nobody reads: llama.cpp
+        # counts it at its next synchronize, which must not land in the next prefill's count.
+        stats = GenerationStats()
+        "".join(engine.generate(GenerationParams(temperature=0, max_tokens=3), stats))
+        assert stats.finish_reason == "length"
+        decoded_by_llama.clear()
+        follow = engine.prefill(engine.tokens + tokens[130:150])
+        assert follow.decoded == sum(decoded_by_llama) == 20
     finally:
         engine.close()
 

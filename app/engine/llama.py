@@ -331,6 +331,9 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self.truncate(reused)
         if reused in marks:
             self._capture()
+        # Tokens decoded before but not yet counted (a decode whose logits nobody read) are
+        # counted at the next synchronize: flushed now, so the count is this prefill's alone.
+        llama_cpp.llama_synchronize(self.ctx)
         llama_cpp.llama_perf_context_reset(self.ctx)
         for start, end in _cuts(reused, len(prompt), marks, self.prefill_slice):
             if cancel is not None and cancel():
@@ -539,12 +542,12 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             for count in counts:
                 llama_cpp.llama_set_n_threads(self.ctx, count, count)
                 started = time.perf_counter()
-                if not self._scratch_decode(batch, token, 0, prompt):
+                if not self._scratch_decode(batch, [token] * prompt, 0):
                     return {}
                 batch_s = time.perf_counter() - started
                 started = time.perf_counter()
                 for pos in range(prompt, prompt + generate):
-                    if not self._scratch_decode(batch, token, pos, 1):
+                    if not self._scratch_decode(batch, [token], pos):
                         return {}
                 step_s = time.perf_counter() - started
                 llama_cpp.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
@@ -558,15 +561,47 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             self.set_threads(self.config.n_threads, self.config.n_threads_batch)
         return speeds
 
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """A greedy reply to ``prompt`` decoded in the scratch sequence and removed again:
+        the conversation's KV and tokens are untouched (a title for the session, say). None
+        when the context has no scratch sequence or too few free cells for it."""
+        need = len(prompt) + max_tokens + 1
+        if not prompt or not self.appends_state or self.n_ctx - self.n_tokens < need:
+            return None
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        batch = llama_cpp.llama_batch_init(max(len(prompt), 1), 0, 1)
+        sampler = self._sampler(GenerationParams(temperature=0))
+        out = bytearray()
+        try:
+            for start in range(0, len(prompt), self.config.n_batch):
+                piece = list(prompt[start : start + self.config.n_batch])
+                if not self._scratch_decode(batch, piece, start):
+                    return None
+            pos = len(prompt)
+            for _ in range(max_tokens):
+                token = sampler.sample(self.llm._ctx, -1)
+                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                    break
+                out += self._token_bytes(token)
+                if not self._scratch_decode(batch, [token], pos):
+                    break
+                pos += 1
+        finally:
+            sampler.close()
+            llama_cpp.llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1)
+            llama_cpp.llama_batch_free(batch)
+        return out.decode("utf-8", errors="ignore")
+
     def _scratch_token(self) -> int:
         """An ordinary token to decode for timing (the first of a plain word)."""
         tokens = self.tokenize(" the")
         return tokens[0] if tokens else 0
 
-    def _scratch_decode(self, batch: Any, token: int, start: int, count: int) -> bool:
-        """Decode ``count`` copies of ``token`` at positions ``start``… in the scratch
-        sequence, logits for the last only."""
-        for i in range(count):
+    def _scratch_decode(self, batch: Any, tokens: Sequence[int], start: int) -> bool:
+        """Decode ``tokens`` at positions ``start``… in the scratch sequence, logits for the
+        last only."""
+        count = len(tokens)
+        for i, token in enumerate(tokens):
             batch.token[i] = token
             batch.pos[i] = start + i
             batch.n_seq_id[i] = 1
