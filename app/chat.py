@@ -29,7 +29,7 @@ from kvchat.sessions import DEFAULT_TITLE, SessionBook
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
 from kvchat.store.locks import SessionLocks
 from kvchat.store.store import DamagedDatabase, StoreFull
-from kvchat.text import check_text, one_line
+from kvchat.text import check_text, short_title
 from kvchat.turn_runner import TurnRunner
 from kvchat.turns import (
     SESSION_SETTINGS,
@@ -294,7 +294,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
             self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
             try:
                 if session.title == DEFAULT_TITLE:
-                    self._retitle(session_id, _title_from(text))
+                    self._retitle(session_id, short_title(text))
                 return self._turn(session_id, params, on_token, cancel, no_restore)
             except KvchatError as exc:
                 raise UnansweredMessage(session_id, str(exc)) from exc
@@ -391,8 +391,3 @@ def open_service(settings: Settings, home: Path | None = None) -> Iterator[ChatS
         yield service
     finally:
         service.close()
-
-
-def _title_from(text: str, limit: int = 48) -> str:
-    line = one_line(text)
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"

@@ -194,6 +194,11 @@ class Settings(BaseSettings):
         description="chat template: chatml, gemma, llama3, mistral, phi3 or a Jinja file; "
         "default: the model's own (its GGUF's, else the catalog's, else ChatML with a notice)",
     )
+    auto_title: bool = Field(
+        default=True,
+        description="after a session's first reply, the model names it (a few words, "
+        "decoded beside the conversation: its KV is untouched); false: the first line",
+    )
     ram_cache_mib: int = Field(
         default=1024, ge=0, description="warm tier: RAM for recent sessions' KV"
     )

@@ -35,9 +35,28 @@ def one_line(text: str) -> str:
     return " ".join(visible(text).split())
 
 
+# Markdown markup that says nothing in a one-line title: heading and quote marks, list
+# bullets, emphasis and code marks, a link's target (its text stays).
+_MARKUP = [
+    (re.compile(r"(?m)^\s{0,3}(?:#{1,6}\s+|>\s*|[-*+]\s+|\d+[.)]\s+)"), ""),
+    (re.compile(r"!?\[([^\]]*)\]\([^)]*\)"), r"\1"),
+    (re.compile(r"(\*\*|\*|`+|~~)(?=\S)(.+?)(?<=\S)\1"), r"\2"),
+    (re.compile(r"(?<!\w)(__|_)(?=\S)(.+?)(?<=\S)\1(?!\w)"), r"\2"),
+    (re.compile(r"`+"), ""),
+]
+
+
+def plain(text: str) -> str:
+    """``text`` without its Markdown markup (``# Heading **bold**`` → ``Heading bold``)."""
+    for pattern, replacement in _MARKUP:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 def short_title(text: str, limit: int = 48) -> str:
-    """A session's title from its first message: the text on one line, cut at ``limit``."""
-    line = one_line(text)
+    """A session's title from its first message: the text on one line, without Markdown
+    markup, cut at ``limit``."""
+    line = one_line(plain(text)) or one_line(text)
     return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
 
 
@@ -75,3 +94,25 @@ def check_text(text: str, what: str = "the message") -> str:
     if _SURROGATE.search(text):
         raise KvchatError(f"{what} is not valid UTF-8 text")
     return text
+
+
+# A title the model writes: at most this many words.
+TITLE_WORDS = 8
+_TITLE_LABEL = re.compile(r"^(?:title|conversation|name)\s*[:\-–]\s*", re.IGNORECASE)
+
+
+def model_title(reply: str) -> str | None:
+    """A title from what a model wrote when asked for one: its first line, without
+    quotes, Markdown or a "Title:" label, up to the first sentence's end, at most
+    :data:`TITLE_WORDS` words; None when nothing usable is left."""
+    lines = [line for line in visible(reply).splitlines() if line.strip()]
+    if not lines:
+        return None
+    quotes = " \"'“”‘’«»*#"
+    line = _TITLE_LABEL.sub("", one_line(plain(lines[0])).strip(quotes))
+    line = re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0]
+    line = line.strip(quotes).rstrip(".!?:;,")
+    words = line.split()
+    if not words:
+        return None
+    return short_title(" ".join(words[:TITLE_WORDS]))

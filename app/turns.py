@@ -233,3 +233,5 @@ class Housekeeping:
     # False: it yielded to a new message (or the session was busy); the rest is pending.
     finished: bool = True
     note: str | None = None
+    # The title the model gave the session after its first reply (None: none made).
+    title: str | None = None

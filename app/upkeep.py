@@ -11,8 +11,16 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache.tiers import SnapshotWrite
 from kvchat.service_parts import ServiceParts
 from kvchat.store import Session
+from kvchat.text import model_title, short_title
 from kvchat.turns import Housekeeping, TurnReport, WindowShift
 from kvchat.window import plan_shift, settle_target
+
+# How the model is asked for a session's title (see ContextUpkeep._name_session).
+TITLE_SYSTEM = (
+    "You name conversations. Reply with a short title of two to six words and nothing else."
+)
+TITLE_SOURCE_CHARS = 600
+TITLE_TOKENS = 16
 
 
 class ContextUpkeep(ServiceParts):
@@ -107,7 +115,9 @@ class ContextUpkeep(ServiceParts):
                 target = self._settle_target(session, prompt, dropped)
             except KvchatError as exc:
                 report.window_note = f"the context was left as generated ({exc})"
-        self._pending_upkeep = PendingUpkeep(session.id, len(prompt), target)
+        self._pending_upkeep = PendingUpkeep(
+            session.id, len(prompt), target, title=self._wants_title(report, session)
+        )
         if self.defer_housekeeping:
             return
         done = self._run_upkeep()
@@ -154,9 +164,51 @@ class ContextUpkeep(ServiceParts):
         if self._yield_now.is_set():
             done.finished = False
             return done
-        done.snapshot = self.tiers.save_hot()
+        if pending.snapshot_due:
+            done.snapshot = self.tiers.save_hot()
+            pending.snapshot_due = False
+        if pending.title is not None:
+            if self._yield_now.is_set():
+                done.finished = False
+                return done
+            done.title = self._name_session(pending.session_id, pending.title)
+            pending.title = None
         self._pending_upkeep = None
         return done
+
+    def _wants_title(self, report: TurnReport, session: Session) -> str | None:
+        """The automatic title to replace with the model's, after a session's first reply
+        (None: not this time: a later reply, a title set by the user, auto_title off)."""
+        if not self.settings.auto_title or report.message_id is None:
+            return None
+        messages = self.store.messages(session.id)
+        if len(messages) != 2 or messages[0].role != "user":
+            return None
+        automatic = short_title(messages[0].content)
+        return automatic if self.store.get_session(session.id).title == automatic else None
+
+    def _name_session(self, session_id: str, automatic: str) -> str | None:
+        """Ask the model for a title beside the conversation (the scratch sequence: the
+        session's KV and tokens are untouched) and keep it unless the user renamed the
+        session meanwhile; the title, or None."""
+        first = self.store.messages(session_id)[0].content
+        ask = [
+            {"role": "system", "content": TITLE_SYSTEM},
+            {"role": "user", "content": f"Name this conversation:\n\n{first[:TITLE_SOURCE_CHARS]}"},
+        ]
+        engine = self.engine
+        try:
+            reply = engine.generate_aside(engine.chat_tokens(ask), TITLE_TOKENS)
+        except KvchatError:
+            return None
+        title = model_title(reply or "")
+        if title is None or self.store.get_session(session_id).title != automatic:
+            return None
+        try:
+            self.store.update_session(session_id, title=title)
+        except (KvchatError, OSError):
+            return None
+        return title
 
     def _abandon_upkeep(self) -> None:
         """New work on the context starts: housekeeping not done is dropped.
@@ -180,3 +232,6 @@ class PendingUpkeep:
     session_id: str
     keep: int  # the context's valid prefix (the prompt, then what the settle re-decoded)
     target: list[int] | None  # what the settle leaves the context holding (None: done)
+    # The automatic title the model's replaces (None: no title to make).
+    title: str | None = None
+    snapshot_due: bool = True

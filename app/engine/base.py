@@ -240,6 +240,11 @@ class Engine(Protocol):
 
     def state_save_file(self, path: Path) -> int: ...
 
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """A greedy reply to ``prompt`` made beside the conversation (its KV and tokens
+        untouched); None where the engine cannot."""
+        ...
+
     def measure_threads(
         self, counts: Sequence[int], prompt: int = 32, generate: int = 8
     ) -> dict[str, dict[str, float]]:

@@ -1,0 +1,89 @@
+"""Issue 22.9: after a session's first reply the model names it, beside the conversation:
+the session's KV is untouched (the next turn decodes only the new message), a title the
+user set is never replaced, and auto_title = false keeps the first line (without Markdown)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from kvchat.chat import ChatService
+from kvchat.config import bundled_model_path, load_settings
+from kvchat.engine.base import EngineConfig
+from kvchat.text import TITLE_WORDS, model_title, short_title
+
+FIRST = "# Plan **a trip** to Japan in spring"
+
+
+def _service(home: Path, **settings) -> ChatService:
+    values = dict(n_ctx=1024, temperature=0.0, max_tokens=24, n_threads=1)
+    return ChatService(load_settings(**{**values, **settings}), home=home)
+
+
+def test_titles_leave_markdown_out() -> None:
+    assert short_title(FIRST) == "Plan a trip to Japan in spring"
+    assert short_title("See [the docs](https://x.example) and `code`") == "See the docs and code"
+    assert short_title("snake_case_name stays") == "snake_case_name stays"
+    assert model_title('"Title: Trip to Japan"') == "Trip to Japan"
+    assert model_title("The cat. A creature of the night.") == "The cat"
+    assert model_title("**Cats 101**\nand more") == "Cats 101"
+    assert len(model_title("one two three four five six seven eight nine ten").split()) == (
+        TITLE_WORDS
+    )
+    assert model_title("  \n") is None
+
+
+@pytest.mark.e2e
+def test_generating_aside_leaves_the_conversation_as_it_was() -> None:
+    from kvchat.engine.llama import LlamaEngine
+
+    engine = LlamaEngine(EngineConfig(bundled_model_path(), n_ctx=1024, n_threads=1))
+    try:
+        engine.prefill(engine.chat_tokens([{"role": "user", "content": "Tell me about cats."}]))
+        tokens, state = engine.tokens, hashlib.sha256(bytes(engine.state_get())).hexdigest()
+        ask = [{"role": "user", "content": "Name this conversation: cats."}]
+        assert engine.generate_aside(engine.chat_tokens(ask), 12)
+        assert engine.tokens == tokens
+        assert hashlib.sha256(bytes(engine.state_get())).hexdigest() == state
+    finally:
+        engine.close()
+
+
+@pytest.mark.e2e
+def test_the_model_names_a_session_and_the_next_turn_reads_only_the_new_message(
+    kvhome: Path,
+) -> None:
+    service = _service(kvhome)
+    try:
+        first = service.start(FIRST)
+        title = service.store.get_session(first.session_id).title
+        assert title != short_title(FIRST) and 0 < len(title.split()) <= TITLE_WORDS
+        hot = service.engine.n_tokens
+        again = service.send(first.session_id, "What about food?")
+        assert again.restore.source == "hot" and again.tokens.reused == hot
+        assert again.tokens.decoded == again.tokens.prompt - hot < 20
+        # Only the first reply names a session.
+        assert service.store.get_session(first.session_id).title == title
+    finally:
+        service.close()
+
+
+@pytest.mark.e2e
+def test_a_title_the_user_set_is_kept_and_the_setting_turns_naming_off(kvhome: Path) -> None:
+    service = _service(kvhome)
+    service.defer_housekeeping = True  # as the app does: naming waits for an idle moment
+    try:
+        report = service.start("Tell me about cats.")
+        service.rename(report.session_id, "My cats")
+        assert service.housekeep().title is None
+        assert service.store.get_session(report.session_id).title == "My cats"
+    finally:
+        service.close()
+    off = _service(kvhome, auto_title=False)
+    try:
+        report = off.start(FIRST)
+        assert off.store.get_session(report.session_id).title == short_title(FIRST)
+    finally:
+        off.close()
