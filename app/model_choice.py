@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.config import bundled_model_path, models_dir
+from kvchat.engine.probe import measured_speed
 from kvchat.errors import KvchatError
 from kvchat.planner.catalog import CatalogEntry, info_from_catalog, load_catalog
+from kvchat.planner.cpu import cpu_fit
 from kvchat.planner.defaults import (
     DefaultsChoice,
     GpuBudget,
@@ -111,6 +113,7 @@ class ModelChoices(ServiceParts):
     if TYPE_CHECKING:  # ChatService's
         _engine: Engine | None
         _given_engine: Engine | None
+        _directory: Path
 
         def _release_engine(self) -> None: ...
 
@@ -124,7 +127,7 @@ class ModelChoices(ServiceParts):
             catalog = load_catalog()
         except KvchatError:
             catalog = []
-        planner = PlannerFit(self.settings)
+        planner = PlannerFit(self.settings, self._directory)
         loaded = self.loaded_model_path
         choices: list[ModelChoice] = []
         seen: list[Path] = []
@@ -287,12 +290,14 @@ class ModelChoices(ServiceParts):
 
 
 class PlannerFit:
-    """The planner's fit, with the GPU budget asked for once per list."""
+    """The planner's fit, with the GPU budget (and, for the CPU, the probe's measured speed)
+    asked for once per list."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, directory: Path | None = None) -> None:
         self.settings = settings
         self.budget: GpuBudget | None = find_budget(settings)
         self.offload = gpu_offload_supported() if self.budget is not None else False
+        self.measured = measured_speed(directory)
 
     def fit(self, info: ModelInfo | None) -> str:
         if info is None:
@@ -303,6 +308,8 @@ class PlannerFit:
             )
         except KvchatError as exc:
             return one_line(str(exc))
+        if choice.device == "cpu":
+            return cpu_fit(info, choice.n_ctx, self.measured, choice.type_k, choice.type_v).line()
         return fit_line(choice, info)
 
 

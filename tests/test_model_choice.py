@@ -28,7 +28,7 @@ from kvchat.tui.screens.models import ModelScreen
 from tests.tiny_models import FAMILIES, write_tiny
 
 TINY = "tiny-llama"
-FIT_PREFIXES = ("fits: ", "partly fits: ", "CPU only: ")
+FIT_PREFIXES = ("fits: ", "partly fits: ", "CPU: ", "too big for the RAM free: ")
 
 
 def settings(**overrides: object) -> Settings:

@@ -182,10 +182,33 @@ def plan_cmd(
         reserve_bytes=reserve,
     )
     plan = make_plan(info, cfg, target_ctx)
+    cpu = cpu_rows(info, kv_type)
     if as_json:
-        click.echo(json.dumps(plan.to_dict(), indent=2))
+        click.echo(json.dumps({**plan.to_dict(), "cpu": [row.to_dict() for row in cpu]}, indent=2))
+        return
+    click.echo(format_plan(plan))
+    click.echo("")
+    click.echo("on this machine's CPU (no GPU offload):")
+    for row in cpu:
+        click.echo(f"  {row.line()}")
+    measured = cpu[0].measured
+    if measured is None:
+        click.echo("  tokens/s: not measured on this machine yet (the first model load does it)")
     else:
-        click.echo(format_plan(plan))
+        click.echo(
+            f"  tokens/s scaled by weight size from {measured.tok_s:.0f} tok/s measured here "
+            f"on {measured.model_name or 'a model'} ({fmt_bytes(measured.model_bytes)})"
+        )
+
+
+def cpu_rows(info: ModelInfo, kv_type: str) -> list[Any]:
+    """The CPU fit (RAM, expected tok/s) at 8k and at the trained context (up to 32k)."""
+    from kvchat.engine.probe import measured_speed
+    from kvchat.planner.cpu import cpu_fit
+
+    measured = measured_speed()
+    sizes = sorted({8192, min(info.context_length or 8192, 32768)})
+    return [cpu_fit(info, n_ctx, measured, kv_type, kv_type) for n_ctx in sizes]
 
 
 def list_models() -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from kvchat.engine.base import EngineConfig
 from kvchat.errors import KvchatError
+from kvchat.planner.gguf_info import read_gguf
 
 PROBE_FILE = "engine-probe.json"
 # Several homes on one machine (a test suite's) can share one file: the facts are the machine's.
@@ -127,6 +128,9 @@ class ProbeOutcome:
     amx: bool = False
     # How the threads were last re-checked (a slowdown seen during a turn), or "".
     recheck: str = ""
+    # The weights' size and name of the model measured (to scale its speed to others).
+    model_bytes: int = 0
+    model_name: str = ""
     # True on the start that ran the probe (the choice is said then), False once read back.
     fresh: bool = False
     # Why the probe did not judge (it could not run, or took too long): nothing is kept.
@@ -199,6 +203,8 @@ class ProbeOutcome:
             when=str(data.get("when", "")),
             amx=bool(data.get("amx", False)),
             recheck=str(data.get("recheck", "")),
+            model_bytes=int(data.get("model_bytes", 0)),
+            model_name=str(data.get("model_name", "")),
         )
 
 
@@ -224,6 +230,19 @@ def probe_words(outcome: ProbeOutcome) -> str:
     if trial.n_gpu_layers == 0 and outcome.wanted.n_gpu_layers != 0:
         options += ", GPU offload off"
     return f"{options}; {outcome.reason}" if outcome.reason else f"{options} (as asked; it ran)"
+
+
+def measured_speed(directory: Path | None = None) -> Any:
+    """The newest generation speed the probe measured on this machine, with the model it
+    was measured on (a :class:`kvchat.planner.cpu.Measured`), or None."""
+    from kvchat.planner.cpu import Measured
+
+    for outcome in ProbeBook(probe_file(directory)).outcomes():
+        best = outcome.best_threads("generate")
+        speed = outcome.speed(best, "generate") if best is not None else None
+        if speed and outcome.model_bytes:
+            return Measured(speed, outcome.model_bytes, outcome.model_name)
+    return None
 
 
 def probe_file(directory: Path | None = None) -> Path:
@@ -261,7 +280,6 @@ def machine_facts(model_path: Path) -> dict[str, Any]:
     import llama_cpp
 
     from kvchat.planner.defaults import nvml_budget
-    from kvchat.planner.gguf_info import read_gguf
 
     flags = cpu_flags()
     budget = nvml_budget() if llama_cpp.llama_supports_gpu_offload() else None
@@ -456,6 +474,11 @@ def run_probe(
         amx=has_amx(set(facts["cpu"])),
         fresh=True,
     )
+    try:
+        info = read_gguf(config.model_path)
+        outcome.model_bytes, outcome.model_name = info.weight_bytes, info.name
+    except KvchatError:
+        pass
     if not result.ok:
         # Not a crash: the child could not run (a model it cannot load, a timeout). The
         # real load reports that itself; nothing is kept, the options stay as asked.
@@ -542,6 +565,7 @@ __all__ = [
     "COLLAPSE_RATIO",
     "ProbeBook",
     "fastest",
+    "measured_speed",
     "ProbeOutcome",
     "Trial",
     "probe_file",
