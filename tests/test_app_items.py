@@ -223,6 +223,24 @@ def test_ask_continue_appends_to_the_last_reply(one_turn_home, copy_home) -> Non
 # --- item 5: a partial reply is kept as it streams ---------------------------------------------
 
 
+def _partial_reply_stored(home: Path) -> bool:
+    """Whether the database holds more than 20 characters of a reply still being written."""
+    import sqlite3
+
+    if not (home / "kvchat.db").exists():
+        return False
+    db = sqlite3.connect(home / "kvchat.db")
+    try:
+        row = db.execute(
+            "SELECT max(length(content)) FROM messages WHERE role = 'assistant' AND partial = 1"
+        ).fetchone()
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        db.close()
+    return bool(row and row[0] and row[0] > 20)
+
+
 @pytest.mark.e2e
 def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
     import signal
@@ -241,8 +259,13 @@ def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
         assert proc.stdout is not None
         first = proc.stdout.read(1)  # the reply has begun streaming
         assert first, "no reply streamed"
-        time.sleep(3.0)
-        assert proc.poll() is None, "the reply ended before the kill: make it longer"
+        # Killed as soon as the database holds part of the reply (an event, not a time: a
+        # fast machine would finish a reply that a sleep waited for).
+        deadline = time.monotonic() + 120
+        while not _partial_reply_stored(kvhome):
+            assert proc.poll() is None, "the reply ended before its first save"
+            assert time.monotonic() < deadline, "no partial reply was stored"
+            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         streamed = first + proc.stdout.read()
     finally:

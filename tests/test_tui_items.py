@@ -103,7 +103,9 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
     service.send(b.id, "Name a fruit.")
     a_history = service.tiers.snapshot(a.id)
     assert a_history is not None and a_history.n_tokens > 0
-    service.close()
+    service.close()  # saves b, the hot session
+    b_history = ChatService(make_settings()).tiers.snapshot(b.id)
+    assert b_history is not None
 
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -111,6 +113,7 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
         # The session reopened at launch came back before any key: from disk.
         assert main.session_id == b.id and main._hot_id == b.id
         assert main.last_restore is not None and main.last_restore.source == "disk"
+        assert main.last_restore.tokens == b_history.n_tokens
         assert "the next message reads only itself" in main.status.turn_text
 
         await pick_in_sidebar(pilot, main, a.id)
@@ -327,7 +330,7 @@ async def test_a_message_sent_straight_after_a_reply_does_not_wait_for_housekeep
         # context kept the prompt before that reply, so this turn re-read the reply and the
         # new message, as a full prefill would.
         assert second.snapshot.bytes == 0
-        assert third.tokens.reused <= second.tokens.prompt
+        assert third.tokens.reused == second.tokens.prompt
         assert third.tokens.decoded == third.tokens.prompt - third.tokens.reused
         assert third.tokens.decoded >= second.tokens.generated
         # Its own housekeeping runs once the app is idle: the status says what it wrote.
@@ -395,6 +398,8 @@ async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Pa
         service = app.service
         assert service is not None and service.housekeeping_pending
         session_id = main.session_id
+        report = main.last_report
+        assert report is not None
         app.simulate_key("ctrl+q")  # straight after the reply
         await wait_until(lambda: app._closed)
     assert app.worker_errors == []
@@ -404,6 +409,8 @@ async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Pa
         main = await ready(again)
         assert main.session_id == session_id
         assert main.last_restore is not None and main.last_restore.source == "disk"
+        # The valid prefix: the prompt (the reply as generated is not a prefill's KV).
+        assert main.last_restore.tokens == report.tokens.prompt
         await send(pilot, main, SECOND)
         assert main.conversation.views[-1].text.strip()
         await quit_app(again)
