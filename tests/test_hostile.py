@@ -492,9 +492,9 @@ def test_a_streamed_reply_reaches_a_terminal_without_control_sequences(
 
 
 def test_titles_derived_from_a_message_carry_no_control_characters():
-    from kvchat.chat import _title_from
+    from kvchat.text import short_title  # what a turn titles a new session with
 
-    assert _title_from(f"Hello{ESCAPES}\n\tworld") == "Hello world"
+    assert short_title(f"Hello{ESCAPES}\n\tworld") == "Hello world"
 
 
 # --- 5. kvchat doctor ------------------------------------------------------------------------
