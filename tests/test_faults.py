@@ -121,18 +121,20 @@ def _kill_campaign(
 ) -> list[KillOutcome]:
     rng = random.Random(seed)
     home = tmp_path / "killed"
-    started = time.monotonic()
     first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
-    # Kill points spread over one whole turn's time on this machine, however fast it is.
-    turn_s = time.monotonic() - started
     session = first["session"]
+    # Kill points spread over one whole turn's time on this machine, however fast it is:
+    # a second turn's (the first start in a home may also probe the engine).
+    started = time.monotonic()
+    run_cli(home, "ask", "--session", session, "Ready?", *FAST)
+    turn_s = time.monotonic() - started
     # A long session for forks: a fork copies every message.
     service = ChatService(Settings(), home=home)
     big = service.new_session(title="big")
     for i in range(1500):
         service.add_message(big.id, "user" if i % 2 == 0 else "assistant", f"message {i}")
     service.close()
-    sent: list[str] = []
+    sent: list[str] = ["Ready?"]
     outcomes: list[KillOutcome] = []
     kinds = ["turn"] * n_turns + ["fork"] * n_forks + ["gc"] * n_gcs
     rng.shuffle(kinds)
