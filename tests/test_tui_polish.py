@@ -297,7 +297,9 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
     return frames
 
 
-async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(service: StandInService) -> None:
+async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(
+    service: StandInService,
+) -> None:
     long = service.new_session("Long")
     for i in range(300):
         text = f"message {i} with **bold** text\n\n- one\n- two"

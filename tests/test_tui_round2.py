@@ -653,7 +653,7 @@ async def test_a_fork_and_an_edit_read_differently_in_the_sidebar(kvhome: Path) 
     from kvchat.tui.widgets.prompt import PromptInput
     from tests.test_tui_branches import titles
 
-    app = make_app(max_tokens=8)
+    app = make_app(max_tokens=8, auto_title=False)  # the titles of the first line
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
         await send(pilot, main, "Let's plan a trip to Japan in the spring.")
