@@ -144,7 +144,15 @@ def chatgpt_conversation(conv_id: str, title: str, branch: str) -> dict[str, Any
             "call", "a-new", ["out"], "assistant", ["search('kyoto')"], recipient="browser"
         ),
         "out": node("out", "call", ["u2"], "tool", ["results…"]),
-        "u2": node("u2", "out", ["a2"], "user", ["", "And day 2?"], content_type="multimodal_text"),
+        # A picture beside the question (ChatGPT puts an asset pointer among the parts).
+        "u2": node(
+            "u2",
+            "out",
+            ["a2"],
+            "user",
+            ["", {"content_type": "image_asset_pointer", "asset_pointer": "file-1"}, "And day 2?"],
+            content_type="multimodal_text",
+        ),
         "a2": node("a2", "u2", [], "assistant", ["Day 2: ", "markets."]),
     }
     return {
@@ -176,7 +184,7 @@ def test_chatgpt_export_follows_each_conversations_current_branch(service, tmp_p
         ("user", "And day 2?", False),
         ("assistant", "Day 2: \nmarkets.", False),
     ]
-    assert first.skipped == 2  # the tool call and its output
+    assert first.skipped == 3  # the tool call, its output and the picture (issue 22.17)
     assert texts(service, second.session) == [
         ("user", "Plan a trip to Kyoto", False),
         ("assistant", "An older answer", False),
@@ -304,9 +312,10 @@ def test_cli_imports_the_good_files_and_reports_each_bad_one_on_one_line(kvhome,
     bad.write_text("{oops", encoding="utf-8")
     result = CliRunner().invoke(main, ["import", str(bad), str(good)], catch_exceptions=False)
     assert result.exit_code == 2
-    assert (
-        result.stderr.strip()
-        == f"kvchat: {bad}: not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)"
+    assert result.stderr.strip() == (
+        f"kvchat: {bad}: not valid JSON (line 1, column 2: Expecting property name enclosed in "
+        "double quotes); kvchat imports a kvchat JSON export or bundle, OpenAI-style messages, "
+        "a ChatGPT conversations.json or an llm logs.db"
     )
     assert result.stdout.count("\n") == 1 and "(1 message)" in result.stdout
 
@@ -636,3 +645,13 @@ def test_a_bundle_from_other_settings_imports_text_only_with_the_reason(
     assert text_only["kv"]["tokens"] == 0
     assert text_only["kv"]["reason"] == "text only was asked for (--no-kv)"
     assert text_only["messages"] == item["messages"] == 2
+
+
+def test_a_file_in_no_format_kvchat_reads_names_the_formats_it_does(kvhome, tmp_path):
+    """Issue 22.17: `kvchat import notes.md` said only 'not valid JSON'."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# My notes\n\n- one\n")
+    result = CliRunner().invoke(main, ["import", str(notes)])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert str(notes) in line and "ChatGPT conversations.json" in line and "llm logs.db" in line

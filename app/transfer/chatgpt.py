@@ -61,14 +61,15 @@ def _branch(path: Path, mapping: dict[str, Any], current: object, where: str) ->
     return chain
 
 
-def _message_text(path: Path, message: dict[str, Any], where: str) -> str | None:
+def _message_text(path: Path, message: dict[str, Any], where: str) -> tuple[str | None, int]:
     """The message's text ("" when it has none), or None for one kvchat leaves out (a
-    hidden message with text, a tool call, non-text content)."""
+    hidden message with text, a tool call, non-text content); and how many of its parts
+    that are not text (an image in a multimodal message) were left out."""
     content = message.get("content")
     if not isinstance(content, dict):
         raise BadFile(path, f"{where} has no content")
     if content.get("content_type") not in _TEXT_TYPES:
-        return None
+        return None, 0
     parts = content.get("parts")
     if not isinstance(parts, list):
         raise BadFile(path, f"{where}.content has no parts")
@@ -78,14 +79,15 @@ def _message_text(path: Path, message: dict[str, Any], where: str) -> str | None
             text = check_text(path, part, f"{where} part {number}")
             assert text is not None
             texts.append(text)
+    dropped = sum(1 for part in parts if not isinstance(part, str))
     text = "\n".join(t for t in texts if t)
     if not text.strip():
-        return ""
+        return "", dropped
     metadata = message.get("metadata")
     hidden = isinstance(metadata, dict) and metadata.get("is_visually_hidden_from_conversation")
     if hidden or message.get("recipient") not in (None, "all"):
-        return None
-    return text
+        return None, 0
+    return text, dropped
 
 
 def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession | None:
@@ -112,7 +114,8 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
             raise BadFile(path, f"{node_where}: the message has no author role")
         if role not in _ROLES:
             raise BadFile(path, f"{node_where}: unknown role {role!r}")
-        text = None if role == "tool" else _message_text(path, message, node_where)
+        text, dropped = (None, 0) if role == "tool" else _message_text(path, message, node_where)
+        skipped += dropped  # images and other parts that are not text
         if not text:
             skipped += text is None  # a tool's, hidden or non-text message; empty ones aren't
             continue

@@ -69,6 +69,7 @@ class BadFile(KvchatError):
 
     def __init__(self, path: Path | str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
+        self.reason = reason
         self.path = str(path)
         self.reason = reason
 

@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 
 FILE_KEY = "import:{}"
 SESSION_KEY = "import:session:{}"
+# What `kvchat import` reads, in words (for the line that refuses anything else).
+FORMATS_READ = (
+    "a kvchat JSON export or bundle, OpenAI-style messages, a ChatGPT conversations.json "
+    "or an llm logs.db"
+)
 # Readers of JSON documents, tried in this order.
 JSON_FORMATS: list[
     tuple[str, Callable[[object], bool], Callable[[Path, Any], list[ImportedSession]]]
@@ -302,18 +307,17 @@ def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImp
             sessions = llm_logs.read(path)
             reason = f"{llm_logs.NAME} carries no KV"
         else:
-            document = load_json(path, fh.read(MAX_JSON_BYTES + 1))
+            try:
+                document = load_json(path, fh.read(MAX_JSON_BYTES + 1))
+            except BadFile as exc:  # a Markdown file, a PDF: say what kvchat does read
+                raise BadFile(path, f"{exc.reason}; kvchat imports {FORMATS_READ}") from None
             for name, matches, read in JSON_FORMATS:
                 if matches(document):
                     result.format = name
                     sessions = read(path, document)
                     break
             else:
-                raise BadFile(
-                    path,
-                    "not a format kvchat imports (a kvchat JSON export or bundle, OpenAI-style "
-                    "messages, a ChatGPT conversations.json or an llm logs.db)",
-                )
+                raise BadFile(path, f"not a format kvchat imports ({FORMATS_READ})")
             reason = f"{result.format} carries no KV"
     _store_sessions(service, result, sessions)
     for item in result.sessions:
