@@ -189,7 +189,7 @@ def test_stress_kills(tmp_path: Path):
     n = STRESS_KILLS
     outcomes = _kill_campaign(tmp_path, n_turns=n * 6 // 10, n_forks=n // 5, n_gcs=n // 5, seed=7)
     killed = sum(o.exited is None for o in outcomes)
-    print(f"\nSTRESS kills: {len(outcomes)} cases, {killed} killed mid-way, failures: 0")
+    print(f"\nSTRESS kills: {len(outcomes)} cases, {killed} killed mid-way")
 
 
 # --- damaged snapshots and index rows --------------------------------------------------------
@@ -381,7 +381,7 @@ def test_damaged_snapshots_and_rows_resume_exactly_or_fall_back(pristine, tmp_pa
 @pytest.mark.stress
 def test_stress_damage(pristine, tmp_path: Path):
     tally = _damage_cases(pristine, tmp_path, n=STRESS_CASES, seed=2)
-    print(f"\nSTRESS damage: {tally}, failures: 0")
+    print(f"\nSTRESS damage: {tally}")
 
 
 # --- a full disk -----------------------------------------------------------------------------

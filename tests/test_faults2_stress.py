@@ -134,7 +134,7 @@ def test_index_damage_campaign(tmp_path: Path, background_check):
 @pytest.mark.stress
 def test_stress_index_damage(tmp_path: Path, background_check):
     tally = _index_cases(tmp_path, n=STRESS_CASES, seed=11)
-    print(f"\nSTRESS index damage: {tally}, failures: 0")
+    print(f"\nSTRESS index damage: {tally}")
 
 
 # --- damaged files salvaged --------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_salvage_campaign(tmp_path: Path):
 @pytest.mark.stress
 def test_stress_salvage(tmp_path: Path):
     tally = _salvage_cases(tmp_path, n=STRESS_CASES, seed=12)
-    print(f"\nSTRESS salvage: {tally}, failures: 0")
+    print(f"\nSTRESS salvage: {tally}")
 
 
 # --- deep nesting -------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_deep_nesting_campaign(tmp_path: Path, kvhome: Path):
 @pytest.mark.stress
 def test_stress_deep_nesting(tmp_path: Path, kvhome: Path):
     tally = _nesting_cases(tmp_path, n=STRESS_CASES, seed=13)
-    print(f"\nSTRESS deep nesting: {tally}, failures: 0")
+    print(f"\nSTRESS deep nesting: {tally}")
 
 
 # --- a WAL beside a damaged file ---------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_wal_on_a_damaged_file_campaign(tmp_path: Path):
 @pytest.mark.stress
 def test_stress_wal_on_a_damaged_file(tmp_path: Path):
     tally = _wal_cases(tmp_path, n=STRESS_CASES, seed=14)
-    print(f"\nSTRESS WAL on a damaged file: {tally}, failures: 0")
+    print(f"\nSTRESS WAL on a damaged file: {tally}")
 
 
 # --- forged bundles (the real model) ------------------------------------------------------------
@@ -460,7 +460,7 @@ def test_forged_bundle_campaign(tmp_path: Path):
 @pytest.mark.stress
 def test_stress_forged_bundles(tmp_path: Path):
     tally = _forged_cases(tmp_path, n=STRESS_CASES, seed=15)
-    print(f"\nSTRESS forged bundles: {tally}, failures: 0")
+    print(f"\nSTRESS forged bundles: {tally}")
 
 
 # --- a full disk at every write of a turn (the real model) ---------------------------------------
@@ -554,4 +554,4 @@ def test_full_disk_at_every_write_campaign(tmp_path: Path):
 @pytest.mark.stress
 def test_stress_full_disk_at_every_write(tmp_path: Path):
     tally = _full_disk_cases(tmp_path, n=STRESS_CASES, seed=16)
-    print(f"\nSTRESS full disk at every write: {tally}, failures: 0")
+    print(f"\nSTRESS full disk at every write: {tally}")
