@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from kvchat.chat import ChatService
+from kvchat.service.chat import ChatService
 from kvchat.config import load_settings
 
 ASKS = [

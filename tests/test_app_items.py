@@ -51,7 +51,7 @@ def test_ask_temperature_message_names_the_range(kvhome: Path) -> None:
 def test_service_refuses_out_of_range_overrides(kvhome: Path) -> None:
     from kvchat.config import load_settings
     from kvchat.errors import KvchatError
-    from kvchat.turns import generation_params
+    from kvchat.service.reports import generation_params
 
     settings = load_settings()
     with pytest.raises(KvchatError, match="temperature"):
@@ -141,8 +141,8 @@ def test_fork_at_takes_the_message_number_and_numbers_titles(one_turn_home, copy
 
 
 def test_relaunch_opens_the_session_the_app_had_open(kvhome: Path) -> None:
-    from kvchat.chat import ChatService
     from kvchat.config import load_settings
+    from kvchat.service.chat import ChatService
 
     service = ChatService(load_settings())
     try:
@@ -173,8 +173,8 @@ EMOJI_PROMPT = "Reply with five flower emoji and nothing else."
 
 @pytest.mark.e2e
 def test_a_reply_cut_mid_character_stores_no_replacement_character(kvhome: Path) -> None:
-    from kvchat.chat import ChatService
     from kvchat.config import load_settings
+    from kvchat.service.chat import ChatService
 
     service = ChatService(load_settings(n_ctx=1024))
     try:
@@ -286,9 +286,9 @@ def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
 
 @pytest.mark.e2e
 def test_the_final_commit_replaces_the_streamed_partial(kvhome: Path, monkeypatch) -> None:
-    from kvchat import chat as chat_module
-    from kvchat.chat import ChatService
     from kvchat.config import load_settings
+    from kvchat.service import chat as chat_module
+    from kvchat.service.chat import ChatService
 
     monkeypatch.setattr(chat_module, "STREAM_SAVE_EVERY_S", 0.0)  # save after every piece
     service = ChatService(load_settings(n_ctx=1024))

@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
 from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotStore
-from kvchat.kvcache import format as fmt
-from kvchat.kvcache import layout as kvlayout
-from kvchat.kvcache.chunk_read import ChunkReader, PieceReader
+from kvchat.kvcache.cold import formats as fmt
+from kvchat.kvcache.cold.chunk_reader import ChunkReader, PieceReader
 from kvchat.kvcache.fingerprint import Fingerprint
+from kvchat.kvcache.state import ranges as kvlayout
+from kvchat.service.chat import ChatService
 from kvchat.store import Store
 
 FP = Fingerprint("id0", "m.gguf", "0.3", "f16", "f16", False, 10000.0, 1.0, 0, 2)

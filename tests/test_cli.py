@@ -66,8 +66,8 @@ def test_list_into_head_ends_quietly(kvhome: Path, tmp_path: Path):
     import subprocess
     import sys
 
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
     from tests.conftest import REPO, clean_env
 
     service = ChatService(Settings())
@@ -90,8 +90,8 @@ def test_list_into_head_ends_quietly(kvhome: Path, tmp_path: Path):
 def test_list_columns_line_up_with_wide_titles(kvhome: Path, cli):
     from rich.cells import cell_len
 
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
 
     service = ChatService(Settings())
     for title in (

@@ -63,7 +63,7 @@ def spy(name, globals=None, locals=None, fromlist=(), level=0):
     return real_import(name, globals, locals, fromlist, level)
 
 builtins.__import__ = spy
-import kvchat.chat, kvchat.export, kvchat.store, kvchat.kvcache
+import kvchat.service.chat, kvchat.transfer.rendered, kvchat.store, kvchat.kvcache
 made += ["textual is loaded"] if "textual" in sys.modules else []
 print("\\n".join(made))
 """

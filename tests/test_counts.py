@@ -13,9 +13,9 @@ import llama_cpp
 import llama_cpp._internals as internals
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine.base import EngineConfig, GenerationParams, GenerationStats
+from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
+from kvchat.service.chat import ChatService
 
 
 @pytest.fixture

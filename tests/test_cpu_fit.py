@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.config import bundled_model_path
-from kvchat.engine.base import EngineConfig
+from kvchat.engine.api import EngineConfig
 from kvchat.engine.probe import ProbeBook, measured_speed, run_probe
 from kvchat.planner import read_gguf
 from kvchat.planner.catalog import find_entry, info_from_catalog, load_catalog
@@ -52,8 +52,8 @@ def test_plan_and_picker_say_ram_and_the_speed_measured_here(
     assert "on this machine's CPU" in text and "GiB free" in text
     assert f"from {measured.tok_s:.0f} tok/s measured here" in text
 
-    from kvchat.chat import ChatService
     from kvchat.config import load_settings
+    from kvchat.service.chat import ChatService
 
     service = ChatService(load_settings())
     try:

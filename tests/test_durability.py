@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
-from kvchat.kvcache.snapshots import STALL_ENV
+from kvchat.kvcache.cold.snapshot_store import STALL_ENV
+from kvchat.service.chat import ChatService
 from tests.conftest import FAST, REPO, SNAPSHOT_FORMATS, clean_env
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine.base import EngineConfig
+from kvchat.engine.api import EngineConfig
 from kvchat.engine.llama import FA_TILE_ROWS
+from kvchat.service.chat import ChatService
 
 CONFIGS = [("f16", False), ("f16", True), ("q8_0", True), ("q4_0", True)]
 # Where llama.cpp's KV depends on how tokens are split into batches of 64 or more.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
+from kvchat.service.chat import ChatService
 
 EVIL = "<script>alert('x')</script> & <b>bold</b>"
 

@@ -23,14 +23,14 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine import EngineConfig
 from kvchat.engine.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.errors import KvchatError
-from kvchat.kvcache import layout as kvlayout
+from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.planner import kv_bytes_per_token, read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, state_bytes_per_token
+from kvchat.service.chat import ChatService
 from kvchat.store import SnapshotRow
 from tests.conftest import run_cli
 from tests.tiny_models import FAMILIES, write_tiny
@@ -153,7 +153,7 @@ def test_a_state_that_cannot_be_chunked_is_stored_whole_with_the_reason(tmp_path
 
 
 def test_window_pieces_cover_a_window_on_the_grid() -> None:
-    from kvchat.kvcache.windows import PIECE_TOKENS, Piece, cover, grid
+    from kvchat.kvcache.cold.checkpoints import PIECE_TOKENS, Piece, cover, grid
 
     assert PIECE_TOKENS == 64
     assert grid(16, 48) == [(16, 48)]

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
+from kvchat.service.chat import ChatService
 from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import kvchat.chat
+import kvchat.service.chat
 from kvchat.cli import main
 from kvchat.store import Store
 from kvchat.store.store import StoreFull
@@ -31,7 +31,7 @@ def test_a_reply_the_full_disk_cut_is_reported_as_stored(
             )
         return real_update(self, message_id, content, partial, **kwargs)
 
-    monkeypatch.setattr(kvchat.chat, "STREAM_SAVE_EVERY_S", 0.0)  # saved as it streams
+    monkeypatch.setattr(kvchat.service.chat, "STREAM_SAVE_EVERY_S", 0.0)  # saved as it streams
     monkeypatch.setattr(Store, "update_message", full_at_the_end)
     result = CliRunner().invoke(main, ["ask", "Name three colours.", *FAST])
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvchat.chat import ChatService, open_service
 from kvchat.cli import main
 from kvchat.config import load_settings
+from kvchat.service.chat import ChatService, open_service
 from kvchat.transfer import BadFile, import_file
 from kvchat.transfer.common import MAX_JSON_DEPTH, json_depth
 from tests.test_transfer import llm_logs_db

@@ -112,8 +112,8 @@ def _hold(directory: str, session_id: str, ready: Any, release: Any) -> None:
 def test_edit_and_fork_wait_for_the_turn_lock_then_say_busy(kvhome: Path):
     import multiprocessing
 
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
     from kvchat.store.locks import SessionBusy
 
     service = ChatService(Settings(temperature=0.0, max_tokens=8, n_ctx=1024))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.store import Store, doctor
+from kvchat.store import Store
+from kvchat.store import integrity as doctor
 
 N_SESSIONS = 41
 

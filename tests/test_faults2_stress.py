@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from kvchat.errors import KvchatError
-from kvchat.store import Store, doctor
+from kvchat.store import Store
+from kvchat.store import integrity as doctor
 from kvchat.store import store as store_module
 from kvchat.store.store import DamagedDatabase, StoreFull
 
@@ -256,8 +257,8 @@ def _nested(rng: random.Random) -> str:
 
 
 def _nesting_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
-    from kvchat.chat import open_service
     from kvchat.config import load_settings
+    from kvchat.service.chat import open_service
     from kvchat.transfer import BadFile, import_file
 
     rng = random.Random(seed)
@@ -396,8 +397,8 @@ def _forge(rng: random.Random, genuine: Path, donors: list[Path], target: Path) 
 
 
 def _forged_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
 
     rng = random.Random(seed)
     source = ChatService(Settings(**GREEDY), home=tmp_path / "source")  # owns the engine
@@ -425,8 +426,8 @@ def _forged_runs(
     bundles: list[Path],
     baseline: dict[str, str],
 ) -> dict[str, int]:
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
     from kvchat.transfer import import_file
 
     tally = {"cases": 0, "kv_installed": 0, "kv_refused": 0}
@@ -469,8 +470,8 @@ def test_stress_forged_bundles(tmp_path: Path):
 def _full_disk_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
     """The k-th write of a turn finds the disk full, for every k the turn makes: what the
     report says of the reply matches what the database holds."""
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
 
     rng = random.Random(seed)
     owner = ChatService(Settings(**GREEDY), home=tmp_path / "owner")

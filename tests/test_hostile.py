@@ -20,13 +20,13 @@ import llama_cpp
 import pytest
 from click.testing import CliRunner
 
-from kvchat.chat import ChatService, UnansweredMessage
 from kvchat.cli import main
 from kvchat.cli.commands import _stream
 from kvchat.config import Settings
 from kvchat.errors import KvchatError
-from kvchat.kvcache import files as kvfiles
-from kvchat.kvcache.snapshots import SnapshotStore
+from kvchat.kvcache.cold import files as kvfiles
+from kvchat.kvcache.cold.snapshot_store import SnapshotStore
+from kvchat.service.chat import ChatService, UnansweredMessage
 from kvchat.store.locks import SessionLocks
 from kvchat.store.store import Store, StoreFull
 from kvchat.text import visible
@@ -255,7 +255,7 @@ def test_the_cli_turns_os_and_sqlite_errors_into_one_line(
 def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    import kvchat.chat
+    import kvchat.service.chat
 
     ChatService(Settings()).close()  # the home exists
 
@@ -263,7 +263,7 @@ def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
         raise KvchatError(f"database error in {path}: disk I/O error")
 
     monkeypatch.setattr(Store, "__init__", io_error)
-    monkeypatch.setattr(kvchat.chat, "disk_full", lambda _directory: True)
+    monkeypatch.setattr(kvchat.service.chat, "disk_full", lambda _directory: True)
     for args in (["list"], ["cache"], ["export", "x"], ["ask", "Hi"], ["doctor"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2, (args, result.output)

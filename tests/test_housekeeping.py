@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import load_settings
+from kvchat.service.chat import ChatService
 
 pytestmark = pytest.mark.e2e
 

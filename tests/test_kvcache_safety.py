@@ -24,10 +24,10 @@ import xxhash
 
 from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotStore
-from kvchat.kvcache import format as fmt
-from kvchat.kvcache.chunking import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain
-from kvchat.kvcache.errors import SnapshotRejected, SnapshotsUnavailable
+from kvchat.kvcache.cold import formats as fmt
+from kvchat.kvcache.cold.chains import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain
 from kvchat.kvcache.fingerprint import Fingerprint
+from kvchat.kvcache.rejected import SnapshotRejected, SnapshotsUnavailable
 from kvchat.store import Store
 from tests.conftest import FAST
 

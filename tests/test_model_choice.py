@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from textual.widgets import Label, OptionList
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings, bundled_model_path, models_dir
 from kvchat.errors import KvchatError
-from kvchat.model_choice import fit_line
 from kvchat.planner.defaults import GpuBudget, plan_defaults
 from kvchat.planner.gguf_info import read_gguf
+from kvchat.service.chat import ChatService
+from kvchat.service.model_choices import fit_line
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.keys import KEYS
 from kvchat.tui.screens.models import ModelScreen

@@ -17,10 +17,10 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine import EngineConfig
 from kvchat.engine.llama import SEQ_ID, LlamaEngine
+from kvchat.service.chat import ChatService
 
 N_CTX = 256
 MAX_TOKENS = 24

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvchat.cli.models import models_group, resolve_model
+from kvchat.cli.model_commands import models_group, resolve_model
 from kvchat.config import bundled_model_path
 from kvchat.errors import KvchatError
 from kvchat.planner import (

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.config import Settings, bundled_model_path, load_settings
-from kvchat.engine.base import EngineConfig, GenerationParams, GenerationStats
+from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
 from kvchat.engine.probe import (
     ProbeBook,
     ProbeOutcome,
@@ -242,8 +242,8 @@ def test_a_gpu_out_of_memory_retries_with_less_context_then_fewer_layers():
 def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monkeypatch):
     """An engine that fails as a GPU that is out of memory does, until the plan is small
     enough; then the real engine on the CPU (this build has no GPU)."""
-    from kvchat import chat as chat_module
-    from kvchat.chat import ChatService
+    from kvchat.service import chat as chat_module
+    from kvchat.service.chat import ChatService
 
     monkeypatch.setattr("kvchat.planner.defaults.gpu_offload_supported", lambda: True)
     real = chat_module.create_engine

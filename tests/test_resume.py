@@ -101,8 +101,8 @@ def snapshot_tokens(home: Path, session_id: str) -> int:
 def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_normal_turn(
     kvhome: Path, cli
 ) -> None:
-    from kvchat.chat import open_service
     from kvchat.config import load_settings
+    from kvchat.service.chat import open_service
 
     settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=16, n_threads=1)
     with open_service(settings, home=kvhome) as svc:

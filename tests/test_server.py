@@ -24,7 +24,7 @@ import pytest
 from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine.server_build import ServerPlan, find_binary
 from kvchat.engine.server_http import ServerError, normalize_url
-from kvchat.kvcache.slots import identity_mismatch, slot_file_name
+from kvchat.kvcache.server_tiers import identity_mismatch, slot_file_name
 from tests.conftest import REPO, clean_env, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -140,7 +140,7 @@ def test_a_second_process_resumes_from_the_server_and_after_a_server_restart(
 
 
 def test_two_sessions_alternate_on_one_slot_without_prefill(server: Server, tmp_path: Path) -> None:
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
 
     settings = load_settings(server_url=server.url, temperature=0.0, max_tokens=16)
     service = ChatService(settings, home=tmp_path / "home")
@@ -159,7 +159,7 @@ def test_two_sessions_alternate_on_one_slot_without_prefill(server: Server, tmp_
 
 
 def test_two_slots_keep_two_sessions_hot(tmp_path: Path) -> None:
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
 
     running = Server(tmp_path / "slots", slots=2)
     settings = load_settings(server_url=running.url, temperature=0.0, max_tokens=16)
@@ -331,7 +331,7 @@ def test_kvchat_config_names_the_engine_and_server_and_hides_the_key(tmp_path: P
 
 
 def test_a_fork_resumes_from_its_parents_slot_file(server: Server, tmp_path: Path) -> None:
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
 
     settings = load_settings(server_url=server.url, temperature=0.0, max_tokens=16)
     service = ChatService(settings, home=tmp_path / "home")
@@ -352,7 +352,7 @@ def test_a_fork_resumes_from_its_parents_slot_file(server: Server, tmp_path: Pat
 def test_prompt_ids_are_the_local_engines_and_pasted_control_tokens_stay_text(
     server: Server,
 ) -> None:
-    from kvchat.engine.base import EngineConfig
+    from kvchat.engine.api import EngineConfig
     from kvchat.engine.llama import LlamaEngine
     from kvchat.engine.server import ServerEngine
 

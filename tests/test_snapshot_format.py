@@ -13,9 +13,9 @@ import pytest
 
 from kvchat.engine import EngineCapabilities
 from kvchat.kvcache import SnapshotRejected, SnapshotStore
-from kvchat.kvcache import format as fmt
-from kvchat.kvcache.chunking import chunk_plan
-from kvchat.kvcache.files import map_file, mapped, temp_writer_alive, write_atomically
+from kvchat.kvcache.cold import formats as fmt
+from kvchat.kvcache.cold.chains import chunk_plan
+from kvchat.kvcache.cold.files import map_file, mapped, temp_writer_alive, write_atomically
 from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.store import ChunkRow, SnapshotRow, Store
 

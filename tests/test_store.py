@@ -190,8 +190,8 @@ def test_forks_and_edits_record_their_parent_and_delete_reparents(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """Issue 11.11: the branch view's tree comes from ``parent_id``."""
-    from kvchat.chat import ChatService
     from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
 
     class Counting:  # edit counts the edited message's tokens; no model needed here
         @staticmethod

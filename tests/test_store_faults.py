@@ -15,7 +15,7 @@ from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.store import Store
 from kvchat.store.locks import SessionBusy, SessionLocks
-from kvchat.store.models import SnapshotRow, pack_tokens
+from kvchat.store.rows import SnapshotRow, pack_tokens
 from kvchat.store.store import DamagedDatabase
 
 
@@ -196,7 +196,7 @@ def test_lock_names_come_from_session_ids_only(tmp_path: Path):
 
 
 def test_doctor_salvages_the_text_and_keeps_the_damaged_file(tmp_path: Path):
-    from kvchat.store import doctor
+    from kvchat.store import integrity as doctor
 
     path = tmp_path / "kvchat.db"
     session_id = _filled(path, n=400)
@@ -239,7 +239,7 @@ def test_a_turn_lock_holds_when_a_full_disk_refuses_its_holder_note(
 def test_sqlite_disk_io_error_on_a_full_disk_is_named_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    from kvchat.store import base
+    from kvchat.store import connection as base
     from kvchat.store.store import StoreFull
 
     error = sqlite3.OperationalError("disk I/O error")

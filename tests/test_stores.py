@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import load_settings
 from kvchat.planner.stores import discover
+from kvchat.service.chat import ChatService
 from tests.conftest import FAST, run_cli
 from tests.tiny_models import FAMILIES, write_tiny
 

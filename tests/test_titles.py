@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine.base import EngineConfig
+from kvchat.engine.api import EngineConfig
+from kvchat.service.chat import ChatService
 from kvchat.text import TITLE_WORDS, model_title, short_title
 
 FIRST = "# Plan **a trip** to Japan in spring"

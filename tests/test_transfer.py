@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from kvchat.chat import ChatService, open_service
 from kvchat.cli import main
 from kvchat.config import load_settings
 from kvchat.errors import KvchatError
+from kvchat.service.chat import ChatService, open_service
 from kvchat.transfer import BadFile, common, import_file, write_bundle
 from tests.conftest import FAST
 

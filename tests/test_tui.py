@@ -16,9 +16,9 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import Input, Label, Markdown, RadioButton, TextArea
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
 from kvchat.engine import Engine
+from kvchat.service.chat import ChatService
 from kvchat.tui.app import EXIT_FATAL, KvchatApp
 from kvchat.tui.main import MainScreen
 from kvchat.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, TextDialog

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Label
 
-from kvchat.chat import ChatService
+from kvchat.service.chat import ChatService
 from kvchat.tui.main import MainScreen
 from kvchat.tui.widgets.sidebar import SessionItem
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until

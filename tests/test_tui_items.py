@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from textual.pilot import Pilot
 
-from kvchat.chat import ChatService
 from kvchat.config import Settings
+from kvchat.service.chat import ChatService
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.format import snapshot_phrase
 from kvchat.tui.main import MainScreen
@@ -418,14 +418,21 @@ async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Pa
 
 # --- issue 14.3: the first frame needs nothing heavy; the UI bench's bounds ----------------------
 
-HEAVY = ("pydantic", "llama_cpp", "kvchat.config", "kvchat.chat", "kvchat.planner", "markdown_it")
+HEAVY = (
+    "pydantic",
+    "llama_cpp",
+    "kvchat.config",
+    "kvchat.service.chat",
+    "kvchat.planner",
+    "markdown_it",
+)
 
 
 def test_nothing_heavy_is_imported_with_the_app() -> None:
     """The first frame is drawn before the settings (pydantic), the service (llama.cpp),
     the catalog and the Markdown parser are imported: the app module needs none of them."""
     code = (
-        "import sys, kvchat.tui.app, kvchat.tui.bench\n"
+        "import sys, kvchat.tui.app, kvchat.bench.ui\n"
         f"print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))"
     )
     proc = subprocess.run(
@@ -436,7 +443,7 @@ def test_nothing_heavy_is_imported_with_the_app() -> None:
 
 
 def test_ui_bench_report_states_each_bound() -> None:
-    from kvchat.tui.bench_report import Switch, UiReport
+    from kvchat.bench.ui_report import Switch, UiReport
 
     report = UiReport(first_paint_ms=420, jump_ms=250, echo_ms=[10.0] * 19 + [80.0])
     report.switches = [Switch("disk", 4000, 90.0, 120.0, 60.0, 30.0)]

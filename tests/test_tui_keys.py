@@ -10,7 +10,7 @@ from kvchat.tui.format import ago, code_blocks, gauge
 from kvchat.tui.keys import KEYS, bindings, keys_markdown
 from kvchat.tui.main import MainScreen
 
-KEYS_MD = Path(__file__).resolve().parents[1] / "app" / "tui" / "KEYS.md"
+KEYS_MD = Path(__file__).resolve().parents[1] / "app" / "kvchat" / "tui" / "KEYS.md"
 
 
 def test_keys_md_is_generated_from_the_key_table() -> None:

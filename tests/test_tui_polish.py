@@ -19,9 +19,9 @@ import pytest
 from textual.content import Content
 from textual.widgets import Input, Label, OptionList, Select, TextArea
 
-from kvchat.chat import SnapshotWrite, TurnReport
 from kvchat.config import Settings
 from kvchat.limits import sampling_problem
+from kvchat.service.chat import SnapshotWrite, TurnReport
 from kvchat.store import Message, SearchHit
 from kvchat.tui import app as app_module
 from kvchat.tui.app import EXIT_FATAL, KvchatApp, run_app
@@ -408,7 +408,7 @@ def test_counts_have_thousands_separators() -> None:
     report = TurnReport(
         session_id="s",
         reply="r",
-        tokens=__import__("kvchat.chat", fromlist=["TokenCounts"]).TokenCounts(
+        tokens=__import__("kvchat.service.chat", fromlist=["TokenCounts"]).TokenCounts(
             4321, 4000, 321, 1234
         ),
         restore=__import__("kvchat.kvcache", fromlist=["RestoreResult"]).RestoreResult(

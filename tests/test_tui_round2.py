@@ -191,7 +191,7 @@ async def test_your_markdown_renders_without_stray_backslashes_and_tables_render
 async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: Path) -> None:
     from textual.widgets import Label
 
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
     from kvchat.tui.screens.dialogs import ConfirmDialog
     from tests.test_tui_items import make_settings
 
@@ -387,7 +387,7 @@ async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome:
 
 @pytest.mark.e2e
 async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Path) -> None:
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
     from tests.conftest import run_cli
     from tests.test_tui_items import make_settings, quit_app
 
@@ -483,7 +483,7 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
 ) -> None:
     from textual.widgets import OptionList
 
-    from kvchat.chat import ChatService
+    from kvchat.service.chat import ChatService
     from kvchat.tui.format import code_blocks
     from kvchat.tui.screens.dialogs import CodePickerDialog
     from tests.test_tui_items import make_settings

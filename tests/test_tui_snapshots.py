@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from kvchat.chat import ChatService, TokenCounts, TurnReport
 from kvchat.config import Settings
 from kvchat.kvcache import RestoreResult
+from kvchat.service.chat import ChatService, TokenCounts, TurnReport
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.screens.help import HelpScreen
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import ChatService
 from kvchat.config import load_settings
 from kvchat.errors import KvchatError
+from kvchat.service.chat import ChatService
 
 pytestmark = pytest.mark.e2e
 

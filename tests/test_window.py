@@ -8,7 +8,13 @@ from collections.abc import Sequence
 import pytest
 
 from kvchat.errors import KvchatError
-from kvchat.window import ShiftPlan, fit_window, plan_shift, settle_target, system_head
+from kvchat.service.context_window import (
+    ShiftPlan,
+    fit_window,
+    plan_shift,
+    settle_target,
+    system_head,
+)
 
 Chat = list[dict[str, str]]
 

@@ -1,0 +1,79 @@
+"""``kvchat bench --ui``'s first paint: a fresh process per run, timed to its first frame.
+
+Nothing heavy is imported with this module: the child process imports the app itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SIZE = (120, 36)
+
+
+def _paint_child() -> None:
+    """Run in a fresh process: import and start the app, print when its first frame is
+    drawn, then leave at once (the model never loads)."""
+    started = time.perf_counter()
+    if os.environ.get("KVCHAT_BENCH_PAINT") == "command":
+        import kvchat.cli  # noqa: F401  (what `kvchat` imports before the app)
+    from kvchat.tui.app import KvchatApp
+
+    imported = time.perf_counter()
+    settings = None
+    if os.environ.get("KVCHAT_BENCH_PAINT") == "command":
+        from kvchat.config import load_settings
+
+        settings = load_settings()
+
+    class FirstFrame(KvchatApp):
+        def _display(self, screen: Any, renderable: Any) -> None:
+            super()._display(screen, renderable)
+            if renderable is not None and not self._batch_count:
+                now = time.perf_counter()
+                figures = {
+                    "wall": time.time(),
+                    "import_ms": (imported - started) * 1000,
+                    "app_ms": (now - self.created_at) * 1000,
+                }
+                print(json.dumps(figures), flush=True)
+                os._exit(0)  # the measurement is done: no model, no shutdown
+
+    FirstFrame(settings, cursor_blink=False).run(headless=True, size=SIZE)
+
+
+def first_paint(home: Path, runs: int, mode: str = "app") -> dict[str, float]:
+    """Median figures of ``runs`` fresh processes that start the app over ``home``'s
+    database (copied: the child is killed at its first frame)."""
+    totals, imports, apps = [], [], []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix="kvchat-paint-") as scratch:
+            if (home / "kvchat.db").exists():
+                shutil.copy(home / "kvchat.db", Path(scratch) / "kvchat.db")
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+            env.update(KVCHAT_HOME=scratch, KVCHAT_BENCH_PAINT=mode)
+            code = "from kvchat.bench.paint import _paint_child; _paint_child()"
+            started = time.time()
+            proc = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+            )
+            lines = proc.stdout.strip().splitlines()
+            if not lines:
+                raise RuntimeError(f"the first-paint run failed: {proc.stderr[-2000:]}")
+            figures = json.loads(lines[-1])
+        totals.append((figures["wall"] - started) * 1000)
+        imports.append(figures["import_ms"])
+        apps.append(figures["app_ms"])
+    return {
+        "total_ms": statistics.median(totals),
+        "import_ms": statistics.median(imports),
+        "app_ms": statistics.median(apps),
+    }

@@ -1,0 +1,507 @@
+"""The ``kvchat`` command group and its session commands (cache and models in their modules)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvchat.cli.cache import cache
+from kvchat.cli.doctor import doctor
+from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
+from kvchat.cli.model_commands import models_group
+from kvchat.cli.transfer_commands import export_bundle, import_cmd
+from kvchat.config import Settings
+from kvchat.engine.probe import probe_words
+from kvchat.errors import KvchatError
+from kvchat.limits import RANGE_TEXT, sampling_problem
+from kvchat.text import check_text, fit_width, one_line
+from kvchat.transfer.rendered import FORMATS
+from kvchat.units import human_bytes
+
+# Commands that run the model (None: the app): a native crash in them leaves a crash log.
+MODEL_COMMANDS = (None, "ask", "bench", "import")
+
+
+@click.group(cls=KvchatGroup, invoke_without_command=True)
+@model_options
+@click.version_option(package_name="kvchat")
+@click.pass_context
+def main(ctx: click.Context, **flags: Any) -> None:
+    """kvchat: chat with local GGUF models; conversations resume without re-reading.
+
+    Run `kvchat` with no command to open the terminal app; the commands below work
+    from the shell and none of them opens the app.
+    """
+    ctx.obj = {k: v for k, v in flags.items() if v is not None}
+    if ctx.invoked_subcommand in MODEL_COMMANDS:
+        from kvchat.config import data_dir
+        from kvchat.crashes import start_crash_log
+
+        start_crash_log(data_dir())
+    if ctx.invoked_subcommand is None:
+        settings = settings_from(ctx)
+        try:
+            from kvchat.tui.app import run_app
+        except ImportError:
+            raise KvchatError(
+                "the terminal app is not available in this build; use `kvchat ask MESSAGE`"
+            ) from None
+        run_app(settings)
+
+
+@main.command()
+@click.argument("message", required=False)
+@click.option("--session", "session_ref", help="Continue this session (id or unique title prefix).")
+@click.option("--new", "new", is_flag=True, help="Start a new session.")
+@click.option(
+    "--continue",
+    "continue_reply",
+    is_flag=True,
+    help="Go on with the session's last reply (one stopped at the token limit); needs --session.",
+)
+@click.option("--system", "system", help="System prompt (for a new session, or replacing it).")
+@click.option("--max-tokens", type=int, help="Most tokens to generate (1 or more).")
+@click.option(
+    "--temperature", type=float, help=f"{RANGE_TEXT['temperature']}; 0 for greedy decoding."
+)
+@click.option("--top-p", "top_p", type=float, help=f"Nucleus sampling, {RANGE_TEXT['top_p']}.")
+@click.option("--seed", type=int, help="Sampling seed (0 or more).")
+@click.option("--no-restore", is_flag=True, help="Ignore saved KV: full prefill (the baseline).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@model_options
+@click.pass_context
+def ask(
+    ctx: click.Context,
+    message: str | None,
+    session_ref: str | None,
+    new: bool,
+    continue_reply: bool,
+    system: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    no_restore: bool,
+    as_json: bool,
+    **flags: Any,
+) -> None:
+    """One turn: send MESSAGE (- reads it from stdin), stream the reply to stdout.
+
+    Without --session or --new, a new session is started; a new session that gets no
+    reply (an error, an interrupted turn) is not kept. Invalid settings or an empty
+    message are refused before anything is stored.
+    """
+    if session_ref is not None and new:
+        raise KvchatError("use either --session or --new, not both")
+    if session_ref is not None and not session_ref.strip():
+        raise KvchatError("--session needs a session id or title (see `kvchat list`)")
+    # Bytes of the command line that are not UTF-8 arrive as lone surrogates: refused here,
+    # before a session exists (paths elsewhere may hold such bytes; text may not).
+    sampling = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+        "seed": seed,
+    }
+    n_ctx = flags.get("n_ctx") or (ctx.obj or {}).get("n_ctx")
+    for name, value in sampling.items():
+        problem = None if value is None else sampling_problem(name, value, n_ctx)
+        if problem:
+            raise KvchatError(problem)
+    if continue_reply:
+        if session_ref is None or message is not None or new:
+            raise KvchatError("--continue goes on with a session's last reply: --session S alone")
+    elif message is None:
+        raise KvchatError("no message: give MESSAGE, or - to read it from stdin")
+    if message == "-":
+        # Bytes that are not UTF-8 become lone surrogates, refused by check_text below.
+        message = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    if message is not None:
+        check_text(message, "the message")
+        if not message.strip():
+            raise KvchatError("the message is empty")
+    if system is not None:
+        check_text(system, "the system prompt")
+    settings = settings_from(ctx, **flags)
+    settings.model_path()
+    reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
+    turn: dict[str, Any] = dict(
+        on_token=None if as_json else reading.then(_stream),
+        no_restore=no_restore,
+        **sampling,
+    )
+    with service(settings) as chat:
+        chat.load_engine()
+        chat.prefill_progress = reading
+        for notice in chat.startup_notices():
+            click.echo(f"kvchat: {one_line(notice)}", err=True)
+        if session_ref is not None:
+            session = chat.resolve(session_ref)
+            if system is not None:
+                chat.configure(session.id, system_prompt=system)
+            if continue_reply:
+                report = chat.continue_reply(session.id, **turn)
+            else:
+                assert message is not None
+                report = chat.send(session.id, message, **turn)
+        else:
+            assert message is not None
+            report = chat.start(message, system_prompt=system, **turn)
+    reading.clear()
+    if as_json:
+        click.echo(to_json(report.to_json()))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if report.reply_error:
+        # The reply is shown above; say once, and last, what of it the database holds.
+        if report.stored_part is not None:
+            raise KvchatError(report.reply_error)
+        raise KvchatError(f"{report.reply_error} (the reply above is not stored)")
+    if as_json:
+        return
+    if chat.plan_note:
+        click.echo(f"plan: {chat.plan_note}", err=True)
+    click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
+    if report.finish_reason == "length" and report.message_id is not None:
+        click.echo(
+            f"kvchat: to go on: kvchat ask --continue --session {report.session_id}", err=True
+        )
+    if report.message_id is None and continue_reply:
+        click.echo("kvchat: the model added nothing to the reply", err=True)
+    elif report.message_id is None:
+        click.echo(
+            f"kvchat: the model gave no reply; your message is saved in session "
+            f"{report.session_id} without one",
+            err=True,
+        )
+    if report.snapshot.error:
+        click.echo(f"kvchat: {one_line(report.snapshot.error)}", err=True)
+
+
+class _ReadingLine:
+    """How far a long prompt's read is, on stderr: one line redrawn on a terminal (at most
+    4 times a second), else a line after 2 s and then every 10 s. Prompts under 512 new
+    tokens say nothing."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = -1.0
+        self.drawn = False  # a line is on the terminal, to clear before the reply
+
+    def clear(self) -> None:
+        """Take the redrawn line off the terminal (the reply follows)."""
+        if self.drawn:
+            self.drawn = False
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def then(self, write: Callable[[str], None]) -> Callable[[str], None]:
+        """``write`` for the reply's pieces, clearing the line first."""
+
+        def piece(text: str) -> None:
+            self.clear()
+            write(text)
+
+        return piece
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        from kvchat.service.reports import reading_phrase
+
+        if total < 512:
+            return
+        due = 0.25 if self.tty else (2.0 if self.last < 0 else 10.0)
+        if seconds - max(self.last, 0.0) < due:
+            return
+        self.last = seconds
+        line = f"kvchat: {reading_phrase(done, total, seconds)}"
+        self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
+        self.stream.flush()
+        self.drawn = self.tty
+
+
+def _stream(piece: str) -> None:
+    """Write a piece of the reply as it comes (on a terminal, never a control sequence).
+
+    When the reader goes away (``kvchat ask … | head -1``) the turn still ends and its
+    reply is stored: what is left goes to /dev/null.
+    """
+    try:
+        sys.stdout.write(shown(piece))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+
+
+def _database_exists() -> bool:
+    """Whether there is a database to read (a read-only command makes none)."""
+    from kvchat.config import data_dir
+
+    return (data_dir() / "kvchat.db").exists()
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout went away: what is left goes to /dev/null (no error at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _print(text: str) -> None:
+    """Print ``text`` to stdout; a reader that stops early (``kvchat list | head -1``) ends
+    the output quietly, not with an error."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _drop_stdout()
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def list_sessions(ctx: click.Context, as_json: bool) -> None:
+    """Sessions, most recently updated first (reads only: no database is made)."""
+    settings = settings_from(ctx)
+    summaries = []
+    if _database_exists():
+        with service(settings) as chat:
+            summaries = chat.list_sessions()
+    if as_json:
+        _print(to_json([s.to_json() for s in summaries], indent=2))
+        return
+    if not summaries:
+        _print('No sessions yet. Start one with: kvchat ask --new "Hello"')
+        return
+    # Columns by display width: a wide (CJK) title takes two columns a character.
+    lines = [f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"]
+    for s in summaries:
+        title = fit_width(one_line(s.session.title), 32)
+        snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
+        updated = s.session.updated[:16].replace("T", " ")
+        lines.append(
+            f"{s.session.id:<9} {title} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
+        )
+    _print("\n".join(lines))
+
+
+@main.command()
+@click.argument("session_ref")
+@click.option(
+    "--format", "fmt", type=click.Choice([*FORMATS, "bundle"]), default="md", show_default=True
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    help="Write to FILE (- for stdout, the default).",
+)
+@click.pass_context
+def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
+    """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences)."""
+    if fmt == "bundle":
+        return export_bundle(ctx, session_ref, output)  # text + KV, see kvchat.transfer
+    settings = settings_from(ctx)
+    if not _database_exists():  # reads only: no database is made to say there is nothing
+        raise KvchatError(f"no session matches {session_ref!r} (no sessions yet)")
+    with service(settings) as chat:
+        session = chat.resolve(session_ref)
+        text = chat.export(session.id, fmt)  # type: ignore[arg-type]
+    if output is None or str(output) == "-":
+        try:
+            sys.stdout.write(shown(text))
+            sys.stdout.flush()
+        except BrokenPipeError:  # `kvchat export S | head`: the reader has what it wanted
+            _drop_stdout()
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise KvchatError(f"cannot write {output}: {exc.strerror}") from exc
+    click.echo(f"wrote {output}", err=True)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
+@click.option("--cold", is_flag=True, help="Evict snapshot files from the page cache first.")
+@click.option(
+    "--sizes", default="512,1024,2048,4096", show_default=True, help="History lengths in tokens."
+)
+@click.option("--repeat", default=5, show_default=True, help="Restore timings: median of N.")
+@click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
+@click.option(
+    "--one-layout",
+    is_flag=True,
+    help="Skip restores in the other V layout (flash attention the other way; a second load).",
+)
+@click.option(
+    "--ui", is_flag=True, help="The app's latencies instead: first paint, switch, jump, typing."
+)
+@model_options
+@click.pass_context
+def bench(
+    ctx: click.Context,
+    as_json: bool,
+    cold: bool,
+    sizes: str,
+    repeat: int,
+    no_tiers: bool,
+    one_layout: bool,
+    ui: bool,
+    **flags: Any,
+) -> None:
+    """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
+    from kvchat.bench.runs import format_report, run_bench
+
+    try:
+        targets = [int(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
+    settings = settings_from(ctx, **flags)
+    progress = None if as_json else (lambda line: click.echo(line, err=True))
+    if ui:
+        from kvchat.bench.ui import format_ui_report, run_ui_bench
+
+        ui_report = run_ui_bench(settings, targets, repeat=repeat, progress=progress)
+        shown = (
+            json.dumps(ui_report.to_json(), indent=2) if as_json else format_ui_report(ui_report)
+        )
+        click.echo(shown)
+        return
+    report = run_bench(
+        settings,
+        targets,
+        cold=cold,
+        repeat=repeat,
+        tiers=not no_tiers,
+        layouts=not one_layout,
+        progress=progress,
+    )
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(format_report(report))
+
+
+@main.command(name="config")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@model_options
+@click.pass_context
+def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
+    """The effective settings and where each came from (flag, env, config file, plan, default)."""
+    from kvchat.config import config_file
+    from kvchat.planner.defaults import plan_defaults
+
+    settings = settings_from(ctx, **flags)
+    path = settings.model_path()
+    plan = plan_defaults(settings, path)
+    effective = plan.apply(settings)
+    sources = settings.sources()
+    sources.update(plan.sources)
+    rows = {
+        name: {"value": getattr(effective, name), "source": sources[name]}
+        for name in type(settings).model_fields
+    }
+    probe = _probe_rows(effective, path, rows)
+    if rows["server_api_key"]["value"]:
+        rows["server_api_key"]["value"] = "(set)"  # a secret is never printed
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "model_path": str(path),
+                    "config_file": str(config_file()),
+                    "settings": rows,
+                    "plan": plan.to_json(),
+                    "probe": probe.to_json() | {"words": probe_words(probe)} if probe else None,
+                },
+                indent=2,
+            )
+        )
+        return
+    click.echo(f"model file: {path}")
+    click.echo(f"config file: {config_file()}" + ("" if config_file().is_file() else " (absent)"))
+    click.echo(f"plan: {plan.note}")
+    if probe is not None:
+        click.echo(f"engine probe: {probe_words(probe)}")
+        threads = probe.threads_line()
+        if threads:
+            click.echo(f"  {threads}")
+    width = max(len(name) for name in rows)
+    for name, row in rows.items():
+        value = "-" if row["value"] is None else row["value"]
+        click.echo(f"  {name:<{width}}  {one_line(str(value)):<24} {row['source']}")
+
+
+@main.command()
+@click.argument("session_ref")
+@click.option(
+    "--at",
+    "at_number",
+    type=int,
+    help="Keep messages #1 to #N (#N as the app shows it, not an id; default: all).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the new session as one JSON object.")
+@click.pass_context
+def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: bool) -> None:
+    """Branch a session; the shared history's KV is reused, not copied.
+
+    --at N keeps the first N messages: N is the message's number in the session (#N in the
+    app), not a database id. Forks are titled "Fork at #N: TITLE" ("Fork at #N (2): TITLE"…)
+    """
+    with service(settings_from(ctx)) as chat:
+        parent = chat.resolve(session_ref)
+        at_message = None if at_number is None else chat.message_at(parent.id, at_number).id
+        child = chat.fork(parent.id, at_message)
+        messages = len(chat.messages(child.id))
+    if as_json:
+        click.echo(
+            to_json(
+                {
+                    "session": child.id,
+                    "parent": parent.id,
+                    "title": child.title,
+                    "messages": messages,
+                }
+            )
+        )
+    else:
+        click.echo(f"{child.id}  {one_line(child.title)}  ({messages} messages)")
+
+
+main.add_command(cache)
+main.add_command(doctor)
+main.add_command(models_group)
+main.add_command(import_cmd)
+
+
+def _probe_rows(settings: Settings, path: Path, rows: dict[str, dict[str, Any]]) -> Any:
+    """What the engine probe chose for these settings (probing now if this machine was not
+    probed yet), written into ``rows``; None for a llama-server engine."""
+    from kvchat.engine import engine_config
+    from kvchat.engine.probe import probed_config
+
+    if settings.engine != "llama.cpp":
+        return None
+    config, probe = probed_config(
+        engine_config(settings, path), repack=settings.repack, threads=settings.n_threads is None
+    )
+    if probe is None:
+        return None
+    rows["repack"]["value"] = "on" if config.repack else "off"
+    if settings.repack == "auto":
+        rows["repack"]["source"] = "probe"
+    if settings.n_threads is None:
+        rows["n_threads"] = {"value": config.n_threads, "source": "probe"}
+        rows["n_threads_batch"] = {"value": config.n_threads_batch, "source": "probe"}
+    for name in ("flash_attn", "n_gpu_layers"):
+        if getattr(config, name) != rows[name]["value"]:
+            rows[name] = {"value": getattr(config, name), "source": "probe"}
+    return probe

@@ -1,0 +1,288 @@
+"""The engine seam: what the conversation service needs from a model, whoever runs it.
+
+An engine holds one conversation's context: the exact token ids in it, prefix reuse,
+generation, and (when it can) the raw sequence-state bytes kvcache snapshots. The
+service asks :attr:`Engine.capabilities` what an engine can do, never its type. Nothing
+here imports llama.cpp, so the value types can be used without loading a model.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+CancelCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What it takes to open a context; every field that changes KV layout is here."""
+
+    model_path: Path
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_threads: int = 2
+    # Threads for prompt batches (prefill); None: the same as n_threads.
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = -1
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    seed: int = 0
+    # A built-in template name or a Jinja file (kvchat.engine.templates); None: the GGUF's.
+    chat_template: str | None = None
+    # llama.cpp's weight repacking (its CPU "extra buffer types": AMX, AVX-512 and ARM
+    # layouts). None: what the engine probe found safe on this machine (kvchat.engine.probe).
+    repack: bool | None = None
+    # Tokens/s the probe measured per thread count, as (threads, prefill, generate), when
+    # the thread counts are the probe's choice: a turn far slower makes the engine measure
+    # again and switch (LlamaEngine.generate). Empty: the counts were set, nothing is watched.
+    thread_speeds: tuple[tuple[int, float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """The KV cache a model keeps, as its seq state must show it.
+
+    One entry per layer that keeps a cache, in layer order: the K width and V width in
+    elements (``n_head_kv × head_dim``; V 0 when the layer keeps no V) and whether the
+    layer uses the sliding window. ``n_swa`` is the window in tokens (0: none).
+    """
+
+    k_widths: tuple[int, ...]
+    v_widths: tuple[int, ...]
+    swa: tuple[bool, ...] = ()
+    n_swa: int = 0
+
+    @classmethod
+    def uniform(cls, n_layer: int, k_width: int, v_width: int) -> KvSpec:
+        return cls((k_width,) * n_layer, (v_width,) * n_layer, (False,) * n_layer)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.k_widths)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether llama.cpp keeps two caches (full-attention layers, sliding-window layers)."""
+        return self.n_swa > 0 and any(self.swa)
+
+    def part(self, swa: bool) -> tuple[list[int], list[int]]:
+        """(K widths, V widths) of the base (``swa`` False) or sliding-window layers."""
+        pick = [i for i in range(self.n_layer) if bool(self.swa and self.swa[i]) == swa]
+        if not self.interleaved:
+            pick = [] if swa else list(range(self.n_layer))
+        return [self.k_widths[i] for i in pick], [self.v_widths[i] for i in pick]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond prefill and generate; the service branches on these."""
+
+    # Sequence state as raw bytes (state_get/state_set): snapshots in the RAM and disk tiers.
+    seq_state: bool = False
+    # Drop a block of positions and move the later ones down (a KV shift), vs re-reading.
+    can_shift: bool = False
+    # Layers can run on a GPU.
+    gpu_offload: bool = False
+    # The KV lives in a llama-server's slots, saved and restored as slot files on the server
+    # (kvchat.kvcache.server_tiers) instead of the RAM and disk tiers.
+    server_slots: bool = False
+    # A state can be loaded one piece (a run of cells) at a time: state_append/state_adopt.
+    appends_state: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    max_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass
+class PrefillResult:
+    """How a prompt was brought into the context."""
+
+    prompt: int
+    reused: int
+    decoded: int
+
+
+@dataclass
+class GenerationStats:
+    """Filled in while :meth:`Engine.generate` streams."""
+
+    generated: int = 0
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str = "stop"
+    # When the user's turn began: TTFT counts restore and prefill too.
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine(Protocol):
+    """A loaded model and its one context (sequence 0). Not thread-safe.
+
+    The ``state_*`` methods move the context's KV as raw bytes; an engine whose
+    capabilities say ``seq_state=False`` raises NotImplementedError from them.
+    """
+
+    config: EngineConfig
+    n_ctx: int
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    # --- identity of the KV bytes (for the snapshot fingerprint and chunk parser) ----------
+
+    def layout(self) -> dict[str, Any]:
+        """Settings that decide the KV bytes' meaning (type_k/v, flash_attn, RoPE, SWA, n_layer)."""
+        ...
+
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """(layers, K width, V width) per token and layer, or None when not uniform."""
+        ...
+
+    # Optional (kvchat.kvcache looks them up with getattr; a minimal engine may lack them):
+    #   kv_spec() -> KvSpec | None          per-layer KV widths and sliding-window layers
+    #   chunk_problem() -> str | None       why the state is always stored whole
+    #   reuse_point(held, prompt) -> int    where prefill starts decoding
+    #   restore_floor(n_tokens) -> int      lowest cut after restoring n_tokens
+    #   window_floor -> int                 lowest cut of the context now
+    #   take_checkpoints() -> list[(position, partial state bytes)]
+
+    # --- tokens ---------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template over ``messages``, ending with the assistant's turn opening."""
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as text (no BOS): the spelling of a control token stays characters."""
+        ...
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt for ``messages``. Only the template's own markup may become control
+        tokens: every message's content is tokenized as text, so a pasted ``<|im_end|>``
+        can never end a turn or forge one. Deterministic (prefix reuse compares ids)."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as message text (no template markup)."""
+        ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The exact token ids whose KV is in the context, in order."""
+        ...
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    # --- context --------------------------------------------------------------------------
+
+    def clear(self) -> None: ...
+
+    def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
+        """Bring ``prompt`` into the context, decoding only what follows the common prefix."""
+        ...
+
+    def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
+        """Re-decode everything after position ``keep`` so the context holds ``tokens``
+        (``cancel`` stops between batches: the context then holds a prefix of them)."""
+        ...
+
+    def generate(
+        self, params: GenerationParams, stats: GenerationStats, cancel: CancelCheck | None = None
+    ) -> Iterator[str]:
+        """Sample and stream text pieces; afterwards the context holds prompt + reply."""
+        ...
+
+    def can_shift(self) -> bool: ...
+
+    def shift(self, start: int, end: int) -> int:
+        """Drop positions ``[start, end)`` and move the later ones down; returns tokens dropped."""
+        ...
+
+    # --- sequence state (capabilities.seq_state) ---------------------------------------------
+
+    def state_size(self) -> int: ...
+
+    def state_buffer(self, size: int) -> Any:
+        """A reusable writable buffer of at least ``size`` bytes."""
+        ...
+
+    def state_get(self) -> memoryview: ...
+
+    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
+        """Load ``size`` state bytes; on success the context holds ``tokens``, else it is empty."""
+        ...
+
+    def state_append(self, buf: Any, size: int, below: int) -> bool:
+        """Add a state's cells with positions below ``below`` after those the context holds
+        (capabilities.appends_state); on failure the context is empty."""
+        ...
+
+    def state_adopt(self, tokens: Sequence[int]) -> bool:
+        """After appending: the context holds ``tokens`` if its cells are exactly their
+        positions, else it is emptied (False)."""
+        ...
+
+    def state_save_file(self, path: Path) -> int: ...
+
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """A greedy reply to ``prompt`` made beside the conversation (its KV and tokens
+        untouched); None where the engine cannot."""
+        ...
+
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Prefill and generation tokens/s per thread count, measured without touching the
+        conversation's KV; {} where the engine cannot (a llama-server's threads are its own)."""
+        ...
+
+    def state_load_file(self, path: Path) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_spellings(
+    pattern: re.Pattern[str] | None, text: str, shortest: int = 1
+) -> Iterator[tuple[str, bool]]:
+    """``text`` cut at the matches of ``pattern`` (special-token spellings): ``(match, True)``
+    for a match of at least ``shortest`` characters, ``(text, False)`` for what lies between
+    (a shorter match stays in that text)."""
+    if pattern is None:
+        yield text, False
+        return
+    at = 0
+    for match in pattern.finditer(text):
+        if len(match.group()) < shortest:
+            continue  # left in the text before the next match
+        if match.start() > at:
+            yield text[at : match.start()], False
+        yield match.group(), True
+        at = match.end()
+    if at < len(text):
+        yield text[at:], False

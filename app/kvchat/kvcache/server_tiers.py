@@ -1,0 +1,351 @@
+"""KV per session on a llama-server: its slots are the hot tier, its slot files the cold one.
+
+The same interface as :class:`kvchat.kvcache.tiers.KVTiers`, so the conversation service
+drives both alike. After each turn the session's slot is saved to a file kvchat names
+(``POST /slots/{id}?action=save``); before a turn the session is made hot: already in a
+slot → nothing; else its file is restored into a free or the least recently used slot
+(``action=restore``), and the restore must report exactly the tokens kvchat recorded.
+A server that changed (model file, size, build, context), a missing file or a short
+restore → a prefill with the reason, never wrong KV. Which slot holds which session is
+known to this process only; another process restores from the file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvchat.engine.api import common_prefix
+from kvchat.engine.server_http import ServerError
+from kvchat.errors import KvchatError
+from kvchat.kvcache.cold.snapshot_store import RestoreResult
+from kvchat.kvcache.tiers import CacheGc, HotSession, SnapshotWrite
+from kvchat.store import Store
+from kvchat.store.server_slots import ServerSlotRow
+from kvchat.store.store import StoreFull
+
+if TYPE_CHECKING:
+    from kvchat.engine.server import ServerEngine
+
+# A donor's file is restored only when it saves this many more tokens than the slot holds.
+MIN_DONOR_GAIN = 32
+# Fields of the server's identity whose change makes a slot file unusable, as shown.
+_IDENTITY_NAMES = {
+    "model_path": "model file",
+    "model_size": "model size",
+    "n_params": "parameters",
+    "n_vocab": "vocabulary",
+    "build_info": "llama.cpp build",
+    "n_ctx": "context per slot",
+}
+
+
+def slot_file_name(session_id: str, generation: int) -> str:
+    """The file a session's slot is saved to: derived from its id (never from text), two
+    names used in turn so a save never overwrites the file the index points to."""
+    digest = xxhash.xxh3_128_hexdigest(f"kvchat-slot:{session_id}".encode())
+    return f"kvchat-{digest}-{generation % 2}.bin"
+
+
+def identity_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why a slot file saved by ``saved`` cannot be restored on ``current``, or None."""
+    for key, name in _IDENTITY_NAMES.items():
+        if saved.get(key) != current.get(key):
+            return f"the server's {name} changed ({saved.get(key)!r} → {current.get(key)!r})"
+    return None
+
+
+class ServerSlots(HotSession):
+    """Sessions' KV in a llama-server's slots and slot files (the tiers of that engine)."""
+
+    def __init__(self, store: Store, engine: ServerEngine) -> None:
+        super().__init__()
+        self.store = store
+        self.engine = engine
+        self.fingerprint = engine.identity()
+        # Per slot: the session it holds for this process, and what kvchat knows it holds.
+        self._held: list[str | None] = [None] * engine.n_slots
+        self._tokens: list[list[int]] = [[] for _ in range(engine.n_slots)]
+        self._used: list[float] = [0.0] * engine.n_slots
+
+    # --- the engine and the hot session (as KVTiers) ------------------------------------
+
+    def attach(self, engine: Any, fingerprint: Any = None) -> None:
+        """The engine is given to the constructor; kept for the KVTiers interface."""
+
+    def detach(self) -> None:
+        """Before the service closes: save the hot session if its slot has unsaved KV."""
+        if self._dirty and self._hot:
+            self.save_hot()
+
+    def mark_hot(self, session_id: str | None) -> None:
+        """The current slot now holds ``session_id``'s KV (None: no session's)."""
+        slot = self.engine.slot
+        for index, held in enumerate(self._held):
+            if held is not None and held == session_id and index != slot:
+                self._held[index] = None
+        self._held[slot] = session_id
+        self._used[slot] = time.monotonic()
+        self._hot = session_id
+
+    @property
+    def note(self) -> str:
+        """Where the model runs, one line for the status bar (e.g. the plan's place)."""
+        slots = f"{self.engine.n_slots} slot" + ("s" if self.engine.n_slots != 1 else "")
+        return f"llama-server {self.engine.server_url} · {slots} of {self.engine.n_ctx:,} tokens"
+
+    # --- making a session hot -------------------------------------------------------------
+
+    def _remember_slot(self) -> None:
+        """Keep what kvchat knows the current slot holds before switching away from it."""
+        self._tokens[self.engine.slot] = self.engine.tokens
+
+    def _pick_slot(self) -> int:
+        """A free slot, else the least recently used one (its session was saved already)."""
+        for index, held in enumerate(self._held):
+            if held is None:
+                return index
+        return min(range(len(self._held)), key=lambda i: self._used[i])
+
+    def make_hot(
+        self,
+        session_id: str,
+        *,
+        no_restore: bool = False,
+        prompt: list[int] | None = None,
+        history: Callable[[], list[int] | None] | None = None,
+    ) -> RestoreResult:
+        """Put the session's KV in a slot: held already → nothing; else restore its file."""
+        engine = self.engine
+        if self._hot and self._dirty and self._hot != session_id:
+            self.save_hot()
+        self._remember_slot()
+        if no_restore:
+            slot = self._slot_of(session_id)
+            engine.use_slot(self._pick_slot() if slot is None else slot, [])
+            engine.clear()
+            self._release(engine.slot)
+            return RestoreResult("none", reason="full prefill requested (--no-restore)")
+        slot = self._slot_of(session_id)
+        if slot is not None:
+            engine.use_slot(slot, self._tokens[slot])
+            self._hot = session_id
+            self._used[slot] = time.monotonic()
+            return RestoreResult("hot", tokens=engine.n_tokens)
+        slot = self._pick_slot()
+        engine.use_slot(slot, self._tokens[slot])
+        self._release(slot)
+        row = self.store.get_server_slot(session_id)
+        donor = None
+        if row is None:
+            wanted = prompt if prompt is not None else (history() if history else None)
+            row = self._donor(wanted or [])
+            if row is None:
+                self._count(server_misses=1)
+                return RestoreResult("none", reason="no saved KV for this session on the server")
+            donor = row.session_id
+        problem = identity_mismatch(row.fingerprint, self.fingerprint)
+        if problem is None and row.n_tokens > engine.n_ctx:
+            problem = f"its {row.n_tokens:,} tokens exceed the server's context ({engine.n_ctx:,})"
+        if problem is None and not row.n_tokens:
+            problem = "its saved KV holds no tokens"
+        if problem is not None:
+            self._count(server_misses=1)
+            return RestoreResult("none", reason=f"{problem}: full prefill")
+        started = time.perf_counter()
+        try:
+            result = engine.slot_restore(row.filename)
+        except ServerError as exc:
+            engine.clear()
+            self._count(server_misses=1)
+            return RestoreResult("none", reason=f"the server could not restore it ({exc})")
+        restored = int(result.get("n_restored", -1))
+        if restored != row.n_tokens:
+            # Never trust a slot whose tokens are not exactly the recorded ones.
+            engine.clear()
+            self._count(server_misses=1)
+            return RestoreResult(
+                "none",
+                reason=f"the server restored {restored:,} of {row.n_tokens:,} tokens: full prefill",
+            )
+        engine.use_slot(slot, row.token_ids)
+        self.mark_hot(session_id)
+        self._count(
+            server_restores=1,
+            server_tokens_restored=restored,
+            server_bytes_restored=int(result.get("n_read", 0)),
+        )
+        try:
+            self.store.touch_server_slot(row.session_id)
+        except StoreFull:
+            pass
+        return RestoreResult(
+            "server",
+            ms=(time.perf_counter() - started) * 1000,
+            bytes=int(result.get("n_read", 0)),
+            tokens=restored,
+            donor=donor,
+        )
+
+    def _donor(self, prompt: list[int]) -> ServerSlotRow | None:
+        """Another session's slot file sharing the longest prefix with ``prompt`` (a fork,
+        an edit), if it beats what the slot in use holds by :data:`MIN_DONOR_GAIN` tokens."""
+        if not prompt:
+            return None
+        held = common_prefix(self.engine.tokens, prompt)
+        best, best_shared = None, held + MIN_DONOR_GAIN - 1
+        for row in self.store.server_slot_rows():
+            shared = common_prefix(row.token_ids, prompt)
+            if shared > best_shared and row.fingerprint == self.fingerprint:
+                best, best_shared = row, shared
+        return best
+
+    def _count(self, **deltas: int) -> None:
+        """Bump the persistent counters (their own names: not the local tiers')."""
+        try:
+            self.store.bump_counters(**deltas)
+        except StoreFull:
+            pass
+
+    def _slot_of(self, session_id: str) -> int | None:
+        for index, held in enumerate(self._held):
+            if held == session_id:
+                return index
+        return None
+
+    def _release(self, slot: int) -> None:
+        """The slot no longer holds a session of ours (it may still hold its tokens)."""
+        if self._held[slot] == self._hot:
+            self._hot = None
+            self._dirty = False
+        self._held[slot] = None
+
+    def spill(self) -> None:
+        """Before the slot is used for something else: save the hot session if unsaved."""
+        if self._hot and self._dirty:
+            self.save_hot()
+        self._remember_slot()
+        self._release(self.engine.slot)
+        self._hot = None
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def save_hot(self) -> SnapshotWrite:
+        """Save the hot session's slot to its file and record its tokens; errors reported."""
+        engine = self.engine
+        session_id = self._hot
+        if not session_id or engine.n_tokens == 0:
+            return SnapshotWrite()
+        started = time.perf_counter()
+        try:
+            old = self.store.get_server_slot(session_id)
+            generation = 0 if old is None else old.generation + 1
+            filename = slot_file_name(session_id, generation)
+            result = engine.slot_save(filename)
+            saved = int(result.get("n_saved", -1))
+            tokens = engine.tokens
+            if not 0 < saved <= len(tokens):
+                # Tokens kvchat cannot name (a cancelled prefill): the row keeps pointing
+                # to the previous file, which this save did not touch.
+                return SnapshotWrite(
+                    error=f"the server's slot held {saved:,} tokens, not the {len(tokens):,} "
+                    "kvchat knows of: this KV was not recorded"
+                )
+            row = ServerSlotRow(
+                session_id=session_id,
+                filename=filename,
+                token_ids=tokens[:saved],
+                fingerprint=self.fingerprint,
+                n_bytes=int(result.get("n_written", 0)),
+                generation=generation,
+            )
+            self.store.put_server_slot(row)
+            self._count(server_bytes_written=row.n_bytes)
+        except (KvchatError, OSError) as exc:
+            return SnapshotWrite(error=f"could not save the server's slot: {exc}")
+        self._dirty = False
+        return SnapshotWrite(
+            bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000, written=row.n_bytes
+        )
+
+    def forget(self, session_id: str) -> None:
+        """Forget a session's slot file and slot (its text is not ours to touch)."""
+        slot = self._slot_of(session_id)
+        if slot is not None:
+            self._release(slot)
+            if slot == self.engine.slot:
+                self.engine.clear()
+            self._tokens[slot] = []
+        self.store.delete_server_slots(session_id)
+
+    # --- looking ---------------------------------------------------------------------------
+
+    def location(self, session_id: str) -> str:
+        """hot (the slot in use), ram (another slot: no restore needed), disk (a slot file
+        on the server) or none."""
+        if session_id == self._hot:
+            return "hot"
+        if self._slot_of(session_id) is not None:
+            return "ram"
+        return "disk" if self.store.get_server_slot(session_id) is not None else "none"
+
+    def snapshot(self, session_id: str) -> None:
+        """No snapshot files here: the server holds the KV."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """The shape of KVTiers.stats (RAM: slots held; disk: slot files) plus the server."""
+        rows = self.store.server_slot_rows()
+        counters = self.store.counters()
+        held = sum(1 for s in self._held if s is not None)
+        return {
+            "ram": {"entries": held, "bytes": 0, "budget_bytes": 0, "hits": 0, "misses": 0},
+            "disk": {
+                "snapshots": len(rows),
+                "chunks": 0,
+                "bytes": sum(r.n_bytes for r in rows),
+                "logical_bytes": sum(r.n_bytes for r in rows),
+                "budget_bytes": 0,
+            },
+            "counters": {
+                "restores_ram": 0,
+                "restores_disk": counters.get("server_restores", 0),
+                "misses": counters.get("server_misses", 0),
+                "tokens_restored": counters.get("server_tokens_restored", 0),
+                "bytes_restored": counters.get("server_bytes_restored", 0),
+                "bytes_written": counters.get("server_bytes_written", 0),
+            },
+            "server": {
+                "url": self.engine.server_url,
+                "slots": self.engine.n_slots,
+                "slots_held": held,
+                "slot_files": len(rows),
+                **self.fingerprint,
+            },
+        }
+
+    def gc(self) -> CacheGc:
+        """Rows whose server changed can never be restored there: they are dropped (the
+        files are the server's, in its --slot-save-path)."""
+        evicted = [
+            r.session_id
+            for r in self.store.server_slot_rows()
+            if identity_mismatch(r.fingerprint, self.fingerprint) is not None
+        ]
+        for session_id in evicted:
+            self.store.delete_server_slots(session_id)
+        return CacheGc(evicted=evicted)
+
+    def clear(self, session_id: str | None = None) -> int:
+        """Forget the slot files of one session or all; returns rows deleted."""
+        if session_id is not None:
+            slot = self._slot_of(session_id)
+            if slot is not None:
+                self._release(slot)
+            return self.store.delete_server_slots(session_id)
+        for slot in range(len(self._held)):
+            self._release(slot)
+        return self.store.delete_server_slots()

@@ -1,0 +1,267 @@
+"""Sessions and branches: the part of the conversation service that needs no model.
+
+:class:`SessionBook` is mixed into :class:`kvchat.service.chat.ChatService`; it reads and writes
+the store (titles, settings, forks, edits, the remembered sessions) and asks the service's
+KV tiers where a session's memory lives.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.service.parts import ServiceParts
+from kvchat.service.reports import SESSION_SETTINGS
+from kvchat.store import Message, SearchHit, Session, SessionSummary
+from kvchat.store.store import StoreFull
+from kvchat.text import check_text
+from kvchat.transfer.rendered import ExportFormat, export_session
+
+DEFAULT_TITLE = "New chat"
+# A branch's title says what it is and where it starts, first (a narrow list cuts the end):
+# "Fork at #7: Title", "Edit of #3: Title", then "Fork at #7 (2): Title"…
+_BRANCH_PREFIX = re.compile(r"^(?:Fork at|Edit of) #\d+(?: \((\d+)\))?: ")
+# What a fork added to its parent's title before kvchat named branches by what they are.
+_FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
+LAST_SESSION_KEY = "last_session"
+# The session the app had open last (set by the app alone: a CLI `ask` never moves it).
+OPEN_SESSION_KEY = "app_open_session"
+
+
+class SessionBook(ServiceParts):
+    """Sessions, messages, forks and edits over the store (mixed into ChatService)."""
+
+    # --- sessions -------------------------------------------------------------------------
+
+    def new_session(self, title: str | None = None, system_prompt: str | None = None) -> Session:
+        if title is not None:
+            check_text(title, "the title")
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
+        session = self.store.create_session(title or DEFAULT_TITLE, system_prompt)
+        self._remember(session.id)
+        return session
+
+    def resolve(self, ref: str) -> Session:
+        """A session by id or unique title prefix; an empty reference names none."""
+        check_text(ref, "the session name")
+        if not ref.strip():
+            raise KvchatError("no session given: name one by its id or title (see `kvchat list`)")
+        return self.store.resolve_session(ref)
+
+    def list_sessions(self) -> list[SessionSummary]:
+        return self.store.list_sessions()
+
+    def last_session(self) -> Session | None:
+        session_id = self.store.get_meta(LAST_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        sessions = self.store.list_sessions()
+        return sessions[0].session if sessions else None
+
+    def remember_open(self, session_id: str) -> None:
+        """Note that the app opened this session: the next launch opens it again.
+
+        Kept apart from the last session used (which a CLI ``ask`` or a new fork moves),
+        so a relaunch returns to where the user was. A full disk is no error.
+        """
+        try:
+            self.store.set_meta(OPEN_SESSION_KEY, session_id)
+        except StoreFull:
+            pass
+
+    def last_open_session(self) -> Session | None:
+        """The session the app had open when it quit, if it still exists; else, for a
+        first launch, :meth:`last_session`."""
+        session_id = self.store.get_meta(OPEN_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        return self.last_session()
+
+    def messages(self, session_id: str) -> list[Message]:
+        return self.store.messages(session_id)
+
+    def changed_at(self, session_id: str) -> str:
+        """When the session last changed, by any process: one row read by its key (the app
+        polls it to show what another kvchat wrote to the open session)."""
+        return self.store.get_session(session_id).updated
+
+    def turn_holder(self, session_id: str) -> str | None:
+        """Why a turn on the session would wait now (another process holds its turn lock),
+        or None when it is free: one try of the lock, let go at once."""
+        from kvchat.store.locks import SessionBusy
+
+        try:
+            with self.locks.hold(session_id, wait_s=0):  # ChatService's SessionLocks
+                return None
+        except SessionBusy as exc:
+            return str(exc)
+
+    def holding(self, session_id: str) -> AbstractContextManager[None]:
+        """Hold the session's turn lock as a turn does (waiting a little for a turn running
+        elsewhere, then ``SessionBusy``): what reads a whole session to copy it (fork, edit,
+        a bundle) never copies a reply that is still streaming."""
+        return self._turn_lock(session_id)
+
+    def add_message(
+        self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
+    ) -> Message:
+        """Store a message without running the model (tests, the benchmark, an import)."""
+        if role not in ("user", "assistant"):
+            raise KvchatError(f"a message's role is user or assistant, not {role!r}")
+        check_text(text)
+        return self.store.add_message(
+            session_id, role, text, token_count=token_count, partial=partial
+        )
+
+    def rename(self, session_id: str, title: str) -> Session:
+        title = check_text(title, "the title").strip()
+        if not title:
+            raise KvchatError("a session title cannot be empty")
+        return self.store.update_session(session_id, title=title)
+
+    def configure(
+        self,
+        session_id: str,
+        *,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        """Set a session's system prompt ("" clears it) and sampling overrides."""
+        if system_prompt is not None:
+            check_text(system_prompt, "the system prompt")
+        if settings is not None:
+            unknown = set(settings) - set(SESSION_SETTINGS)
+            if unknown:
+                raise KvchatError(f"unknown session settings: {', '.join(sorted(unknown))}")
+        return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
+
+    def delete(self, session_id: str) -> None:
+        """Delete a session, its messages and its KV in every tier (never under a turn that
+        another process is running on it: that raises ``SessionBusy``)."""
+        with self._turn_lock(session_id):
+            self.tiers.forget(session_id)
+            self.store.delete_session(session_id)
+        self.locks.remove(session_id)
+
+    def drop_if_unused(self, session_id: str) -> bool:
+        """Delete a session that never got a message and is as it was made (the default
+        title, no system prompt, no settings): True if it was. Checked under the session's
+        turn lock, so one that a turn elsewhere is writing to is kept."""
+        with self._turn_lock(session_id):
+            session = self.store.get_session(session_id)
+            if self.store.messages(session_id) or (
+                session.title != DEFAULT_TITLE or session.system_prompt or session.settings
+            ):
+                return False
+            self.tiers.forget(session_id)
+            self.store.delete_session(session_id)
+        self.locks.remove(session_id)
+        return True
+
+    def export(self, session_id: str, fmt: ExportFormat) -> str:
+        return export_session(
+            self.store.get_session(session_id), self.store.messages(session_id), fmt
+        )
+
+    def search(self, query: str) -> list[SearchHit]:
+        return self.store.search(query)
+
+    def kv_location(self, session_id: str) -> str:
+        """Where this session's KV lives now: hot, ram, disk or none."""
+        return self.tiers.location(session_id)
+
+    def fork(self, session_id: str, at_message: int | None = None) -> Session:
+        """A new session with this one's messages up to ``at_message`` (an id; default all).
+
+        Its KV is shared, not copied: a whole-session fork points at the same chunks; an
+        earlier fork point finds the shared prefix in the chunks on its first turn. Made
+        under the session's turn lock: never from a reply still streaming.
+        """
+        with self._turn_lock(session_id):
+            ids = [m.id for m in self.messages(session_id)]
+            if at_message is not None and at_message not in ids:
+                raise KvchatError(f"session {session_id} has no message {at_message}")
+            kept = ids.index(at_message) + 1 if at_message is not None else len(ids)
+            child = self._branch(session_id, at_message, label=f"Fork at #{kept}")
+            row = self.store.get_snapshot(session_id)
+            if at_message is None and row is not None and row.format == "chunks":
+                row.session_id = child.id
+                row.created = ""
+                self.store.put_snapshot(row)
+        return child
+
+    def edit(self, session_id: str, message_id: int, text: str) -> Session:
+        """Edit a past user message as a new branch: the original conversation is kept.
+
+        The branch holds the messages before ``message_id`` and the edited message; the
+        caller then runs :meth:`regenerate` on it, which reuses the shared prefix's KV.
+        """
+        text = check_text(text).strip()
+        if not text:
+            raise KvchatError("the message is empty")
+        edited = ("user", text, self.engine.count_tokens(text))
+        with self._turn_lock(session_id):
+            history = self.store.messages(session_id)
+            target = next((m for m in history if m.id == message_id), None)
+            if target is None or target.role != "user":
+                raise KvchatError(f"session {session_id} has no user message {message_id}")
+            index = history.index(target)
+            upto = history[index - 1].id if index else 0
+            return self._branch(session_id, upto, edited, label=f"Edit of #{index + 1}")
+
+    def _branch(
+        self,
+        session_id: str,
+        upto: int | None,
+        then: tuple[str, str, int] | None = None,
+        *,
+        label: str,
+    ) -> Session:
+        """Copy a session's messages up to ``upto`` (and ``then``) in one transaction, titled
+        by ``label`` (what the branch is: "Fork at #7", "Edit of #3")."""
+        title = self._branch_title(self.store.get_session(session_id).title, label)
+        branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
+        self._remember(branch.id)
+        return branch
+
+    def _branch_title(self, parent_title: str, label: str) -> str:
+        """ "Fork at #7: Title", "Edit of #3: Title"; a second branch of the same kind at the
+        same point "Fork at #7 (2): Title"…; a branch of a branch names the original title
+        once (never "Fork at #2: Fork at #4: …")."""
+        base = _BRANCH_PREFIX.sub("", _FORK_SUFFIX.sub("", parent_title)) or parent_title
+        taken = 0
+        for summary in self.store.list_sessions():
+            title = summary.session.title
+            match = _BRANCH_PREFIX.match(title)
+            if match and title.startswith(label) and title[match.end() :] == base:
+                if title[len(label) :].startswith((": ", " (")):
+                    taken = max(taken, int(match.group(1) or 1))
+        return f"{label}: {base}" if taken == 0 else f"{label} ({taken + 1}): {base}"
+
+    def message_at(self, session_id: str, number: int) -> Message:
+        """The session's message #``number`` (1-based, in order: what the app shows)."""
+        history = self.store.messages(session_id)
+        if not 1 <= number <= len(history):
+            raise KvchatError(
+                f"session {session_id} has no message #{number} "
+                f"(it has {len(history)}: #1 to #{len(history)})"
+                if history
+                else f"session {session_id} has no messages"
+            )
+        return history[number - 1]
+
+    def _remember(self, session_id: str) -> None:
+        """Note the session to open next time: a convenience, so a full disk is no error."""
+        try:
+            self.store.set_meta(LAST_SESSION_KEY, session_id)
+        except StoreFull:
+            pass

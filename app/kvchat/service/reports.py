@@ -1,0 +1,237 @@
+"""What a turn reports: token counts, restore, timing, the window, the snapshot write.
+
+These are the service's result types, shared by the TUI, the CLI's ``--json`` and the
+benchmark; ``kvchat.service.chat`` re-exports them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvchat.engine import GenerationParams, GenerationStats, PrefillResult
+from kvchat.errors import KvchatError
+from kvchat.kvcache import RestoreResult
+from kvchat.kvcache.tiers import SnapshotWrite
+from kvchat.limits import sampling_problem
+
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+
+TokenCallback = Callable[[str], None]
+
+
+class UnansweredMessage(KvchatError):
+    """A turn failed after the user's message was stored: the message stays, unanswered."""
+
+    def __init__(self, session_id: str, reason: str) -> None:
+        super().__init__(f"{reason}; your message is saved in session {session_id} without a reply")
+        self.session_id = session_id
+        self.reason = reason
+
+
+class MessageRefused(KvchatError):
+    """The user's message was not sent: ``post`` could not store it (``busy``: another
+    process runs a turn on the session), or its turn found it cannot fit the context and
+    deleted it again, unanswered. A UI gives ``text`` back to the user to edit or resend."""
+
+    def __init__(self, text: str, reason: str, *, busy: bool = False) -> None:
+        super().__init__(f"{reason}; the message was not sent")
+        self.text = text
+        self.reason = reason
+        self.busy = busy
+
+
+# Sampling settings a session may override.
+SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
+
+
+def generation_params(
+    settings: Settings, session: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> GenerationParams:
+    """Sampling for one turn: the call's overrides over the session's over the settings'.
+
+    An unset seed is a new random one, so "no seed" means a different reply each time.
+    """
+    for name, value in overrides.items():
+        problem = None if value is None else sampling_problem(name, value)
+        if problem:
+            raise KvchatError(problem)
+    values: dict[str, Any] = {key: getattr(settings, key) for key in SESSION_SETTINGS}
+    values.update({k: v for k, v in session.items() if k in SESSION_SETTINGS})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - set(SESSION_SETTINGS)
+    if unknown:
+        raise TypeError(f"unknown generation settings: {unknown}")
+    if values["seed"] is None:
+        values["seed"] = secrets.randbits(31)
+    return GenerationParams(
+        temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]),
+        max_tokens=int(values["max_tokens"]),
+        seed=int(values["seed"]),
+    )
+
+
+@dataclass
+class TokenCounts:
+    prompt: int = 0
+    reused: int = 0
+    decoded: int = 0
+    generated: int = 0
+
+
+@dataclass
+class TurnReport:
+    """Everything a UI shows about one turn; ``to_json`` is the CLI's ``--json`` object."""
+
+    session_id: str
+    reply: str
+    tokens: TokenCounts
+    restore: RestoreResult
+    ttft_ms: float | None
+    tokens_per_s: float | None
+    finish_reason: str
+    message_id: int | None = None
+    dropped_messages: int = 0
+    snapshot: SnapshotWrite = field(default_factory=SnapshotWrite)
+    # Context overflow on this turn: tokens and messages moved out of the KV by a shift, or
+    # why the kept window was re-read instead (see ChatService._shift_window).
+    shifted_tokens: int = 0
+    shifted_messages: int = 0
+    window_note: str | None = None
+    # The reply was generated (it is in ``reply``) but could not be stored: why, in one line.
+    reply_error: str | None = None
+    # With reply_error: characters of the reply the database holds all the same (its copy
+    # saved while it streamed, marked partial), or None when it holds none of it.
+    stored_part: int | None = None
+
+    @classmethod
+    def of_run(
+        cls,
+        session_id: str,
+        reply: str,
+        restore: RestoreResult,
+        prefill: PrefillResult,
+        stats: GenerationStats,
+        **extra: Any,
+    ) -> TurnReport:
+        """The report of a prefill then a generation (``extra``: the window's fields)."""
+        return cls(
+            session_id=session_id,
+            reply=reply,
+            tokens=TokenCounts(prefill.prompt, prefill.reused, prefill.decoded, stats.generated),
+            restore=restore,
+            ttft_ms=stats.ttft_ms,
+            tokens_per_s=stats.tokens_per_s,
+            finish_reason=stats.finish_reason,
+            **extra,
+        )
+
+    @property
+    def partial(self) -> bool:
+        return self.finish_reason in ("cancelled", "context")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session_id,
+            "reply": self.reply,
+            "finish_reason": self.finish_reason,
+            "message_id": self.message_id,
+            "reply_error": self.reply_error,
+            "tokens": {
+                "prompt": self.tokens.prompt,
+                "reused": self.tokens.reused,
+                "decoded": self.tokens.decoded,
+                "generated": self.tokens.generated,
+            },
+            "restore": self.restore.to_json(),
+            "timing": {
+                "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+                "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
+            },
+            "window": {
+                "dropped_messages": self.dropped_messages,
+                "shifted_messages": self.shifted_messages,
+                "shifted_tokens": self.shifted_tokens,
+                "note": self.window_note,
+            },
+            "snapshot": {
+                "bytes": self.snapshot.bytes,
+                "written": self.snapshot.written,
+                "chunks_written": self.snapshot.chunks_written,
+                "chunks_shared": self.snapshot.chunks_shared,
+                "checkpoints_written": self.snapshot.checkpoints_written,
+                "whole_reason": self.snapshot.whole_reason,
+                "ms": round(self.snapshot.ms, 2),
+                "error": self.snapshot.error,
+            },
+        }
+
+    def summary(self) -> str:
+        """One line for a status bar or stderr, e.g. "restored 312 tokens from disk in 4 ms · …"."""
+        r = self.restore
+        if r.source == "hot":
+            head = f"hot context, reused {self.tokens.reused:,} tokens"
+        elif r.source in ("ram", "disk", "server"):
+            head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
+            if self.tokens.reused < r.tokens:  # the prompt left the rest: say what served
+                head += f", reused {self.tokens.reused:,}"
+        else:
+            head = f"full prefill: {r.reason}"
+        parts = [head, f"decoded {self.tokens.decoded:,}"]
+        if self.ttft_ms is not None:
+            parts.append(f"first token {self.ttft_ms:,.0f} ms")
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        if self.shifted_tokens:
+            parts.append(
+                f"KV shift: {self.shifted_messages} old messages ({self.shifted_tokens:,} tokens) "
+                f"left the window, {self.dropped_messages} out in all (text kept)"
+            )
+        elif self.dropped_messages:
+            parts.append(f"{self.dropped_messages} old messages left the window")
+        if self.window_note:
+            parts.append(self.window_note)
+        if self.snapshot.whole_reason:
+            parts.append(f"KV saved whole: {self.snapshot.whole_reason}")
+        if self.finish_reason == "cancelled":
+            parts.append("cancelled")
+        elif self.finish_reason == "length":
+            parts.append("stopped at the token limit")
+        return " · ".join(parts)
+
+
+def reading_phrase(done: int, total: int, seconds: float) -> str:
+    """How far the prompt's read is, e.g. "reading the prompt · 2,048 / 5,727 tokens ·
+    ~35 s left" (the estimate once some of it was read)."""
+    text = f"reading the prompt · {done:,} / {total:,} tokens"
+    if done > 0 and seconds > 0 and total > done:
+        left = (total - done) * seconds / done
+        text += f" · ~{left:,.0f} s left" if left < 120 else f" · ~{left / 60:,.0f} min left"
+    return text
+
+
+@dataclass
+class WindowShift:
+    """What a turn did when messages left the window: a KV shift, or a note why not."""
+
+    tokens: int = 0
+    messages: int = 0
+    note: str | None = None
+
+
+@dataclass
+class Housekeeping:
+    """What the work after a reply did: the settle (tokens re-decoded) and the snapshot."""
+
+    settled: int = 0
+    settle_ms: float = 0.0
+    snapshot: SnapshotWrite | None = None  # None: not written (yet)
+    # False: it yielded to a new message (or the session was busy); the rest is pending.
+    finished: bool = True
+    note: str | None = None
+    # The title the model gave the session after its first reply (None: none made).
+    title: str | None = None

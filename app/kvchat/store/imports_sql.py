@@ -1,0 +1,110 @@
+"""Whole sessions inserted at once (``kvchat import``), recorded by meta keys."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.store.connection import SqlBase, now
+from kvchat.store.sessions_sql import new_session_id
+
+
+class ImportsSql(SqlBase):
+    """Imports: all of a file's sessions in one transaction, each recorded once."""
+
+    def claimed_sessions(self, key: str) -> list[str]:
+        """The sessions that meta ``key`` (an import's record) names and that still exist."""
+        value = self.get_meta(key)
+        try:
+            ids = json.loads(value) if value else []
+        except ValueError:
+            return []
+        ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []
+        return [
+            i
+            for i in ids
+            if isinstance(i, str) and self._rows("SELECT 1 FROM sessions WHERE id=?", (i,))
+        ]
+
+    def import_sessions(
+        self, sessions: Sequence[dict[str, Any]], file_key: str
+    ) -> list[tuple[str, bool]]:
+        """Insert whole sessions with their messages in one transaction (all or nothing).
+
+        Each item: ``title``, ``system_prompt``, ``settings``, ``created``/``updated`` (None:
+        now), ``messages`` as (role, content, created or None, token_count, partial), and
+        ``key``: a meta key for its content, or None. An item whose key names a session that
+        still exists is not inserted again. ``file_key`` records every session of the file.
+        Returns (session id, inserted now) per item. Raises KvchatError if ``file_key``
+        already names live sessions (another import of the same file won the race).
+        """
+        stamp = now()
+        results: list[tuple[str, bool]] = []
+        with self._tx() as conn:
+            # The first write takes the database's write lock: the checks below can't race.
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, '[]') ON CONFLICT(key) DO NOTHING",
+                (file_key,),
+            )
+
+            def live(key: str) -> list[str]:
+                row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+                try:
+                    ids = json.loads(row[0]) if row and row[0] else []
+                except ValueError:
+                    return []
+                ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []
+                found = [
+                    i
+                    for i in ids
+                    if isinstance(i, str)
+                    and conn.execute("SELECT 1 FROM sessions WHERE id=?", (i,)).fetchone()
+                ]
+                return found
+
+            taken = live(file_key)
+            if taken:
+                raise KvchatError(f"this file was already imported as {', '.join(taken)}")
+            for item in sessions:
+                key = item.get("key")
+                earlier = live(key) if key else []
+                if earlier:
+                    results.append((earlier[0], False))
+                    continue
+                session_id = new_session_id(conn)
+                created = item.get("created") or stamp
+                conn.execute(
+                    "INSERT INTO sessions (id, title, system_prompt, settings, created, updated)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        session_id,
+                        item["title"],
+                        item.get("system_prompt"),
+                        json.dumps(item.get("settings") or {}),
+                        created,
+                        item.get("updated") or created,
+                    ),
+                )
+                conn.executemany(
+                    "INSERT INTO messages"
+                    " (session_id, role, content, created, token_count, partial)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (session_id, role, content, when or created, tokens, int(partial))
+                        for role, content, when, tokens, partial in item["messages"]
+                    ],
+                )
+                if key:
+                    conn.execute(
+                        "INSERT INTO meta (key, value) VALUES (?, ?)"
+                        " ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                        (key, json.dumps(session_id)),
+                    )
+                results.append((session_id, True))
+            conn.execute(
+                "UPDATE meta SET value=? WHERE key=?",
+                (json.dumps([session_id for session_id, _ in results]), file_key),
+            )
+        return results

@@ -1,0 +1,152 @@
+"""The messages table and its full-text index."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.store.connection import SqlBase, now
+from kvchat.store.rows import Message, SearchHit
+from kvchat.store.sessions_sql import TRUE_ID, check_counts, counts_problem
+from kvchat.store.versions_sql import sync_current_version
+
+
+class MessagesSql(SqlBase):
+    """Messages: append, read, update, delete; full-text search."""
+
+    @staticmethod
+    def _message(row: dict[str, Any]) -> Message:
+        return Message(
+            id=row["id"],
+            session_id=row["session_id"],
+            role=row["role"],
+            content=row["content"],
+            created=row["created"],
+            token_count=row["token_count"] or 0,
+            partial=bool(row["partial"]),
+            finish_reason=row.get("finish_reason"),
+        )
+
+    def add_message(
+        self,
+        session_id: str,
+        role: str,
+        content: str,
+        *,
+        token_count: int = 0,
+        partial: bool = False,
+        finish_reason: str | None = None,
+    ) -> Message:
+        """Append a message and commit it (durable once this returns)."""
+        stamp = now()
+        with self._tx() as conn:
+            problem = check_counts(conn, session_id)
+            if problem is not None:
+                raise self._found_damage(problem)
+            cursor = conn.execute(
+                "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
+                " finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, stamp, token_count, int(partial), finish_reason),
+            )
+            conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
+            message_id = cursor.lastrowid
+        assert message_id is not None
+        return self.get_message(message_id)
+
+    def get_message(self, message_id: int) -> Message:
+        rows = self._rows("SELECT * FROM messages WHERE id=?", (message_id,))
+        if not rows:
+            raise KvchatError(f"no message with id {message_id}")
+        return self._message(rows[0])
+
+    def messages(self, session_id: str) -> list[Message]:
+        """The session's messages in order; raises DamagedDatabase when they do not read as
+        its row records them (a damaged index hides some: never a shortened history)."""
+        rows = self._rows(
+            "SELECT m.*, s.n_messages AS _n, s.last_message_id AS _last, s.n_tokens AS _tokens,"
+            f" {TRUE_ID} AS _true_id"
+            " FROM sessions s LEFT JOIN messages m ON m.session_id = s.id"
+            " WHERE s.id=? ORDER BY m.id",
+            (session_id,),
+        )
+        if not rows:
+            self._missing_by_index(session_id)  # a session its id index hides is damage
+            return []
+        if rows[0]["_true_id"] != session_id:  # the id index led to another session's row
+            raise self._found_damage(
+                f"session {session_id}: its index leads to another session's row"
+            )
+        found = [r for r in rows if r["id"] is not None]
+        recorded = (rows[0]["_n"], rows[0]["_last"], rows[0]["_tokens"])
+        read = (
+            len(found),
+            max((r["id"] for r in found), default=0),
+            sum(r["token_count"] or 0 for r in found),
+        )
+        problem = counts_problem(recorded, read, session_id)
+        if problem is not None:
+            raise self._found_damage(problem)
+        return [self._message(r) for r in found]
+
+    def delete_message(self, message_id: int) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Full-text search over every message, best match first."""
+        terms = " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
+        if not terms:
+            return []
+        rows = self._rows(
+            """
+            SELECT m.*, s.title AS session_title,
+                   snippet(messages_fts, 0, char(2), char(3), '…', 12) AS snippet
+            FROM messages_fts
+            JOIN messages m ON m.id = messages_fts.rowid
+            JOIN sessions s ON s.id = m.session_id
+            WHERE messages_fts MATCH ?
+            ORDER BY rank LIMIT ?
+            """,
+            (terms, limit),
+        )
+        return [
+            SearchHit(
+                message=self._message(r), session_title=r["session_title"], snippet=r["snippet"]
+            )
+            for r in rows
+        ]
+
+    def update_message(
+        self,
+        message_id: int,
+        content: str,
+        partial: bool,
+        *,
+        token_count: int | None = None,
+        finish_reason: str | None = None,
+    ) -> Message:
+        """Replace a message's text and partial mark (a reply saved as it streams, then
+        finished or continued), committed; the search index follows by its triggers.
+        ``token_count`` and ``finish_reason`` change only when given."""
+        stamp = now()
+        with self._tx() as conn:
+            owner = conn.execute(
+                "SELECT session_id FROM messages WHERE id=?", (message_id,)
+            ).fetchone()
+            problem = check_counts(conn, owner[0]) if owner is not None else None
+            if problem is not None:
+                raise self._found_damage(problem)
+            cursor = conn.execute(
+                "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count),"
+                " finish_reason=COALESCE(?, finish_reason) WHERE id=?",
+                (content, int(partial), token_count, finish_reason, message_id),
+            )
+            if cursor.rowcount == 0:
+                raise KvchatError(f"no message with id {message_id}")
+            sync_current_version(conn, message_id)
+            conn.execute(
+                "UPDATE sessions SET updated=? WHERE id=(SELECT session_id FROM messages"
+                " WHERE id=?)",
+                (stamp, message_id),
+            )
+        return self.get_message(message_id)

@@ -1,0 +1,229 @@
+"""The only place that speaks SQL: :class:`Store` is one SQLite file, its tables' queries
+mixed in from one module per table family."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import sqlite_utils
+
+from kvchat.config import ensure_private_dir
+from kvchat.errors import KvchatError
+from kvchat.store.connection import (
+    DamagedDatabase,
+    StoreFull,
+    _translate,
+    check_connection,
+    damaged_message,
+    now,
+    read_only_uri,
+)
+from kvchat.store.imports_sql import ImportsSql
+from kvchat.store.locks import file_lock
+from kvchat.store.messages_sql import MessagesSql
+from kvchat.store.migrations import migrate
+from kvchat.store.server_slots import ServerSlotsSql
+from kvchat.store.session_models import SessionModelsSql
+from kvchat.store.sessions_sql import SessionsSql
+from kvchat.store.snapshots_sql import SnapshotsSql
+from kvchat.store.versions_sql import VersionsSql
+
+__all__ = ["DamagedDatabase", "Store", "StoreFull", "damaged_message", "now"]
+
+# A file up to this size (with its WAL) gets SQLite's full integrity_check before it is
+# opened for writing (tens of ms); a bigger one a quick_check then, and the full check in
+# the background, which stops every write when it fails.
+FULL_CHECK_AT_OPEN_BYTES = 16 << 20
+
+
+def _create_private_file(path: Path) -> None:
+    """Create ``path`` as 0600 before SQLite opens it; its -wal/-shm inherit the mode."""
+    if path.exists():
+        return
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
+def _create_database(path: Path) -> list[str]:
+    """Make a new database at ``path`` whole or not at all: built (WAL mode, migrated) under
+    a temporary name, then renamed into place. So an empty ``kvchat.db`` is never one that
+    kvchat was making: it is a file that lost its contents (see :func:`_keep_empty_aside`)."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    for leftover in (tmp, *(tmp.with_name(tmp.name + s) for s in ("-wal", "-shm", "-journal"))):
+        leftover.unlink(missing_ok=True)
+    _create_private_file(tmp)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            db = sqlite_utils.Database(conn)
+            db.execute("PRAGMA journal_mode=WAL")
+            applied = migrate(db)
+        finally:
+            conn.close()  # the last connection: the WAL is folded in and removed
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return applied
+
+
+def _close_keeping_wal(conn: sqlite3.Connection, path: Path) -> None:
+    """Close ``conn`` without checkpointing the WAL into a damaged file: a read-only
+    connection holds a read lock meanwhile, so the closing one is not the last (and a
+    read-only connection never checkpoints)."""
+    try:
+        reader = sqlite3.connect(read_only_uri(path), uri=True, timeout=1)
+    except sqlite3.DatabaseError:
+        conn.close()
+        return
+    try:
+        reader.execute("BEGIN")
+        reader.execute("PRAGMA schema_version").fetchone()  # the header only: a read lock
+    except (sqlite3.DatabaseError, UnicodeDecodeError):
+        pass
+    finally:
+        conn.close()
+        reader.close()
+
+
+def _keep_empty_aside(path: Path) -> None:
+    """A 0-byte database (and no WAL holding pages for it) lost its conversations: rename
+    it aside and say so, instead of quietly starting a new database in its place."""
+    wal = path.with_name(path.name + "-wal")
+    if path.stat().st_size != 0 or (wal.exists() and wal.stat().st_size > 0):
+        return
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.empty-{stamp}")
+    path.rename(aside)
+    raise KvchatError(
+        f"the database {path} is empty (0 bytes: whatever it held is gone); it is kept "
+        f"aside as {aside.name}, and the next kvchat command starts a new database "
+        "(put a backup in its place first to keep your conversations)"
+    )
+
+
+class Store(
+    SessionsSql,
+    MessagesSql,
+    VersionsSql,
+    SnapshotsSql,
+    ImportsSql,
+    ServerSlotsSql,
+    SessionModelsSql,
+):
+    """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
+
+    Opening checks the file on a read-only connection (SQLite's full ``integrity_check``
+    for a file up to :data:`FULL_CHECK_AT_OPEN_BYTES`, else ``quick_check`` and the full
+    check in the background) and runs the migrations while holding an exclusive lock on
+    ``<db>.lock``, so two processes opening a new home never race. A damaged file raises
+    :class:`DamagedDatabase` and is never written to: not even its WAL is checkpointed.
+    """
+
+    def __init__(self, path: Path, *, check: bool = True) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self._damage = None
+        self._checker: threading.Thread | None = None
+        self._check_conn: sqlite3.Connection | None = None
+        ensure_private_dir(path.parent)
+        background = False
+        try:
+            with file_lock(self.lock_path(path)):
+                created = [] if path.exists() else _create_database(path)
+                _keep_empty_aside(path)
+                if check:
+                    background = not self._check_read_only()
+                conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+                self.db = sqlite_utils.Database(conn)
+                try:
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    self.db.execute("PRAGMA synchronous=FULL")
+                    self.db.execute("PRAGMA foreign_keys=ON")
+                    with self._lock:
+                        self.applied_migrations = created + migrate(self.db)
+                except BaseException:
+                    _close_keeping_wal(conn, path)  # a failed open changes nothing
+                    raise
+        except sqlite3.DatabaseError as exc:
+            raise _translate(path, exc) from None
+        except OSError as exc:
+            raise KvchatError(f"cannot open the database {path}: {exc.strerror or exc}") from None
+        if background:
+            self._checker = threading.Thread(
+                target=self._full_check, name="kvchat-integrity-check", daemon=True
+            )
+            self._checker.start()
+
+    @staticmethod
+    def lock_path(path: Path) -> Path:
+        return path.with_name(path.name + ".lock")
+
+    def _check_read_only(self) -> bool:
+        """Check the file before it is opened for writing; True when the check was the full
+        one. Raises DamagedDatabase (the file and its WAL untouched) when it fails."""
+        size = self.path.stat().st_size
+        wal = self.path.with_name(self.path.name + "-wal")
+        if wal.exists():
+            size += wal.stat().st_size
+        full = size <= FULL_CHECK_AT_OPEN_BYTES
+        conn = check_connection(self.path)
+        try:
+            pragma = "integrity_check(5)" if full else "quick_check(5)"
+            result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+        except UnicodeDecodeError:  # SQLite's message quotes damaged bytes
+            result = ["SQLite's report of the damage is not even text"]
+        finally:
+            conn.close()
+        if result != ["ok"]:
+            raise DamagedDatabase(damaged_message(self.path, "; ".join(map(str, result[:3]))))
+        return full
+
+    def _full_check(self) -> None:
+        """SQLite's full integrity_check on a read-only connection (a background thread):
+        damage it finds (an index that disagrees with its table, which quick_check does not
+        look at) stops every later write."""
+        try:
+            conn = check_connection(self.path)
+            self._check_conn = conn
+            try:
+                result = [row[0] for row in conn.execute("PRAGMA integrity_check(5)").fetchall()]
+            finally:
+                self._check_conn = None
+                conn.close()
+            if result != ["ok"]:
+                self._found_damage("; ".join(map(str, result[:3])))
+        except sqlite3.DatabaseError as exc:
+            if "interrupt" not in str(exc):
+                self._found_damage(str(exc))
+        except UnicodeDecodeError:
+            self._found_damage("SQLite's report of the damage is not even text")
+
+    def wait_for_check(self, timeout: float | None = None) -> str | None:
+        """Wait for the background integrity check (if one runs); the damage it found."""
+        if self._checker is not None:
+            self._checker.join(timeout)
+        return self._damage
+
+    def close(self) -> None:
+        checker, conn = self._checker, self._check_conn
+        if checker is not None and checker.is_alive():
+            if conn is not None:
+                conn.interrupt()
+            checker.join(5)
+        if self._damage is None:
+            self.db.conn.close()
+        else:
+            _close_keeping_wal(self.db.conn, self.path)
+
+    def integrity_check(self) -> str:
+        return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])

