@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvchat.config import Settings
-from kvchat.engine import EngineCapabilities
+from kvchat.engine import EngineCapabilities, EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chunk_reader import ChunkReader, PieceReader
@@ -52,7 +52,7 @@ def seq_state(n_cells: int, seed: int, v_trans: int) -> bytes:
     return bytes(out)
 
 
-class Engine:
+class Engine(EngineDefaults):
     """The seq-state side of an engine, holding a synthetic state."""
 
     # The whole-state path: a synthetic state can't be appended piece by piece.

@@ -24,7 +24,7 @@ import llama_cpp
 import pytest
 
 from kvchat.config import bundled_model_path, load_settings
-from kvchat.engine import EngineConfig
+from kvchat.engine import EngineCapabilities, EngineConfig, EngineDefaults
 from kvchat.engine.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
@@ -118,11 +118,12 @@ def test_layout_descriptions_with_a_window_part_are_checked() -> None:
             kvlayout.check_desc(base | {"swa": bad})
 
 
-class RecurrentEngine:
+class RecurrentEngine(EngineDefaults):
     """Just enough of an engine whose state is not per-token KV (a recurrent model)."""
 
     n_ctx = 1024
     tokens = [5, 6, 7]
+    capabilities = EngineCapabilities(seq_state=True)
 
     def state_get(self) -> memoryview:
         return memoryview(bytes(64))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvchat.engine import EngineCapabilities
+from kvchat.engine import EngineCapabilities, EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain
@@ -48,7 +48,7 @@ def seq_state(n_cells: int, seed: int) -> bytes:
     return bytes(out)
 
 
-class FakeEngine:
+class FakeEngine(EngineDefaults):
     """Enough of an engine for both snapshot formats (``chunked``: a parseable state)."""
 
     # The whole-state path: a synthetic state can't be appended piece by piece.

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvchat.engine import EngineCapabilities
+from kvchat.engine import EngineCapabilities, EngineDefaults
 from kvchat.kvcache import SnapshotRejected, SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import chunk_plan
@@ -120,7 +120,7 @@ def test_chunk_plan_keeps_base_cuts_and_shares_prefix_keys() -> None:
     assert chunk_plan(other, tokens, [], 32)[0][2] != plan[0][2]
 
 
-class FakeEngine:
+class FakeEngine(EngineDefaults):
     """Just enough of an engine for blob snapshots (kv_shape None: no layout)."""
 
     # The whole-state path: a synthetic state can't be appended piece by piece.

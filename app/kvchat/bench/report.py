@@ -102,7 +102,7 @@ def machine(engine: Engine) -> dict[str, Any]:
     """Where the figures were measured: cores, GPU, load, the model and its context."""
     config = engine.config
     caps = engine.capabilities
-    metadata = getattr(engine, "metadata", None) or {}
+    metadata = engine.metadata
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

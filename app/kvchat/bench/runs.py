@@ -319,7 +319,7 @@ def _bench_resume(
         f"{ttft_prefill:.0f} ms → {speedup:.0f}× (hot turn {ttft_hot:.0f} ms: limit "
         f"{limit_speedup:.0f}×, {result_row.speedup_of_limit:.0%} of it)"
     )
-    flash_attn = bool(getattr(engine, "config", None) and engine.config.flash_attn)
+    flash_attn = engine.config.flash_attn
     return result_row, _layout_row(row.n_tokens, flash_attn, (restore, limit, blob))
 
 

@@ -94,6 +94,10 @@ class EngineCapabilities:
     server_slots: bool = False
     # A state can be loaded one piece (a run of cells) at a time: state_append/state_adopt.
     appends_state: bool = False
+    # Sliding-window layers keep only a window of cells: the context can be cut no lower
+    # than ``window_floor``, and ``take_checkpoints`` hands over the window's cells where
+    # branches start (kvchat.kvcache.cold.checkpoints).
+    window_checkpoints: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,13 +157,39 @@ class Engine(Protocol):
         """(layers, K width, V width) per token and layer, or None when not uniform."""
         ...
 
-    # Optional (kvchat.kvcache looks them up with getattr; a minimal engine may lack them):
-    #   kv_spec() -> KvSpec | None          per-layer KV widths and sliding-window layers
-    #   chunk_problem() -> str | None       why the state is always stored whole
-    #   reuse_point(held, prompt) -> int    where prefill starts decoding
-    #   restore_floor(n_tokens) -> int      lowest cut after restoring n_tokens
-    #   window_floor -> int                 lowest cut of the context now
-    #   take_checkpoints() -> list[(position, partial state bytes)]
+    # --- where the context can be cut (EngineDefaults answers for an engine without
+    # sliding windows or batch alignment) ------------------------------------------------
+
+    # Prefill starts at a multiple of this many tokens (repacked weights decode in tiles).
+    batch_align: int
+    # The model file's GGUF metadata ({} where the engine does not read the file).
+    metadata: dict[str, str]
+
+    def kv_spec(self) -> KvSpec | None:
+        """Per-layer KV widths and sliding-window layers (for the chunk parser), or None."""
+        ...
+
+    def chunk_problem(self) -> str | None:
+        """Why this model's state is always stored whole, or None when it can be chunked."""
+        ...
+
+    def reuse_point(self, held: Sequence[int], prompt: Sequence[int]) -> int:
+        """Where :meth:`prefill` starts decoding ``prompt`` over a context holding ``held``."""
+        ...
+
+    def restore_floor(self, n_tokens: int) -> int:
+        """The lowest cut of a context restored with ``n_tokens`` tokens (0: any)."""
+        ...
+
+    @property
+    def window_floor(self) -> int:
+        """The lowest position the context can be cut to now (0: any)."""
+        ...
+
+    def take_checkpoints(self) -> list[tuple[int, Any]]:
+        """Window checkpoints (position, partial state) taken since the last call
+        (``capabilities.window_checkpoints``; [] otherwise)."""
+        ...
 
     # --- tokens ---------------------------------------------------------------------------
 
@@ -255,6 +285,37 @@ class Engine(Protocol):
     def state_load_file(self, path: Path) -> int: ...
 
     def close(self) -> None: ...
+
+
+class EngineDefaults:
+    """The answers of an engine whose KV has no sliding window and no batch alignment (a
+    llama-server, a test's engine) to :class:`Engine`'s members about cutting the context."""
+
+    batch_align: int = 1
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return {}
+
+    def kv_spec(self) -> KvSpec | None:
+        return None
+
+    def chunk_problem(self) -> str | None:
+        return None
+
+    def reuse_point(self, held: Sequence[int], prompt: Sequence[int]) -> int:
+        """The common prefix, less the two tokens a prefill always decodes."""
+        return max(0, min(common_prefix(held, prompt), len(prompt) - 2))
+
+    def restore_floor(self, n_tokens: int) -> int:
+        return 0
+
+    @property
+    def window_floor(self) -> int:
+        return 0
+
+    def take_checkpoints(self) -> list[tuple[int, Any]]:
+        return []
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

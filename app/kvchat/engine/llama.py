@@ -177,6 +177,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             can_shift=self.can_shift(),
             gpu_offload=self.gpu_offload,
             appends_state=self.appends_state,
+            window_checkpoints=self.interleaved,
         )
 
     def layout(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvchat.engine.api import (
     CancelCheck,
     EngineCapabilities,
     EngineConfig,
+    EngineDefaults,
     GenerationParams,
     GenerationStats,
     PrefillResult,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from kvchat.config import Settings
 
 
-class ServerEngine:
+class ServerEngine(EngineDefaults):
     """A llama-server's slot as the context (implements :class:`kvchat.engine.Engine`)."""
 
     def __init__(self, config: EngineConfig, url: str, api_key: str | None = None) -> None:

@@ -276,10 +276,8 @@ class KVTiers(HotSession):
         (a sliding-window state keeps only its window's cells: see
         :mod:`kvchat.kvcache.cold.checkpoints`)."""
         target = prompt if prompt is not None else windows.continuation(held)
-        floor = (
-            getattr(engine, "window_floor", 0) if hot else windows.restore_floor(engine, len(held))
-        )
-        return windows.reuse_point(engine, held, target) >= floor
+        floor = engine.window_floor if hot else engine.restore_floor(len(held))
+        return engine.reuse_point(held, target) >= floor
 
     def _count(self, **deltas: int) -> None:
         """Bump the persistent counters; figures are not worth failing a turn for."""

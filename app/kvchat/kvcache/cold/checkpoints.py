@@ -64,14 +64,6 @@ class WindowPoint:
     pieces: list[Piece] = field(default_factory=list)
 
 
-def reuse_point(engine: Engine, held: Sequence[int], prompt: Sequence[int]) -> int:
-    """Where the engine's prefill starts decoding ``prompt`` over ``held`` (exactly)."""
-    method = getattr(engine, "reuse_point", None)
-    if method is not None:
-        return int(method(held, prompt))
-    return deepest_start(held, prompt)
-
-
 def deepest_start(held: Sequence[int], prompt: Sequence[int]) -> int:
     """The furthest a prefill can start into ``held`` for ``prompt`` at all (the common
     prefix, less the two tokens it always decodes), alignment aside."""
@@ -81,12 +73,6 @@ def deepest_start(held: Sequence[int], prompt: Sequence[int]) -> int:
             break
         shared += 1
     return max(0, min(shared, len(prompt) - 2))
-
-
-def restore_floor(engine: Engine, n_tokens: int) -> int:
-    """The lowest cut of a context restored with ``n_tokens`` tokens (0: any)."""
-    method = getattr(engine, "restore_floor", None)
-    return int(method(n_tokens)) if method is not None else 0
 
 
 def continuation(tokens: Sequence[int]) -> list[int]:
@@ -143,7 +129,7 @@ def choose(
     target = list(prompt) if prompt is not None else continuation(row.token_ids[:keep])
     pieces = [p for p in pieces_of(row) if valid_key(p.key) and p.end <= row.n_tokens]
     shared = deepest_start(row.token_ids[:keep], target)
-    align = max(1, int(getattr(engine, "batch_align", 1)))
+    align = max(1, engine.batch_align)
 
     def start_at(q: int) -> int:
         """The engine's reuse point over the first q tokens (see ``reuse_point``)."""
@@ -160,7 +146,7 @@ def choose(
         # An end off the prefill's alignment, and the alignment just below it.
         candidates += [q for q in range(end - 1, max(0, end - 8), -1)]
     for q in sorted({q for q in candidates if q > 0}, reverse=True):
-        if start_at(q) < restore_floor(engine, q):
+        if start_at(q) < engine.restore_floor(q):
             continue
         first = window_first(q, n_swa)
         chosen = cover(pieces, first, q)

@@ -104,8 +104,7 @@ class SnapshotStore:
         tokens = engine.tokens
         state = engine.state_get()
         previous = self.store.get_snapshot(session_id)
-        taker = getattr(engine, "take_checkpoints", None)
-        pending = taker() if taker is not None else []
+        pending = engine.take_checkpoints() if engine.capabilities.window_checkpoints else []
         if self.chunked:
             layout, why = self._parse(engine, state)
         else:
@@ -129,12 +128,10 @@ class SnapshotStore:
     @staticmethod
     def _parse(engine: Engine, state: memoryview) -> tuple[kvlayout.StateLayout | None, str | None]:
         """The state's layout, or None and why it is stored whole."""
-        problem = getattr(engine, "chunk_problem", None)
-        why = problem() if problem is not None else None
+        why = engine.chunk_problem()
         if why:
             return None, why
-        spec_of = getattr(engine, "kv_spec", None)
-        spec = spec_of() if spec_of is not None else None
+        spec = engine.kv_spec()
         shape = engine.kv_shape() if spec is None else None
         if spec is None and shape is None:
             return None, "the model's layers keep KV of different sizes and no spec says which"
@@ -235,7 +232,7 @@ class SnapshotStore:
             # A whole state has no checkpoints: it serves any prompt the window reaches.
             target = prompt if prompt is not None else windows.continuation(row.token_ids)
             start = windows.deepest_start(row.token_ids, target)
-            floor = windows.restore_floor(engine, row.n_tokens)
+            floor = engine.restore_floor(row.n_tokens)
             if start < floor:
                 raise SnapshotRejected(
                     f"sliding-window model: the snapshot is stored whole ({row.n_tokens:,} "
