@@ -24,6 +24,7 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache.cold.snapshot_store import RestoreResult
 from kvchat.kvcache.tiers import CacheGc, HotSession, SnapshotWrite
 from kvchat.store import Store
+from kvchat.store.locks import SessionLocks
 from kvchat.store.server_slots import ServerSlotRow
 from kvchat.store.store import StoreFull
 
@@ -327,9 +328,10 @@ class ServerSlots(HotSession):
             },
         }
 
-    def gc(self) -> CacheGc:
+    def gc(self, locks: SessionLocks | None = None) -> CacheGc:
         """Rows whose server changed can never be restored there: they are dropped (the
-        files are the server's, in its --slot-save-path)."""
+        files are the server's, in its --slot-save-path). ``locks``: as KVTiers.gc's (a
+        dropped row never held a turn's KV, so none is asked)."""
         evicted = [
             r.session_id
             for r in self.store.server_slot_rows()
