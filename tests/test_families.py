@@ -25,7 +25,7 @@ import pytest
 
 from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine import EngineCapabilities, EngineConfig, EngineDefaults
-from kvchat.engine.templates import BUILTIN, CHATML, choose_template, load_template
+from kvchat.planner.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.planner import kv_bytes_per_token, read_gguf

@@ -19,12 +19,9 @@ from typing import Any
 SIZE = (120, 36)
 
 
-def _paint_child() -> None:
-    """Run in a fresh process: import and start the app, print when its first frame is
-    drawn, then leave at once (the model never loads)."""
-    started = time.perf_counter()
-    if os.environ.get("KVCHAT_BENCH_PAINT") == "command":
-        import kvchat.cli  # noqa: F401  (what `kvchat` imports before the app)
+def _paint_child(started: float) -> None:
+    """Run in a fresh process (started at ``started``, perf_counter): import and start the
+    app, print when its first frame is drawn, then leave at once (the model never loads)."""
     from kvchat.tui.app import KvchatApp
 
     imported = time.perf_counter()
@@ -60,7 +57,12 @@ def first_paint(home: Path, runs: int, mode: str = "app") -> dict[str, float]:
                 shutil.copy(home / "kvchat.db", Path(scratch) / "kvchat.db")
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
             env.update(KVCHAT_HOME=scratch, KVCHAT_BENCH_PAINT=mode)
-            code = "from kvchat.bench.paint import _paint_child; _paint_child()"
+            # The command mode imports what `kvchat` imports before the app (the CLI) first.
+            cli = "import kvchat.cli; " if mode == "command" else ""
+            code = (
+                f"import time; t = time.perf_counter(); {cli}"
+                "from kvchat.bench.paint import _paint_child; _paint_child(t)"
+            )
             started = time.time()
             proc = subprocess.run(
                 [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120

@@ -20,8 +20,8 @@ from kvchat.config import Settings
 from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
+from kvchat.service.exports import FORMATS
 from kvchat.text import check_text, fit_width, one_line
-from kvchat.transfer.rendered import FORMATS
 from kvchat.units import human_bytes
 
 # Commands that run the model (None: the app): a native crash in them leaves a crash log.

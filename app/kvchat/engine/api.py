@@ -33,7 +33,7 @@ class EngineConfig:
     type_v: str = "f16"
     flash_attn: bool = False
     seed: int = 0
-    # A built-in template name or a Jinja file (kvchat.engine.templates); None: the GGUF's.
+    # A built-in template name or a Jinja file (kvchat.planner.templates); None: the GGUF's.
     chat_template: str | None = None
     # llama.cpp's weight repacking (its CPU "extra buffer types": AMX, AVX-512 and ARM
     # layouts). None: what the engine probe found safe on this machine (kvchat.engine.probe).

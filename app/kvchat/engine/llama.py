@@ -44,8 +44,8 @@ from kvchat.engine.llama_state import (
     StateBuffer,
     scratch_sequence,
 )
-from kvchat.engine.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 from kvchat.errors import KvchatError
+from kvchat.planner.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 
 # Prefill is decoded in slices this long so a cancel request is honoured between them.
 PREFILL_SLICE = 128
@@ -68,7 +68,7 @@ GGML_TYPES: dict[str, int] = {
 
 
 # Used when a GGUF carries no chat template and nothing else chooses one (see
-# kvchat.engine.templates): ChatML, which most small instruct models speak.
+# kvchat.planner.templates): ChatML, which most small instruct models speak.
 CHATML_TEMPLATE = CHATML
 
 

@@ -81,7 +81,7 @@ class CatalogEntry:
     sliding_window_pattern: int = 0
     bundled: bool = False
     notes: str = ""
-    # A built-in chat template (kvchat.engine.templates) for a GGUF that carries none.
+    # A built-in chat template (kvchat.planner.templates) for a GGUF that carries none.
     chat_template: str = ""
 
     def to_dict(self) -> dict[str, Any]:

@@ -140,7 +140,7 @@ class DefaultsChoice:
     warnings: list[str] = field(default_factory=list)
     reason: str | None = None  # why the CPU defaults (no budget found)
     # Which chat template the model gets when it is not its GGUF's own (see
-    # kvchat.engine.templates), e.g. the GGUF has none: shown wherever the plan is.
+    # kvchat.planner.templates), e.g. the GGUF has none: shown wherever the plan is.
     template_note: str | None = None
     # Why this plan replaced a bigger one the GPU failed to load (see retry_plan).
     retry_note: str = ""
@@ -282,8 +282,8 @@ def template_note(setting: str | None, model_path: Path) -> str | None:
     """What the user should know about the chat template ``model_path`` gets: None when
     it is the GGUF's own; else which one and why (the GGUF has none: a guess, or the
     catalog's; the chat_template setting), or why the setting is unusable."""
-    from kvchat.engine.templates import catalog_template, choose_template
     from kvchat.planner.gguf_info import has_chat_template
+    from kvchat.planner.templates import catalog_template, choose_template
 
     try:
         own = "" if not has_chat_template(model_path) else "(the GGUF's)"

@@ -1,6 +1,25 @@
 """SQLite storage: the conversation text (the source of truth) and the snapshot index."""
 
-from kvchat.store.rows import ChunkRow, Message, SearchHit, Session, SessionSummary, SnapshotRow
+from kvchat.store.rows import (
+    ChunkRow,
+    Message,
+    SearchHit,
+    Session,
+    SessionChanges,
+    SessionPage,
+    SessionSummary,
+    SnapshotRow,
+)
 from kvchat.store.store import Store
 
-__all__ = ["ChunkRow", "Message", "SearchHit", "Session", "SessionSummary", "SnapshotRow", "Store"]
+__all__ = [
+    "ChunkRow",
+    "Message",
+    "SearchHit",
+    "Session",
+    "SessionChanges",
+    "SessionPage",
+    "SessionSummary",
+    "SnapshotRow",
+    "Store",
+]

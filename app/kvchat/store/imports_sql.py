@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from kvchat.errors import KvchatError
@@ -29,9 +29,10 @@ class ImportsSql(SqlBase):
         ]
 
     def import_sessions(
-        self, sessions: Sequence[dict[str, Any]], file_key: str
+        self, sessions: Iterable[dict[str, Any]], file_key: str
     ) -> list[tuple[str, bool]]:
-        """Insert whole sessions with their messages in one transaction (all or nothing).
+        """Insert whole sessions with their messages in one transaction (all or nothing),
+        taking them from ``sessions`` as they come (an exception it raises stores none).
 
         Each item: ``title``, ``system_prompt``, ``settings``, ``created``/``updated`` (None:
         now), ``messages`` as (role, content, created or None, token_count, partial), and

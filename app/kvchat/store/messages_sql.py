@@ -10,6 +10,9 @@ from kvchat.store.rows import Message, SearchHit
 from kvchat.store.sessions_sql import TRUE_ID, check_counts, counts_problem
 from kvchat.store.versions_sql import sync_current_version
 
+# A search ranks at most this many matches, the newest (see MessagesSql.search).
+RANKED_MATCHES = 5000
+
 
 class MessagesSql(SqlBase):
     """Messages: append, read, update, delete; full-text search."""
@@ -93,10 +96,20 @@ class MessagesSql(SqlBase):
             conn.execute("DELETE FROM messages WHERE id=?", (message_id,))
 
     def search(self, query: str, limit: int = 50) -> list[SearchHit]:
-        """Full-text search over every message, best match first."""
+        """Full-text search over every message, best match first.
+
+        A word in many messages would have every one of them ranked (bm25 over 500,000
+        messages takes ~0.5 s): past :data:`RANKED_MATCHES` matches, only the newest that
+        many (by message id, read backwards from the index: no ranking) are ranked."""
         terms = " ".join('"' + word.replace('"', '""') + '"' for word in query.split())
         if not terms:
             return []
+        bound = self._rows(
+            "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?"
+            " ORDER BY rowid DESC LIMIT 1 OFFSET ?",
+            (terms, RANKED_MATCHES - 1),
+        )
+        since = bound[0]["rowid"] if bound else 0
         rows = self._rows(
             """
             SELECT m.*, s.title AS session_title,
@@ -104,10 +117,10 @@ class MessagesSql(SqlBase):
             FROM messages_fts
             JOIN messages m ON m.id = messages_fts.rowid
             JOIN sessions s ON s.id = m.session_id
-            WHERE messages_fts MATCH ?
+            WHERE messages_fts MATCH ? AND messages_fts.rowid >= ?
             ORDER BY rank LIMIT ?
             """,
-            (terms, limit),
+            (terms, since, limit),
         )
         return [
             SearchHit(

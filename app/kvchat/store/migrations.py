@@ -279,6 +279,106 @@ def m013_session_counts(db: sqlite_utils.Database) -> None:
     )
 
 
+# What bumps a session's change stamp: every column the session list shows or sorts by
+# (a message added or edited moves ``updated``, so it counts too).
+_CHANGE_COLUMNS = "title, system_prompt, settings, updated, parent_id"
+_STAMP_SESSION = """
+    UPDATE change_clock SET n = n + 1 WHERE id = 1;
+    UPDATE sessions SET changed = (SELECT n FROM change_clock WHERE id = 1)
+    WHERE rowid = NEW.rowid;
+"""
+
+
+def m014_session_list_at_scale(db: sqlite_utils.Database) -> None:
+    """Thousands of sessions (issue 26): the list reads a page at a time on an index of
+    ``updated`` (keyset pagination), filters titles through a trigram full-text index, and
+    a watcher reads what changed since its last look in one indexed query: every session
+    row carries ``changed``, a stamp from one counter (``change_clock``) that its triggers
+    bump on insert and on a change of what the list shows; a deleted session leaves its id
+    and stamp in ``sessions_deleted``. Imported sessions keep their old ``updated`` times,
+    so only the stamp says they are new."""
+    if "changed" not in set(db["sessions"].columns_dict):
+        db.execute("ALTER TABLE sessions ADD COLUMN changed INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS change_clock"
+        " (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NULL)"
+    )
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS sessions_deleted"
+        " (id TEXT PRIMARY KEY, changed INTEGER NOT NULL)"
+    )
+    db.execute("CREATE INDEX IF NOT EXISTS sessions_by_updated ON sessions(updated)")
+    db.execute("CREATE INDEX IF NOT EXISTS sessions_by_changed ON sessions(changed)")
+    db.execute(
+        "CREATE INDEX IF NOT EXISTS sessions_deleted_by_changed ON sessions_deleted(changed)"
+    )
+    with db.conn:
+        db.execute("UPDATE sessions SET changed = rowid")
+        db.execute(
+            "INSERT OR REPLACE INTO change_clock (id, n)"
+            " VALUES (1, (SELECT COALESCE(MAX(changed), 0) FROM sessions))"
+        )
+    db.execute(
+        f"CREATE TRIGGER IF NOT EXISTS sessions_stamp_insert AFTER INSERT ON sessions BEGIN"
+        f" {_STAMP_SESSION} DELETE FROM sessions_deleted WHERE id = NEW.id; END"
+    )
+    db.execute(
+        f"CREATE TRIGGER IF NOT EXISTS sessions_stamp_update"
+        f" AFTER UPDATE OF {_CHANGE_COLUMNS} ON sessions BEGIN {_STAMP_SESSION} END"
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS sessions_stamp_delete AFTER DELETE ON sessions BEGIN
+            UPDATE change_clock SET n = n + 1 WHERE id = 1;
+            INSERT OR REPLACE INTO sessions_deleted (id, changed)
+            VALUES (OLD.id, (SELECT n FROM change_clock WHERE id = 1));
+        END
+        """
+    )
+    # Titles: a trigram index answers "contains these letters" (3 or more) from the index.
+    db.execute(
+        "CREATE VIRTUAL TABLE IF NOT EXISTS sessions_title_fts USING fts5"
+        "(title, content='sessions', content_rowid='rowid', tokenize='trigram')"
+    )
+    db.execute("INSERT INTO sessions_title_fts(sessions_title_fts) VALUES ('rebuild')")
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS sessions_title_fts_insert AFTER INSERT ON sessions BEGIN
+            INSERT INTO sessions_title_fts (rowid, title) VALUES (NEW.rowid, NEW.title);
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS sessions_title_fts_delete AFTER DELETE ON sessions BEGIN
+            INSERT INTO sessions_title_fts (sessions_title_fts, rowid, title)
+            VALUES ('delete', OLD.rowid, OLD.title);
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER IF NOT EXISTS sessions_title_fts_update AFTER UPDATE OF title ON sessions
+        BEGIN
+            INSERT INTO sessions_title_fts (sessions_title_fts, rowid, title)
+            VALUES ('delete', OLD.rowid, OLD.title);
+            INSERT INTO sessions_title_fts (rowid, title) VALUES (NEW.rowid, NEW.title);
+        END
+        """
+    )
+
+
+def m015_server_slot_checks(db: sqlite_utils.Database) -> None:
+    """llama-server slot files kvchat can vouch for (issue 27): the file's xxh3 checksum as
+    saved (NULL where the server's directory is not readable here), how many of its tokens
+    hold a full prefill's KV (NULL: saved before this was counted), and why a file is never
+    restored again (a restore of it broke the server's connection)."""
+    columns = set(db["server_slots"].columns_dict)
+    for name, kind in (("checksum", str), ("n_exact", int), ("quarantined", str)):
+        if name not in columns:
+            db["server_slots"].add_column(name, kind)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -292,6 +392,8 @@ MIGRATIONS: list[Migration] = [
     m010_session_parent,
     m012_message_finish_reason,
     m013_session_counts,
+    m014_session_list_at_scale,
+    m015_server_slot_checks,
 ]
 
 

@@ -42,6 +42,25 @@ class SessionSummary:
 
 
 @dataclass(frozen=True)
+class SessionPage:
+    """One page of the session list, newest first; ``next`` is the cursor of the page after
+    it (pass it back as ``after``), None on the last page."""
+
+    sessions: list[SessionSummary]
+    next: tuple[str, int] | None
+
+
+@dataclass(frozen=True)
+class SessionChanges:
+    """What changed in the session list after a change stamp: the sessions made or changed
+    since (newest change last), the ids deleted since, and the stamp to ask from next."""
+
+    stamp: int
+    changed: list[SessionSummary]
+    deleted: list[str]
+
+
+@dataclass(frozen=True)
 class Message:
     id: int
     session_id: str

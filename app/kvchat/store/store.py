@@ -27,6 +27,7 @@ from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
 from kvchat.store.migrations import migrate
 from kvchat.store.server_slots import ServerSlotsSql
+from kvchat.store.session_list_sql import SessionListSql
 from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
@@ -113,6 +114,7 @@ def _keep_empty_aside(path: Path) -> None:
 
 class Store(
     SessionsSql,
+    SessionListSql,
     MessagesSql,
     VersionsSql,
     SnapshotsSql,

@@ -10,6 +10,7 @@ user or assistant message becomes the system prompt.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,15 @@ from kvchat.transfer.common import (
 )
 
 NAME = "ChatGPT export"
+NO_CONVERSATION = "no conversation in it has a message to import"
 _TEXT_TYPES = ("text", "multimodal_text")
 _ROLES = ("user", "assistant", "system", "tool")
+
+
+def first_matches(first: object) -> bool:
+    """Whether the first element of a list is a ChatGPT conversation (the list is then
+    read one conversation at a time)."""
+    return isinstance(first, dict) and isinstance(first.get("mapping"), dict)
 
 
 def matches(document: object) -> bool:
@@ -146,6 +154,23 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
     )
 
 
+def sessions(path: Path, conversations: Iterable[Any]) -> Iterator[ImportedSession]:
+    """The sessions of ``conversations`` as they come (a list, or a file read one
+    conversation at a time); those with no text are left out. Over the session or message
+    limits (messages counted as the mapping's nodes) raises :class:`BadFile`."""
+    nodes = 0
+    for number, conversation in enumerate(conversations, 1):
+        if number > MAX_SESSIONS:
+            raise BadFile(path, f"more than {MAX_SESSIONS:,} conversations is over the limit")
+        if isinstance(conversation, dict) and isinstance(conversation.get("mapping"), dict):
+            nodes += len(conversation["mapping"])
+            if nodes > MAX_MESSAGES:
+                raise BadFile(path, f"more than {MAX_MESSAGES:,} messages is over the limit")
+        session = _conversation(path, conversation, number)
+        if session is not None:
+            yield session
+
+
 def read(path: Path, document: Any) -> list[ImportedSession]:
     conversations = document if isinstance(document, list) else [document]
     if len(conversations) > MAX_SESSIONS:
@@ -159,11 +184,7 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
     )
     if total > MAX_MESSAGES:
         raise BadFile(path, f"{total:,} messages is over the {MAX_MESSAGES:,} limit")
-    sessions = []
-    for number, conversation in enumerate(conversations, 1):
-        session = _conversation(path, conversation, number)
-        if session is not None:
-            sessions.append(session)
-    if not sessions:
-        raise BadFile(path, "no conversation in it has a message to import")
-    return sessions
+    found = list(sessions(path, conversations))
+    if not found:
+        raise BadFile(path, NO_CONVERSATION)
+    return found

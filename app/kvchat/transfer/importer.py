@@ -19,10 +19,11 @@ ever load it, and nothing computed here shares its chunks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,14 +32,14 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache.cold import bundle_files as bundle_io
 from kvchat.kvcache.rejected import SnapshotRejected
 from kvchat.kvcache.state.recompute import FirstChunkCheck
-from kvchat.transfer import bundle, chatgpt, kvchat_json, llm_logs, openai
+from kvchat.transfer import bundle, chatgpt, common, kvchat_json, llm_logs, openai
 from kvchat.transfer.common import (
     MAX_JSON_BYTES,
     BadFile,
     ImportedSession,
-    count_messages,
     load_json,
 )
+from kvchat.transfer.json_stream import ArrayReader
 
 if TYPE_CHECKING:
     from kvchat.service.chat import ChatService
@@ -147,41 +148,100 @@ def _session_key(fmt: str, session: ImportedSession) -> str | None:
     return SESSION_KEY.format(digest.hexdigest())
 
 
+@dataclass(frozen=True)
+class ImportProgress:
+    """How far an import has got: bytes of the file read, sessions and messages so far."""
+
+    bytes_done: int
+    bytes_total: int
+    sessions: int
+    messages: int
+
+
+Progress = Callable[[ImportProgress], None]
+
+
 def _store_sessions(
-    service: ChatService, result: FileImport, sessions: list[ImportedSession]
+    service: ChatService,
+    result: FileImport,
+    sessions: Iterable[ImportedSession],
+    *,
+    progress: Progress | None = None,
+    bytes_done: Callable[[], int] | None = None,
+    total: int = 0,
 ) -> None:
-    count_messages(Path(result.path), sessions)
-    kept = [s for s in sessions if s.messages]
-    result.empty = len(sessions) - len(kept)
-    if sessions and not kept:
-        left = sum(s.skipped for s in sessions)
-        raise BadFile(
-            Path(result.path),
-            "holds no text to import"
-            + (f" ({left} parts left out: images, tool calls, empty messages)" if left else ""),
-        )
-    sessions = kept
-    items = [
-        {
-            "title": s.title,
-            "system_prompt": s.system_prompt,
-            "settings": s.settings,
-            "created": s.created,
-            "updated": s.updated,
-            "messages": [
-                (m.role, m.content, m.created, m.token_count, m.partial) for m in s.messages
-            ],
-            "key": _session_key(result.format, s),
-        }
-        for s in sessions
-    ]
-    stored = service.store.import_sessions(items, FILE_KEY.format(result.sha256))
-    for session, (session_id, new) in zip(sessions, stored):
-        result.sessions.append(
-            SessionImport(
-                session_id, session.title, len(session.messages), new, skipped=session.skipped
+    """Store ``sessions`` as they come, in one transaction (a bad one anywhere stores none):
+    memory holds one session at a time, and a short record of each one stored."""
+    path = Path(result.path)
+    kept: list[tuple[str, int, int]] = []  # per session stored: title, messages, skipped
+    counts = {"sessions": 0, "messages": 0, "left": 0}
+
+    def items() -> Iterator[dict[str, Any]]:
+        for s in sessions:
+            counts["sessions"] += 1
+            counts["messages"] += len(s.messages)
+            if counts["sessions"] > common.MAX_SESSIONS:
+                raise BadFile(
+                    path, f"more than {common.MAX_SESSIONS:,} conversations is over the limit"
+                )
+            if counts["messages"] > common.MAX_MESSAGES:
+                raise BadFile(path, f"more than {common.MAX_MESSAGES:,} messages is over the limit")
+            if not s.messages:
+                result.empty += 1
+                counts["left"] += s.skipped
+                continue
+            yield {
+                "title": s.title,
+                "system_prompt": s.system_prompt,
+                "settings": s.settings,
+                "created": s.created,
+                "updated": s.updated,
+                "messages": [
+                    (m.role, m.content, m.created, m.token_count, m.partial) for m in s.messages
+                ],
+                "key": _session_key(result.format, s),
+            }
+            kept.append((s.title, len(s.messages), s.skipped))
+            if progress is not None:
+                done = bytes_done() if bytes_done is not None else total
+                progress(ImportProgress(done, total, len(kept), counts["messages"]))
+        if counts["sessions"] and not kept:
+            left = counts["left"]
+            raise BadFile(
+                path,
+                "holds no text to import"
+                + (f" ({left} parts left out: images, tool calls, empty messages)" if left else ""),
             )
-        )
+
+    stored = service.store.import_sessions(items(), FILE_KEY.format(result.sha256))
+    for (title, n_messages, skipped), (session_id, new) in zip(kept, stored):
+        result.sessions.append(SessionImport(session_id, title, n_messages, new, skipped=skipped))
+
+
+def _chatgpt_stream(path: Path, fh: Any) -> tuple[ArrayReader, Iterator[Any]] | None:
+    """A ChatGPT ``conversations.json`` (a list whose first element is a conversation),
+    read one conversation at a time; None for any other JSON (read whole, as before)."""
+    reader = ArrayReader(path, fh, max_element=MAX_JSON_BYTES)
+    try:
+        if not reader.is_array():
+            return None
+        elements = iter(reader)
+        first = next(elements, None)
+    except BadFile as exc:  # a Markdown file, a PDF: say what kvchat does read
+        raise BadFile(path, f"{exc.reason}; kvchat imports {FORMATS_READ}") from None
+    if not chatgpt.first_matches(first):
+        return None
+    return reader, itertools.chain([first], elements)
+
+
+def _some(path: Path, sessions: Iterable[ImportedSession]) -> Iterator[ImportedSession]:
+    """``sessions``, and BadFile at their end when there were none."""
+    found = False
+    for session in sessions:
+        found = True
+        yield session
+    if not found:
+        raise BadFile(path, chatgpt.NO_CONVERSATION)
 
 
 def _already(service: ChatService, result: FileImport, ids: list[str]) -> FileImport:
@@ -268,11 +328,15 @@ def _install_kv(service: ChatService, opened: bundle.Bundle, item: SessionImport
     item.kv_tokens, item.kv_origin, item.kv_check = row.n_tokens, origin, check
 
 
-def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImport:
+def import_file(
+    service: ChatService, path: Path, *, kv: bool = True, progress: Progress | None = None
+) -> FileImport:
     """Import every session in ``path``; raises :class:`BadFile` (a KvchatError naming the
     file, one line) for a file that can't be imported, having stored nothing from it.
 
     ``kv=False`` takes only the text of a bundle (its KV is as trustworthy as its maker).
+    A ChatGPT ``conversations.json`` of any size is read one conversation at a time;
+    ``progress`` hears after each session stored.
     """
     fd, info = _open_regular(path)
     with os.fdopen(fd, "rb") as fh:
@@ -283,10 +347,6 @@ def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImp
             fmt = llm_logs.NAME
         else:
             fmt = "JSON"
-            if info.st_size > MAX_JSON_BYTES:
-                raise BadFile(
-                    path, f"{info.st_size:,} bytes is over the {MAX_JSON_BYTES:,}-byte JSON limit"
-                )
         result = FileImport(str(path), fmt, _sha256_of(fh))
         earlier = service.store.claimed_sessions(FILE_KEY.format(result.sha256))
         if earlier:
@@ -303,10 +363,29 @@ def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImp
                     else:
                         item.kv_reason = "this conversation was imported before"
             return result
+        stream = None if fmt == llm_logs.NAME else _chatgpt_stream(path, fh)
+        if stream is not None:
+            reader, conversations = stream
+            result.format = chatgpt.NAME
+            _store_sessions(
+                service,
+                result,
+                _some(path, chatgpt.sessions(path, conversations)),
+                progress=progress,
+                bytes_done=lambda: reader.bytes_read,
+                total=info.st_size,
+            )
+            _kv_reasons(result, f"{chatgpt.NAME} carries no KV")
+            return result
         if fmt == llm_logs.NAME:
             sessions = llm_logs.read(path)
             reason = f"{llm_logs.NAME} carries no KV"
         else:
+            if info.st_size > MAX_JSON_BYTES:
+                raise BadFile(
+                    path, f"{info.st_size:,} bytes is over the {MAX_JSON_BYTES:,}-byte JSON limit"
+                )
+            fh.seek(0)
             try:
                 document = load_json(path, fh.read(MAX_JSON_BYTES + 1))
             except BadFile as exc:  # a Markdown file, a PDF: say what kvchat does read
@@ -319,7 +398,11 @@ def import_file(service: ChatService, path: Path, *, kv: bool = True) -> FileImp
             else:
                 raise BadFile(path, f"not a format kvchat imports ({FORMATS_READ})")
             reason = f"{result.format} carries no KV"
-    _store_sessions(service, result, sessions)
+    _store_sessions(service, result, sessions, progress=progress, total=info.st_size)
+    _kv_reasons(result, reason)
+    return result
+
+
+def _kv_reasons(result: FileImport, reason: str) -> None:
     for item in result.sessions:
         item.kv_reason = reason if item.new else "this conversation was imported before"
-    return result

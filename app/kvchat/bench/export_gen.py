@@ -1,0 +1,92 @@
+"""A generated ChatGPT ``conversations.json`` of any size, written as it goes (constant
+memory): what ``kvchat bench --ui --sessions N --messages M`` imports, and the scale tests.
+
+Every conversation is a chain of ``messages`` nodes under a hidden empty root, as ChatGPT
+exports them; the text is deterministic (seeded) prose. One message in every
+:data:`RARE_EVERY` holds :data:`RARE_WORD` (a search with a few hits); :data:`COMMON_WORD`
+is in every message (a search with as many hits as there are messages).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+RARE_WORD = "zebra"
+RARE_EVERY = 997
+COMMON_WORD = "river"
+_WORDS = (
+    "memory cache token model context layer attention window mountain library garden "
+    "village bridge lantern harbor meadow orchard signal pattern engine journal market "
+    "winter summer planet castle forest valley letter answer question morning evening"
+).split()
+# The newest conversation's update time; each older one is a minute earlier.
+NEWEST = 1_760_000_000.0
+
+
+def _text(rng: random.Random, words: int, rare: bool) -> str:
+    picked = [rng.choice(_WORDS) for _ in range(words)]
+    picked[rng.randrange(words)] = COMMON_WORD
+    if rare:
+        picked[rng.randrange(words)] = RARE_WORD
+    sentence = " ".join(picked)
+    return sentence[0].upper() + sentence[1:] + "."
+
+
+def conversation(number: int, messages: int, rng: random.Random, counter: list[int]) -> dict:
+    """Conversation ``number`` (0 = the newest) with ``messages`` user/assistant turns."""
+    updated = NEWEST - 60.0 * number
+    created = updated - 10.0 * messages
+    mapping: dict[str, dict] = {
+        "root": {"id": "root", "message": None, "parent": None, "children": ["n0"]}
+    }
+    for i in range(messages):
+        node_id = f"n{i}"
+        counter[0] += 1
+        mapping[node_id] = {
+            "id": node_id,
+            "message": {
+                "id": node_id,
+                "author": {"role": "user" if i % 2 == 0 else "assistant"},
+                "create_time": created + 10.0 * i,
+                "content": {
+                    "content_type": "text",
+                    "parts": [_text(rng, 30 if i % 2 == 0 else 130, counter[0] % RARE_EVERY == 0)],
+                },
+                "metadata": {},
+                "recipient": "all",
+            },
+            "parent": "root" if i == 0 else f"n{i - 1}",
+            "children": [f"n{i + 1}"] if i + 1 < messages else [],
+        }
+    conv_id = f"bench-{number:06d}"
+    return {
+        "title": f"Conversation {number}: {rng.choice(_WORDS)} {rng.choice(_WORDS)}",
+        "create_time": created,
+        "update_time": updated,
+        "mapping": mapping,
+        "current_node": f"n{messages - 1}",
+        "conversation_id": conv_id,
+        "id": conv_id,
+    }
+
+
+def write_chatgpt_export(path: Path, sessions: int, messages: int, seed: int = 0) -> int:
+    """Write ``sessions`` conversations of ``messages`` messages to ``path`` (oldest last,
+    as ChatGPT does); returns the file's size in bytes."""
+    rng = random.Random(seed)
+    counter = [0]
+    with path.open("w", encoding="utf-8") as out:
+        out.write("[")
+        for number in range(sessions):
+            if number:
+                out.write(",\n")
+            out.write(json.dumps(conversation(number, messages, rng, counter)))
+        out.write("]\n")
+    return path.stat().st_size
+
+
+def rare_hits(sessions: int, messages: int) -> int:
+    """How many messages of such an export hold :data:`RARE_WORD`."""
+    return sessions * messages // RARE_EVERY
