@@ -24,7 +24,7 @@ from kvchat.service.chat import ChatService
 from kvchat.service.model_choices import fit_line
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.keys import KEYS
-from kvchat.tui.screens.models import ModelScreen
+from kvchat.tui.screens.model_picker import ModelScreen
 from tests.tiny_models import FAMILIES, write_tiny
 
 TINY = "tiny-llama"

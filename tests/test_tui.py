@@ -446,7 +446,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         await pilot.press("f")
         await wait_until(lambda: main.session_id not in (None, original))
         branch = open_id(main)
-        await wait_until(lambda: main.last_restore is not None and main._hot_id == branch)
+        await wait_until(lambda: main.last_restore is not None and main.hot_id == branch)
         assert len(main.sessions.rows) == 2 and branch in {r.id for r in main.sessions.rows}
         stored = service_of(app).messages(branch)
         assert [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in before[:2]]

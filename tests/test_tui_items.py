@@ -19,8 +19,8 @@ from textual.pilot import Pilot
 from kvchat.config import Settings
 from kvchat.service.chat import ChatService
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.format import snapshot_phrase
 from kvchat.tui.main import MainScreen
+from kvchat.tui.phrases import snapshot_phrase
 from kvchat.tui.widgets.conversation import MessageView
 from tests.conftest import FAST, REPO, clean_env
 from tests.test_tui import SIZE, ready, send, wait_until
@@ -78,7 +78,7 @@ async def test_relaunch_reopens_the_session_open_at_quit(kvhome: Path) -> None:
         main = await ready(app)
         assert main.session_id == newer.id
         await pick_in_sidebar(pilot, main, older.id)
-        await wait_until(lambda: main.session_id == older.id and main._hot_id == older.id)
+        await wait_until(lambda: main.session_id == older.id and main.hot_id == older.id)
         await quit_app(app)
 
     again = make_app()
@@ -111,13 +111,13 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
         # The session reopened at launch came back before any key: from disk.
-        assert main.session_id == b.id and main._hot_id == b.id
+        assert main.session_id == b.id and main.hot_id == b.id
         assert main.last_restore is not None and main.last_restore.source == "disk"
         assert main.last_restore.tokens == b_history.n_tokens
         assert "the next message reads only itself" in main.status.turn_text
 
         await pick_in_sidebar(pilot, main, a.id)
-        await wait_until(lambda: main._hot_id == a.id)  # restored with no message sent
+        await wait_until(lambda: main.hot_id == a.id)  # restored with no message sent
         restore = main.last_restore
         assert restore is not None and restore.source in ("ram", "disk")
         assert restore.tokens == a_history.n_tokens
@@ -174,8 +174,8 @@ async def test_a_reply_cut_at_the_token_limit_offers_continue(kvhome: Path) -> N
 
 
 def test_continue_is_a_key_and_in_the_palette() -> None:
-    from kvchat.tui.commands import KvchatCommands
     from kvchat.tui.keys import KEYS
+    from kvchat.tui.palette import KvchatCommands
 
     key = next(k for k in KEYS if k.action == "continue_reply")
     assert key.keys == "f12" and key.palette

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.commands import KvchatCommands
-from kvchat.tui.format import ago, code_blocks, gauge
 from kvchat.tui.keys import KEYS, bindings, keys_markdown
 from kvchat.tui.main import MainScreen
+from kvchat.tui.palette import KvchatCommands
+from kvchat.tui.phrases import ago, code_blocks, gauge
 
 KEYS_MD = Path(__file__).resolve().parents[1] / "app" / "kvchat" / "tui" / "KEYS.md"
 

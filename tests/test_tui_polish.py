@@ -26,10 +26,10 @@ from kvchat.store import Message, SearchHit
 from kvchat.tui import app as app_module
 from kvchat.tui.app import EXIT_FATAL, KvchatApp, run_app
 from kvchat.tui.clipboard import CopyRoute, choose_route, clipboard_command, deliver
-from kvchat.tui.commands import KvchatCommands
-from kvchat.tui.format import saved_phrase, turn_lines
 from kvchat.tui.keys import KEYS, bindings
 from kvchat.tui.main import MainScreen
+from kvchat.tui.palette import KvchatCommands
+from kvchat.tui.phrases import saved_phrase, turn_lines
 from kvchat.tui.screens.details import DetailsDialog
 from kvchat.tui.screens.dialogs import ConfirmDialog, ExportDialog, SettingsDialog
 from kvchat.tui.screens.error import ErrorScreen
@@ -372,7 +372,7 @@ async def test_sidebar_tokens_match_the_gauge_and_an_empty_session_is_not_hot(
         await _wait(lambda: _info(app, session.id)[0] == "3,812 tok")
         assert _info(app, session.id)[1] == "hot"
         await pilot.press("ctrl+n")
-        await _wait(lambda: main.session_id != session.id and main._hot_id == main.session_id)
+        await _wait(lambda: main.session_id != session.id and main.hot_id == main.session_id)
         await _settled(pilot)
         empty = main.session_id
         assert empty is not None and main.status.used == 0
@@ -708,7 +708,7 @@ async def test_real_turns_numbers_details_and_figures_agree(kvhome: Path, no_tmu
         # session is not badged hot.
         used = main.status.used
         await pilot.press("ctrl+n")
-        await _wait(lambda: main.session_id != session_id and main._hot_id == main.session_id)
+        await _wait(lambda: main.session_id != session_id and main.hot_id == main.session_id)
         await _settled(pilot)
         await _wait(lambda: _info(app, session_id)[0] == f"{used:,} tok")
         assert main.session_id is not None and _info(app, main.session_id)[1] == "none"

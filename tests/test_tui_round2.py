@@ -484,7 +484,7 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
     from textual.widgets import OptionList
 
     from kvchat.service.chat import ChatService
-    from kvchat.tui.format import code_blocks
+    from kvchat.tui.phrases import code_blocks
     from kvchat.tui.screens.dialogs import CodePickerDialog
     from tests.test_tui_items import make_settings
 

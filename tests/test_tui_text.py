@@ -17,7 +17,7 @@ from textual.widget import Widget
 
 from kvchat.config import Settings
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.format import visible
+from kvchat.tui.phrases import visible
 from kvchat.tui.widgets.conversation import MessageView
 from kvchat.tui.widgets.sidebar import SessionItem
 from tests import test_tui_snapshots as stand_in

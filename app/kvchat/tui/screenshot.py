@@ -15,6 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from textual.pilot import Pilot
+
+    from kvchat.tui.app import KvchatApp
 
 SIZE = (110, 34)
 
@@ -27,11 +33,11 @@ async def _wait(predicate: Callable[[], object], timeout: float = 300) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _send(app: object, pilot: object, text: str) -> None:
-    main = app.main  # type: ignore[attr-defined]
+async def _send(app: KvchatApp, pilot: Pilot[None], text: str) -> None:
+    main = app.main
     before = main.last_turn
     main.prompt.insert(text)
-    await pilot.press("enter")  # type: ignore[attr-defined]
+    await pilot.press("enter")
     await _wait(lambda: main.last_turn is not before and main.turn is None)
 
 

@@ -26,7 +26,7 @@ from textual.widgets import (
 from textual.widgets.option_list import Option
 
 from kvchat.limits import RANGE_TEXT, sampling_problem
-from kvchat.tui.format import block_previews, shorten
+from kvchat.tui.phrases import block_previews, shorten
 from kvchat.tui.widgets.prompt import PromptInput
 
 FORMAT_NAMES = {"md": "Markdown", "json": "JSON", "html": "HTML"}

@@ -18,7 +18,7 @@ from textual.message import Message as TextualMessage
 from textual.widget import Widget
 from textual.widgets import Label
 
-from kvchat.tui.format import visible
+from kvchat.tui.phrases import visible
 
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt
@@ -402,8 +402,8 @@ class Conversation(VerticalScroll, can_focus=False):
     class LeaveRequested(TextualMessage):
         """↓ past the last message of the session: on to the input."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
         self.first = 0  # messages of the session before the first one shown
         self.later = 0  # messages of the session after the last one shown
         self.cursor: MessageView | None = None
@@ -523,6 +523,12 @@ class Conversation(VerticalScroll, can_focus=False):
         page = self._page
         children = page.children if page is not None else ()
         return next((c for c in reversed(children) if isinstance(c, MessageView)), None)
+
+    @property
+    def focused_view(self) -> MessageView | None:
+        """The message that has focus, if one has."""
+        focused = self.screen.focused
+        return focused if isinstance(focused, MessageView) else None
 
     def find(self, message_id: int) -> MessageView | None:
         return next((v for v in self.views if v.message_id == message_id), None)

@@ -15,10 +15,10 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.widgets import Label, ListItem, ListView
 
-from kvchat.tui.format import KV_LABELS, ago, visible
+from kvchat.tui.phrases import KV_LABELS, ago, visible
 
 if TYPE_CHECKING:
-    from kvchat.service.chat import SessionSummary
+    from kvchat.service.chat import ChatService, SessionSummary
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,14 @@ def branch_tree(rows: list[SessionRow], folded: set[str], current: str | None) -
     by_id = {r.id: r for r in rows}
     children: dict[str, list[SessionRow]] = {}
     for r in rows:
-        if r.parent_id in by_id and r.parent_id != r.id:
-            children.setdefault(r.parent_id, []).append(r)  # type: ignore[arg-type]
+        parent_id = r.parent_id
+        if parent_id is not None and parent_id in by_id and parent_id != r.id:
+            children.setdefault(parent_id, []).append(r)
     keep_open: set[str] = set()
-    parent = by_id[current].parent_id if current in by_id else None
-    while parent in by_id and parent not in keep_open:
-        keep_open.add(parent)  # type: ignore[arg-type]
-        parent = by_id[parent].parent_id  # type: ignore[index]
+    parent = by_id[current].parent_id if current is not None and current in by_id else None
+    while parent is not None and parent in by_id and parent not in keep_open:
+        keep_open.add(parent)
+        parent = by_id[parent].parent_id
     seen: set[str] = set()
 
     def fold_away(row_id: str) -> int:
@@ -111,6 +112,19 @@ def branch_tree(rows: list[SessionRow], folded: set[str], current: str | None) -
             if not fold:
                 stack.extend((kid, depth + 1) for kid in reversed(kids))
     return out
+
+
+def session_rows(service: ChatService) -> list[SessionRow]:
+    """On the store thread: every session, most recently updated first, with where its KV is."""
+    return [SessionRow(s, service.kv_location(s.session.id)) for s in service.list_sessions()]
+
+
+def with_context(rows: list[SessionRow], hot: str | None, used: int) -> list[SessionRow]:
+    """The open, hot session's row (``hot``) with the context gauge's figure: one number for
+    both."""
+    if hot is None:
+        return rows
+    return [replace(r, context=used) if r.id == hot else r for r in rows]
 
 
 class SessionItem(ListItem):
@@ -158,8 +172,8 @@ class SessionList(ListView):
         Binding("space", "toggle_branches", "Fold / unfold branches", show=False),
     ]
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
         self.rows: list[SessionRow] = []  # the rows shown, in order (folded ones left out)
         self.folded: set[str] = set()  # sessions whose branches are folded away
         self._all: list[SessionRow] = []
@@ -215,6 +229,11 @@ class SessionList(ListView):
             # Opened while folded away (a search hit): unfold its ancestors now.
             self._current = session_id
             self.run_worker(self._layout(session_id), group="fold", exit_on_error=False)
+
+    @property
+    def newest(self) -> str | None:
+        """The most recently updated session, folded away or not."""
+        return self._all[0].id if self._all else None
 
     def row(self, session_id: str) -> SessionRow | None:
         return next((r for r in self.rows if r.id == session_id), None)

@@ -7,7 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from textual.widgets import Label
 
-from kvchat.tui.format import gauge, shorten
+from kvchat.tui.phrases import gauge, shorten
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
@@ -15,8 +15,8 @@ SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 class StatusBar(Vertical):
     """Two lines. First: model · context gauge · memory. Second: the last turn or activity."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
         self.model_name = ""
         self.n_ctx = 0
         self.used = 0

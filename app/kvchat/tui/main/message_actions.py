@@ -1,29 +1,54 @@
 """The main screen's message actions: copy a message or a code block, show a message's details.
 
-A mixin of MainScreen, like SessionActions. Copies go out by OSC 52 and, where tmux would
+Copies go out by OSC 52 and, where tmux would
 drop that, by a clipboard command or a file (see :mod:`kvchat.tui.clipboard`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from textual import work
-
-from kvchat.tui.base import ScreenBase
+from kvchat.tui.backend import Backend
 from kvchat.tui.clipboard import CopyOutcome, choose_route, deliver
-from kvchat.tui.format import code_blocks, local_time, turn_lines
-from kvchat.tui.widgets.conversation import ROLE_NAMES, MessageView
+from kvchat.tui.main.opener import SessionOpener
+from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.phrases import code_blocks, local_time, turn_lines
+from kvchat.tui.widgets.conversation import ROLE_NAMES, Conversation, MessageView
 
 if TYPE_CHECKING:
+    from textual.app import App
+    from textual.worker import Worker
+
     from kvchat.service.chat import Message
 
 
-class MessageActions(ScreenBase):
+class MessageActions:
+    """Copy (``c``, ``b``, Ctrl+O, F5) and details (``i``, F3); the dialogs are awaited in a
+    worker of the screen; the copy beyond OSC 52 runs in a worker that ``copy_worker``
+    starts (the screen's, so its failures are reported like any other)."""
+
+    def __init__(
+        self,
+        app: App[Any],
+        backend: Backend,
+        state: ScreenState,
+        *,
+        opener: SessionOpener,
+        conversation: Conversation,
+        copy_worker: Callable[[str, str], Worker[CopyOutcome]],
+    ) -> None:
+        self.app = app
+        self.backend = backend
+        self.state = state
+        self.opener = opener
+        self.conversation = conversation
+        self.copy_worker = copy_worker
+
     def _selected_view(self) -> MessageView | None:
         """The focused message, else the last reply, else the last message."""
-        focused = self._focused_message()
+        focused = self.conversation.focused_view
         if focused is not None:
             return focused
         views = self.conversation.views
@@ -32,24 +57,23 @@ class MessageActions(ScreenBase):
 
     # --- copy -----------------------------------------------------------------------------
 
-    def action_copy_message(self) -> None:
+    def copy_message(self) -> None:
         view = self._selected_view()
         if view is None or not view.text:
-            self.notify("No message to copy", severity="warning")
+            self.app.notify("No message to copy", severity="warning")
             return
-        self._copy(view.text, "message")
+        self.copy(view.text, "message")
 
-    @work(group="action", exit_on_error=False)
-    async def action_copy_code(self, view: MessageView | None = None) -> None:
-        focused = view or self._focused_message()
+    async def copy_code(self, view: MessageView | None = None) -> None:
+        focused = view or self.conversation.focused_view
         sources = [focused] if focused is not None else self.conversation.views
         found = [(b, v) for v in sources for b in code_blocks(v.text)]  # as on screen
         blocks = [b for b, _ in found]
         if not blocks:
-            self.notify("No code block to copy", severity="warning")
+            self.app.notify("No code block to copy", severity="warning")
             return
         if len(blocks) == 1:
-            self._copy(blocks[0], "code block")
+            self.copy(blocks[0], "code block")
             return
         from kvchat.tui.screens.dialogs import CodePickerDialog
 
@@ -58,43 +82,46 @@ class MessageActions(ScreenBase):
         ]
         picked = await self.app.push_screen_wait(CodePickerDialog(blocks, where))
         if picked is not None:
-            self._copy(picked, "code block")
+            self.copy(picked, "code block")
 
-    def _copy(self, text: str, what: str) -> None:
+    def copy(self, text: str, what: str) -> None:
         # OSC 52 always (the terminal's clipboard, and the app's own for pasting in it);
         # the rest runs off the UI thread: it may ask tmux and run a clipboard command.
         self.app.copy_to_clipboard(text)
-        self._copy_elsewhere(text, what)
+        self.copy_worker(text, what)
 
-    @work(group="copy", exit_on_error=False)
-    async def _copy_elsewhere(self, text: str, what: str) -> CopyOutcome:
+    async def copy_elsewhere(self, text: str, what: str) -> CopyOutcome:
+        """By a clipboard command or a file where tmux drops OSC 52; says where it went."""
         outcome = await asyncio.to_thread(_route_and_deliver, text)
         lines = text.count("\n") + 1
         copied = f"Copied the {what} ({lines:,} line{'s' if lines != 1 else ''})"
         if outcome.how == "terminal":
-            self.notify(copied)
+            self.app.notify(copied)
         elif outcome.how == "command":
-            self.notify(f"{copied} {outcome.note}", markup=False, timeout=8)
+            self.app.notify(f"{copied} {outcome.note}", markup=False, timeout=8)
         else:
-            self.notify(f"{copied} {outcome.note}", severity="warning", markup=False, timeout=15)
+            self.app.notify(
+                f"{copied} {outcome.note}", severity="warning", markup=False, timeout=15
+            )
         return outcome
 
     # --- details --------------------------------------------------------------------------
 
-    @work(group="action", exit_on_error=False)
-    async def action_message_details(self, view: MessageView | None = None) -> None:
+    async def details(self, view: MessageView | None = None) -> None:
         """F3 / ``i``: time, tokens and, for a reply of this run, its turn's figures."""
         view = view or self._selected_view()
-        if view is None or self.session_id is None:
-            self.notify("No message to show", severity="warning")
+        if view is None or self.state.session_id is None:
+            self.app.notify("No message to show", severity="warning")
             return
         name = ROLE_NAMES.get(view.role, view.role)
         number = f" #{view.number}" if view.number is not None else ""
         title = f"Message{number} · {name}"
-        message_id = await self._stored_id(view)
+        message_id = await self.opener.stored_id(view)
         stored: Message | None = None
         if message_id is not None:
-            messages = await self.on_store(self.service.messages, self.session_id)
+            messages = await self.backend.on_store(
+                self.backend.chat.messages, self.state.session_id
+            )
             stored = next((m for m in messages if m.id == message_id), None)
         lines: list[str] = []
         if stored is None:
@@ -105,7 +132,7 @@ class MessageActions(ScreenBase):
             if stored.partial:
                 lines.append("Partial: the reply was stopped before its end")
         if view.role == "assistant" and stored is not None:
-            report = self.turn_figures.get(stored.id)
+            report = self.state.turn_figures.get(stored.id)
             if report is not None:
                 lines += turn_lines(report)
             else:

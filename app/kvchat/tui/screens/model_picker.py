@@ -19,7 +19,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
-from kvchat.tui.format import shorten
+from kvchat.tui.phrases import shorten
 
 if TYPE_CHECKING:
     from kvchat.service.model_choices import ModelChoice

@@ -1,39 +1,75 @@
 """The main screen's session actions (new, rename, delete, search, export, settings).
 
-A mixin of MainScreen, kept apart so each file stays small. Like the rest of the UI it
-only presents: store-only calls go to the store thread, anything touching the engine to
-the engine thread.
+Like the rest of the UI it only presents: store-only calls go to the store thread,
+anything touching the engine to the engine thread. Each action runs in a worker of the
+screen (the dialogs are awaited with ``push_screen_wait``); a session to open is asked
+for with an ``OpenRequested`` message.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from textual import work
+from textual.message import Message as TextualMessage
 
 from kvchat.errors import KvchatError
-from kvchat.tui.base import ScreenBase
-from kvchat.tui.format import shorten, slug, visible
+from kvchat.tui.backend import Backend
+from kvchat.tui.main.opener import SessionOpener
+from kvchat.tui.main.screen_state import ScreenState, idle_or_say
+from kvchat.tui.main.signals import OpenRequested
+from kvchat.tui.phrases import shorten, slug, visible
+from kvchat.tui.widgets.conversation import Conversation
+from kvchat.tui.widgets.sidebar import SessionList
+from kvchat.tui.widgets.status import StatusBar
 
 # The dialogs and screens are imported when first opened, not before the first frame.
 if TYPE_CHECKING:
+    from textual.app import App
+
     from kvchat.service.chat import SearchHit
     from kvchat.tui.screens.dialogs import ExportRequest, SessionSettings
 
 
-class SessionActions(ScreenBase):
+class SessionActions:
+    """New, rename, delete, search, export and the session's settings (see the module
+    docstring)."""
+
+    def __init__(
+        self,
+        app: App[Any],
+        backend: Backend,
+        state: ScreenState,
+        *,
+        opener: SessionOpener,
+        conversation: Conversation,
+        sessions: SessionList,
+        status: StatusBar,
+        refresh: Callable[[], Awaitable[None]],
+        post: Callable[[TextualMessage], bool],
+    ) -> None:
+        self.app = app
+        self.backend = backend
+        self.state = state
+        self.opener = opener
+        self.conversation = conversation
+        self.sessions = sessions
+        self.status = status
+        self.refresh = refresh  # reads the sessions list again and shows it
+        self.post = post  # to the screen
+
     def _need_session(self, what: str) -> str | None:
-        if self.session_id is None:
-            self.notify(f"No session to {what} yet: send a message first", severity="warning")
-        return self.session_id
+        if self.state.session_id is None:
+            self.app.notify(f"No session to {what} yet: send a message first", severity="warning")
+        return self.state.session_id
 
     def _highlighted_session(self) -> str | None:
         """The session highlighted in the sidebar, when the sidebar has focus (what F8 acts
         on there); else None (the open session is meant)."""
         sessions = self.sessions
-        if self.focused is not sessions or sessions.index is None:
+        if self.app.focused is not sessions or sessions.index is None:
             return None
         rows = sessions.rows
         return rows[sessions.index].id if 0 <= sessions.index < len(rows) else None
@@ -42,16 +78,14 @@ class SessionActions(ScreenBase):
         row = self.sessions.row(session_id)
         return visible(row.summary.session.title) if row else session_id
 
-    @work(group="action", exit_on_error=False)
-    async def action_new_session(self) -> None:
-        if not self._idle("start a session"):
+    async def new_session(self) -> None:
+        if not idle_or_say(self.app, self.state, "start a session"):
             return
-        session_id = await self._new_session_id()
-        await self.refresh_sessions()
-        self.open_session(session_id, focus_prompt=True)
+        session_id = await self.opener.new_session_id()
+        await self.refresh()
+        self.post(OpenRequested(session_id, focus_prompt=True))
 
-    @work(group="action", exit_on_error=False)
-    async def action_rename(self) -> None:
+    async def rename(self) -> None:
         from kvchat.tui.screens.dialogs import TextDialog
 
         session_id = self._need_session("rename")
@@ -63,18 +97,17 @@ class SessionActions(ScreenBase):
         if not title:
             return
         try:
-            await self.on_store(self.service.rename, session_id, title)
+            await self.backend.on_store(self.backend.chat.rename, session_id, title)
         except KvchatError as exc:
-            self.notify(str(exc), severity="error", markup=False)
+            self.app.notify(str(exc), severity="error", markup=False)
             return
-        await self.refresh_sessions()
+        await self.refresh()
 
-    @work(group="action", exit_on_error=False)
-    async def action_delete(self) -> None:
+    async def delete(self) -> None:
         from kvchat.tui.screens.dialogs import ConfirmDialog
 
         session_id = self._highlighted_session() or self._need_session("delete")
-        if session_id is None or not self._idle("delete a session"):
+        if session_id is None or not idle_or_say(self.app, self.state, "delete a session"):
             return
         title = self._title(session_id)
         confirmed = await self.app.push_screen_wait(
@@ -83,34 +116,32 @@ class SessionActions(ScreenBase):
                 "Its messages and its saved memory (KV snapshot) are removed for good.",
             )
         )
-        if not confirmed or self.turn is not None:
+        if not confirmed or self.state.turn is not None:
             return
-        await self.on_engine(self.service.delete, session_id)
-        self.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
-        rows = await self.on_store(self._session_rows)
-        if self.session_id == session_id:
-            self.session_id = self._shown_id = self._hot_id = None
+        await self.backend.on_engine(self.backend.chat.delete, session_id)
+        self.app.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
+        if self.state.session_id == session_id:
+            self.state.session_id = self.state.shown_id = self.state.hot_id = None
             self.status.set_memory("")
             self.status.set_turn("")
             await self.conversation.show([])
-        await self.sessions.show(rows, self.session_id)
-        if self.session_id is None and rows:
-            self.open_session(rows[0].id)
+        await self.refresh()
+        newest = self.sessions.newest
+        if self.state.session_id is None and newest is not None:
+            self.post(OpenRequested(newest))
 
-    @work(group="action", exit_on_error=False)
-    async def action_search(self) -> None:
+    async def search(self) -> None:
         from kvchat.tui.screens.search import SearchScreen
 
         async def searcher(query: str) -> list[SearchHit]:
-            result: list[SearchHit] = await self.on_store(self.service.search, query)
+            result: list[SearchHit] = await self.backend.on_store(self.backend.chat.search, query)
             return result
 
         hit: SearchHit | None = await self.app.push_screen_wait(SearchScreen(searcher))
         if hit is not None:
-            self.open_session(hit.message.session_id, highlight=hit.message.id)
+            self.post(OpenRequested(hit.message.session_id, highlight=hit.message.id))
 
-    @work(group="action", exit_on_error=False)
-    async def action_export(self) -> None:
+    async def export(self) -> None:
         from kvchat.tui.screens.dialogs import ExportDialog
 
         session_id = self._need_session("export")
@@ -122,36 +153,35 @@ class SessionActions(ScreenBase):
         if request is None:
             return
         try:
-            text = await self.on_store(self.service.export, session_id, request.fmt)
-            await self.on_store(_write_text, request.path, text, request.replace)
+            text = await self.backend.on_store(self.backend.chat.export, session_id, request.fmt)
+            await self.backend.on_store(_write_text, request.path, text, request.replace)
         except FileExistsError:
             message = f"Not exported: {request.path} exists now (export again to replace it)"
-            self.notify(message, severity="error", markup=False)
+            self.app.notify(message, severity="error", markup=False)
             return
         except (KvchatError, OSError) as exc:
             message = f"Export failed: {getattr(exc, 'strerror', None) or exc}"
-            self.notify(message, severity="error", markup=False)
+            self.app.notify(message, severity="error", markup=False)
             return
-        self.notify(f"Exported to {request.path}", markup=False)
+        self.app.notify(f"Exported to {request.path}", markup=False)
 
-    @work(group="action", exit_on_error=False)
-    async def action_settings(self) -> None:
+    async def settings(self) -> None:
         from kvchat.config import config_file  # pydantic: not before the first frame
         from kvchat.tui.presets import load_presets
         from kvchat.tui.screens.dialogs import SettingsDialog, reread_note
 
-        session_id = self.session_id
+        session_id = self.state.session_id
         if session_id is None:
-            session_id = self.session_id = await self._new_session_id()
-            await self.refresh_sessions()
-        session = await self.on_store(self.service.resolve, session_id)
+            session_id = self.state.session_id = await self.opener.new_session_id()
+            await self.refresh()
+        session = await self.backend.on_store(self.backend.chat.resolve, session_id)
         from kvchat.service.chat import SESSION_SETTINGS
 
-        settings = self.kv_app.settings
+        settings = self.backend.settings
         defaults = {key: getattr(settings, key) for key in SESSION_SETTINGS}
-        presets, problem = await self.on_store(load_presets)
+        presets, problem = await self.backend.on_store(load_presets)
         if problem:
-            self.notify(problem, severity="warning", markup=False)
+            self.app.notify(problem, severity="warning", markup=False)
         row = self.sessions.row(session_id)
         history = row.tokens if row is not None and row.summary.messages else 0
         result: SessionSettings | None = await self.app.push_screen_wait(
@@ -168,24 +198,24 @@ class SessionActions(ScreenBase):
         if result is None:
             return
         try:
-            await self.on_store(
-                self.service.configure,
+            await self.backend.on_store(
+                self.backend.chat.configure,
                 session_id,
                 system_prompt=result.system_prompt,
                 settings=result.settings,
             )
         except KvchatError as exc:
-            self.notify(str(exc), severity="error", markup=False)
+            self.app.notify(str(exc), severity="error", markup=False)
             return
         note = reread_note(visible(session.system_prompt or ""), result.system_prompt, history)
         if note:
-            self.notify(
+            self.app.notify(
                 f"Session settings saved. The next reply re-reads the conversation (about "
                 f"{history:,} tokens) under the new system prompt",
                 markup=False,
             )
         else:
-            self.notify("Session settings saved; they apply from the next reply")
+            self.app.notify("Session settings saved; they apply from the next reply")
 
 
 def _write_text(path: Path, text: str, replace: bool) -> None:

@@ -1,0 +1,272 @@
+"""Opening sessions on the main screen: start-up, switching, resume before Enter.
+
+A session is drawn first (only the messages that fill the screen), then its KV is brought
+back on the engine thread at once, before the user types: the first message after a
+switch or a relaunch then decodes only itself. The session the app has open is
+remembered, so a relaunch reopens it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from textual.message import Message as TextualMessage
+
+from kvchat.errors import KvchatError
+from kvchat.tui.backend import Backend
+from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.main.signals import Fatal, SessionHot, SessionsChanged
+from kvchat.tui.phrases import restore_phrase
+from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.prompt import PromptInput
+from kvchat.tui.widgets.sidebar import SessionList
+from kvchat.tui.widgets.status import StatusBar
+
+if TYPE_CHECKING:
+    from textual.app import App
+
+    from kvchat.service.chat import Message, RestoreResult
+
+READY_PLACEHOLDER = "Message (Enter sends · Ctrl+J new line · F1 keys)"
+LOADING_PLACEHOLDER = "Loading the model… (you can type already)"
+
+
+class SessionOpener:
+    """Start-up, opening a session and making it hot; it owns ``state.session_id``,
+    ``shown_id``, ``hot_id``, ``seen_change`` and ``ready`` (others reset them)."""
+
+    def __init__(
+        self,
+        app: App[Any],
+        backend: Backend,
+        state: ScreenState,
+        *,
+        conversation: Conversation,
+        sessions: SessionList,
+        status: StatusBar,
+        prompt: PromptInput,
+        refresh: Callable[[], Awaitable[None]],
+        post: Callable[[TextualMessage], bool],
+    ) -> None:
+        self.app = app
+        self.backend = backend
+        self.state = state
+        self.conversation = conversation
+        self.sessions = sessions
+        self.status = status
+        self.prompt = prompt
+        self.refresh = refresh  # reads the sessions list again and shows it
+        self.post = post  # to the screen
+
+    # --- start ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the service, show the session open at the last quit, load the model."""
+        backend, state = self.backend, self.state
+        if backend.service is None:
+            try:
+                await backend.on_engine(backend.open_service)
+            except KvchatError as exc:
+                self.post(Fatal("kvchat cannot open its data", str(exc)))
+                return
+        service = backend.chat
+        # The session the user was in when the app last quit (not the last one a CLI
+        # `ask` or a fork touched).
+        last = await backend.on_store(service.last_open_session)
+        if last is not None:
+            state.session_id = last.id
+            await self.show_stored(last.id)
+        else:
+            await self.conversation.show([])
+        await self.refresh()
+        self.status.set_turn(f"loading model {backend.model_label}…", "busy")
+        loading = backend.on_engine(backend.load_model)
+        await self.conversation.fill()  # the earlier messages, while the model loads
+        try:
+            name, n_ctx, note = await loading
+        except KvchatError as exc:
+            self.post(Fatal("The model could not be loaded", str(exc)))
+            return
+        state.ready = True
+        # The last run's crash, the engine probe's choice: said once.
+        for notice in await backend.on_store(service.startup_notices):
+            self.app.notify(notice, severity="warning", timeout=20, markup=False)
+        self.status.set_model(name, n_ctx)
+        self.status.set_context(0)
+        self.prompt.placeholder = READY_PLACEHOLDER
+        self.status.set_turn(f"ready · {note}" if note else "ready")
+        backend.ready_at = time.perf_counter()
+        if state.session_id is not None:
+            # Resume before Enter: the reopened session's KV comes back before the first
+            # message, so that message decodes only itself.
+            await self.make_hot(state.session_id, note=note)
+
+    async def new_session_id(self) -> str:
+        """Make an empty session (remembered as open); dropped at quit if it stays empty."""
+        backend = self.backend
+        session = await backend.on_store(backend.chat.new_session)
+        self.state.made_sessions.add(session.id)
+        await backend.on_store(backend.chat.remember_open, session.id)
+        return str(session.id)
+
+    # --- making a session hot -------------------------------------------------------------
+
+    def _engine_make_hot(self, session_id: str) -> tuple[RestoreResult, int]:
+        """On the engine thread: make the session hot (a new branch borrows its shared
+        prefix from another session's snapshot) and report the context's size."""
+        service = self.backend.chat
+        result = service.make_hot(session_id)
+        return result, service.context_tokens
+
+    async def make_hot(
+        self, session_id: str, started: float | None = None, note: str | None = None
+    ) -> None:
+        """Bring the session's KV into the context on the engine thread, and say where it
+        came from; the status line tells that the next message reads only itself. Then
+        (hot already or made so) a ``SessionHot`` names the model it was made with."""
+        state = self.state
+        if not state.ready:
+            return
+        if session_id == state.hot_id:
+            self.post(SessionHot(session_id))
+            return
+        started = time.perf_counter() if started is None else started
+        self.status.set_memory("KV: restoring…", "busy")
+        result, used = await self.backend.on_engine(self._engine_make_hot, session_id)
+        if session_id != state.session_id:
+            return
+        state.hot_id = session_id
+        state.last_switch_ms = (time.perf_counter() - started) * 1000
+        state.last_restore = result
+        self.status.set_memory(f"KV: {restore_phrase(result)}", result.source)
+        self.status.set_context(used if result.source != "none" else 0)
+        if result.source in ("ram", "disk") and state.turn is None:
+            ready = f"KV ready: {restore_phrase(result)}; the next message reads only itself"
+            self.status.set_turn(f"{ready} · {note}" if note else ready)
+        self.post(SessionHot(session_id))  # names the model it was made with, if another
+        self.post(SessionsChanged())
+
+    # --- opening ----------------------------------------------------------------------------
+
+    async def show_stored(
+        self, session_id: str, highlight: int | None = None, lazy: bool = True
+    ) -> None:
+        """Show the session's stored messages (the latest, or a window around
+        ``highlight``); note when they last changed, for the watch on other processes."""
+        stamp, messages, version = await self.backend.on_store(self._stored, session_id)
+        await self.conversation.show(messages, around=highlight, lazy=lazy)
+        last = self.conversation.last_view
+        if last is not None and not self.conversation.later and last.role == "assistant":
+            last.set_version(*version)
+        self.state.seen_change = (session_id, stamp)
+        self.state.shown_id = session_id
+
+    def _stored(self, session_id: str) -> tuple[str, list[Message], tuple[int, int]]:
+        """On the store thread: when the session last changed, its messages, and which
+        version of its last reply is current, of how many (only that reply switches)."""
+        service = self.backend.chat
+        stamp, messages = service.changed_at(session_id), service.messages(session_id)
+        last = messages[-1] if messages else None
+        version = (1, 1)
+        if last is not None and last.role == "assistant":
+            version = service.reply_versions(last.id)
+        return stamp, messages, version
+
+    async def open(
+        self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
+    ) -> None:
+        """Show a session's messages, then make it hot on the engine thread."""
+        state = self.state
+        if state.turn is not None and session_id != state.session_id:
+            self.app.notify("A reply is being generated: Esc stops it", severity="warning")
+            self.sessions.highlight(state.session_id)
+            return
+        started = time.perf_counter()
+        # One batch from here to the focus: no frame is drawn until the new session is
+        # in place (each frame costs tens of ms on a busy machine).
+        with self.app.batch_update():
+            if session_id != state.session_id:
+                self.status.set_turn("")
+            state.session_id = session_id
+            self.sessions.highlight(session_id)
+            shown = session_id == state.shown_id
+            if not shown or (highlight is not None and self.conversation.find(highlight) is None):
+                state.shown_id = None
+                # Only the messages that fill the screen are built now (or the window
+                # around the hit); the rest after the restore (fill below).
+                await self.show_stored(session_id, highlight)
+                if highlight is not None:
+                    self.jump_to(highlight)
+            elif highlight is not None:
+                self.jump_to(highlight)
+            if highlight is not None:
+                state.last_jump_ms = (time.perf_counter() - started) * 1000
+            elif focus_prompt:
+                # Now, not after this frame (Widget.focus waits for one): one frame for all.
+                self.prompt.screen.set_focus(self.prompt, scroll_visible=False)
+        # For the next launch, on the store thread meanwhile (its commit waits for the
+        # disk: tens of ms that the restore need not wait for).
+        service = self.backend.chat
+        remembered = asyncio.ensure_future(self.backend.on_store(service.remember_open, session_id))
+        # Resume before Enter: the restore starts as soon as the session is drawn (not
+        # together with the drawing: both would share the interpreter's lock).
+        await self._painted()
+        await self.make_hot(session_id, started=started)
+        await remembered
+        await self.conversation.fill()
+
+    async def _painted(self) -> None:
+        """Wait until the screen has been drawn with what is mounted now."""
+        drawn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def done() -> None:
+            if not drawn.done():
+                drawn.set_result(None)
+
+        self.conversation.call_after_refresh(done)
+        await drawn
+
+    async def show_latest(self, focus_last: bool = False) -> None:
+        """Show the session's latest messages again (after a jump left them out)."""
+        if self.state.session_id is None:
+            return
+        await self.show_stored(self.state.session_id, lazy=False)
+        last = self.conversation.last_view
+        if focus_last and last is not None:
+            last.focus()
+
+    def jump_to(self, message_id: int) -> None:
+        conversation = self.conversation
+        view = conversation.find(message_id)
+        if view is None:
+            return
+        # Anchoring keeps a short conversation at the bottom with a negative scroll offset;
+        # drop both before scrolling to the hit.
+        conversation.anchor(False)
+        conversation.scroll_to(y=0, animate=False, force=True, immediate=True)
+        conversation.scroll_to_widget(view, animate=False, top=True, immediate=True)
+        view.screen.set_focus(view, scroll_visible=False)  # now, not after a refresh: one frame
+        view.add_class("-hit")
+        conversation.set_timer(4, lambda: view.remove_class("-hit"))
+
+    async def stored_id(self, view: MessageView) -> int | None:
+        """The store id of a shown message. A message sent in this window has none on its
+        view yet: find it in the store, where the shown messages are the newest ones."""
+        session_id = self.state.session_id
+        if view.message_id is not None or view.streaming or session_id is None:
+            return view.message_id
+        views = self.conversation.views
+        if view not in views:
+            return None
+        messages = await self.backend.on_store(self.backend.chat.messages, session_id)
+        back = len(views) - views.index(view)
+        if back > len(messages):
+            return None
+        message = messages[-back]
+        if message.role != view.role or message.content != view.text:
+            return None
+        view.message_id = message.id
+        return view.message_id

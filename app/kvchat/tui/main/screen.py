@@ -1,0 +1,499 @@
+"""The main screen: sessions, conversation, input and status, wired to the service.
+
+The screen composes the widgets and hands them, with the shared ``ScreenState`` and the
+app's ``Backend``, to collaborators that each own one concern: opening sessions
+(``opener``), turns (``turns``), housekeeping after a reply (``idle_work``), the watch on
+other processes (``watch``), session, branch, message and model actions. The widgets
+report what the user did with typed Messages (``MessageView.CopyRequested``…), the
+collaborators what they need done with those of ``signals``; the screen handles each in
+one place below. The screen also decides how work runs: every background job is a worker
+of the screen (its group and exclusivity are set here), so one handler reports failures.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from textual import events, on, work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer
+from textual.worker import Worker, WorkerState
+
+from kvchat.errors import KvchatError
+from kvchat.tui.backend import Backend
+from kvchat.tui.clipboard import CopyOutcome
+from kvchat.tui.keys import bindings
+from kvchat.tui.main.branching import Branching
+from kvchat.tui.main.idle_work import IdleWork
+from kvchat.tui.main.message_actions import MessageActions
+from kvchat.tui.main.model_switch import ModelSwitch
+from kvchat.tui.main.opener import LOADING_PLACEHOLDER, SessionOpener
+from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, ready_or_say
+from kvchat.tui.main.session_actions import SessionActions
+from kvchat.tui.main.signals import (
+    OpenRequested,
+    SessionHot,
+    SessionsChanged,
+    TurnEnded,
+    TurnRequested,
+)
+from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
+from kvchat.tui.main.watch import WATCH_S, SessionWatch
+from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.prompt import PromptInput
+from kvchat.tui.widgets.sidebar import SessionItem, SessionList, session_rows, with_context
+from kvchat.tui.widgets.status import StatusBar
+
+if TYPE_CHECKING:
+    from textual.binding import BindingType
+
+    from kvchat.service.chat import RestoreResult, TurnReport
+
+# Below this many columns the sessions sidebar hides itself (Ctrl+L shows it).
+NARROW_COLUMNS = 80
+
+
+class MainScreen(Screen[None]):
+    """Sessions sidebar, conversation, input and status bar; every key of the key table."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [*bindings()]
+
+    def __init__(self, backend: Backend, *, cursor_blink: bool = True) -> None:
+        super().__init__(id="main-screen")
+        self.backend = backend
+        self.state = ScreenState()
+        # The sidebar as the user set it with Ctrl+L; None: by the width (see NARROW_COLUMNS).
+        self.sidebar_wanted: bool | None = None
+        self.sessions = SessionList(id="sessions")
+        self.conversation = Conversation(id="conversation")
+        self.prompt = PromptInput(
+            id="prompt",
+            takes_sent=True,
+            placeholder=LOADING_PLACEHOLDER,
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+        )
+        self.prompt.cursor_blink = cursor_blink
+        self.status = StatusBar(id="status")
+        app, state, post = self.app, self.state, self.post_message
+        self.opener = SessionOpener(
+            app,
+            backend,
+            state,
+            conversation=self.conversation,
+            status=self.status,
+            sessions=self.sessions,
+            prompt=self.prompt,
+            refresh=self.refresh_sessions,
+            post=post,
+        )
+        self.idle_work = IdleWork(app, backend, state, status=self.status, post=post)
+        self.turns = TurnRunner(
+            app,
+            backend,
+            state,
+            opener=self.opener,
+            idle_work=self.idle_work,
+            conversation=self.conversation,
+            status=self.status,
+            prompt=self.prompt,
+            post=post,
+        )
+        self.session_watch = SessionWatch(
+            backend,
+            state,
+            opener=self.opener,
+            conversation=self.conversation,
+            status=self.status,
+            post=post,
+        )
+        self.session_actions = SessionActions(
+            app,
+            backend,
+            state,
+            opener=self.opener,
+            conversation=self.conversation,
+            status=self.status,
+            sessions=self.sessions,
+            refresh=self.refresh_sessions,
+            post=post,
+        )
+        self.branching = Branching(
+            app,
+            backend,
+            state,
+            opener=self.opener,
+            conversation=self.conversation,
+            status=self.status,
+            prompt=self.prompt,
+            refresh=self.refresh_sessions,
+            post=post,
+        )
+        self.message_actions = MessageActions(
+            app,
+            backend,
+            state,
+            opener=self.opener,
+            conversation=self.conversation,
+            copy_worker=self._copy_elsewhere,
+        )
+        self.model_switch = ModelSwitch(
+            app,
+            backend,
+            state,
+            opener=self.opener,
+            status=self.status,
+            prompt=self.prompt,
+            post=post,
+        )
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            yield self.sessions
+            with Vertical(id="chat"):
+                yield self.conversation
+                yield self.prompt
+        yield self.status
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.prompt.focus()
+        self.status.set_turn("starting…", "busy")
+        self.turns.flusher = self.set_interval(1 / FLUSH_HZ, self.turns.flush, pause=True)
+        self.set_interval(WATCH_S, self._watch_tick)
+        # After the first frame: opening the service imports llama.cpp (on the engine
+        # thread, but an import holds the interpreter's lock in long stretches).
+        self.call_after_refresh(self.startup)
+
+    # --- what tests, the benchmark and the app read ----------------------------------------
+
+    @property
+    def session_id(self) -> str | None:
+        return self.state.session_id
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+    @property
+    def turn(self) -> ActiveTurn | None:
+        return self.state.turn
+
+    @property
+    def last_turn(self) -> ActiveTurn | None:
+        return self.state.last_turn
+
+    @property
+    def last_report(self) -> TurnReport | None:
+        return self.state.last_report
+
+    @property
+    def last_restore(self) -> RestoreResult | None:
+        return self.state.last_restore
+
+    @property
+    def last_jump_ms(self) -> float | None:
+        return self.state.last_jump_ms
+
+    @property
+    def hot_id(self) -> str | None:
+        return self.state.hot_id
+
+    @property
+    def shown_id(self) -> str | None:
+        return self.state.shown_id
+
+    @property
+    def made_sessions(self) -> set[str]:
+        return self.state.made_sessions
+
+    @property
+    def turn_figures(self) -> dict[int, TurnReport]:
+        return self.state.turn_figures
+
+    @property
+    def housekeeping_idle(self) -> bool:
+        """No housekeeping runs here, and the last turn left none pending."""
+        return self.idle_work.idle
+
+    # --- workers: how each kind of work runs -------------------------------------------------
+
+    @work(group="startup", exit_on_error=False)
+    async def startup(self) -> None:
+        await self.opener.start()
+
+    @work(group="open", exclusive=True, exit_on_error=False)
+    async def open_session(
+        self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
+    ) -> None:
+        """Show a session's messages, then make it hot on the engine thread."""
+        await self.opener.open(session_id, highlight, focus_prompt)
+
+    async def refresh_sessions(self) -> None:
+        """Read the sessions list on the store thread and show it."""
+        backend, state = self.backend, self.state
+        rows = await backend.on_store(session_rows, backend.chat)
+        rows = with_context(rows, state.open_and_hot, self.status.used)
+        await self.sessions.show(rows, state.session_id)
+
+    @work(group="sidebar", exclusive=True, exit_on_error=False)
+    async def request_refresh(self) -> None:
+        await self.refresh_sessions()
+
+    def submit(self, text: str) -> None:
+        """Enter in the input (see TurnRunner.submit)."""
+        turn = self.turns.submit(text)
+        if turn is not None:
+            self.run_turn(turn)
+
+    @work(group="turn", exit_on_error=False)
+    async def run_turn(self, turn: ActiveTurn) -> None:
+        await self.turns.run(turn)
+
+    def start_housekeeping(self) -> None:
+        """Run what the last turn left, when it may run now (see IdleWork.claim)."""
+        actions = self.idle_work.claim()
+        if actions is not None:
+            self._housekeep(actions)
+
+    @work(group="housekeeping", exit_on_error=False)
+    async def _housekeep(self, actions: int) -> None:
+        await self.idle_work.run(actions)
+
+    def _watch_tick(self) -> None:
+        if self.state.ready and self.state.turn is None:
+            # Housekeeping a user's action made yield (and no turn dropped) runs again.
+            self.start_housekeeping()
+        if self.session_watch.due:
+            self.check_for_changes()
+
+    @work(group="watch", exclusive=True, exit_on_error=False)
+    async def check_for_changes(self) -> None:
+        await self.session_watch.check()
+
+    @work(group="model-note", exclusive=True, exit_on_error=False)
+    async def note_session_model(self, session_id: str) -> None:
+        await self.model_switch.note_session_model(session_id)
+
+    @work(group="copy", exit_on_error=False)
+    async def _copy_elsewhere(self, text: str, what: str) -> CopyOutcome:
+        return await self.message_actions.copy_elsewhere(text, what)
+
+    @on(Worker.StateChanged)
+    def _worker_changed(self, event: Worker.StateChanged) -> None:
+        """One place for failures of background work: a notice, never a crash."""
+        if event.state != WorkerState.ERROR or self.backend.closing:
+            return
+        error = event.worker.error
+        assert error is not None
+        self.backend.worker_errors.append(error)
+        if isinstance(error, KvchatError):
+            self.notify(str(error), severity="error", markup=False)
+        else:
+            self.log.error(f"{event.worker.name} failed", error)
+            self.notify(
+                f"Unexpected error in {event.worker.name}: {error!r}",
+                title="kvchat bug",
+                severity="error",
+                markup=False,
+                timeout=15,
+            )
+
+    # --- what the collaborators ask for ---------------------------------------------------
+
+    @on(SessionsChanged)
+    def _sessions_changed(self) -> None:
+        self.request_refresh()
+
+    @on(OpenRequested)
+    def _open_requested(self, event: OpenRequested) -> None:
+        self.open_session(event.session_id, event.highlight, event.focus_prompt)
+
+    @on(SessionHot)
+    def _session_hot(self, event: SessionHot) -> None:
+        self.note_session_model(event.session_id)
+
+    @on(TurnRequested)
+    def _turn_requested(self, event: TurnRequested) -> None:
+        self.run_turn(event.turn)
+
+    @on(TurnEnded)
+    def _turn_ended(self) -> None:
+        self.start_housekeeping()
+
+    # --- what the widgets report ----------------------------------------------------------
+
+    @on(SessionList.Selected)
+    def _session_selected(self, event: SessionList.Selected) -> None:
+        if isinstance(event.item, SessionItem):
+            self.open_session(event.item.session_id, focus_prompt=True)
+            if self.size.width < NARROW_COLUMNS:
+                self.sidebar_wanted = None  # picked: a narrow window gives the chat room back
+                self._show_sidebar()
+
+    @on(PromptInput.Submitted)
+    def _submitted(self, event: PromptInput.Submitted) -> None:
+        self.submit(event.text)
+
+    @on(MessageView.CopyRequested)
+    def _copy_requested(self, event: MessageView.CopyRequested) -> None:
+        if event.code:
+            self.action_copy_code(event.view)
+        elif event.view.text:
+            self.message_actions.copy(event.view.text, "message")
+
+    @on(MessageView.VersionRequested)
+    def _version_requested(self, event: MessageView.VersionRequested) -> None:
+        self.switch_version(event.view, event.step)
+
+    @on(MessageView.DetailsRequested)
+    def _details_requested(self, event: MessageView.DetailsRequested) -> None:
+        self.action_message_details(event.view)
+
+    @on(Conversation.LatestRequested)
+    async def _latest_requested(self) -> None:
+        await self.opener.show_latest(focus_last=True)
+
+    @on(Conversation.LeaveRequested)
+    def _leave_requested(self) -> None:
+        self.prompt.focus()
+
+    @on(MessageView.BranchRequested)
+    def _branch_requested(self, event: MessageView.BranchRequested) -> None:
+        self.action_branch(event.view)
+
+    @on(MessageView.EditRequested)
+    def _edit_requested(self, event: MessageView.EditRequested) -> None:
+        self.action_edit_message(event.view)
+
+    @on(MessageView.TypedAhead)
+    def _typed_ahead(self, event: MessageView.TypedAhead) -> None:
+        self.prompt.focus()
+        self.prompt.insert(event.character)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._show_sidebar()
+        self.set_class(event.size.width < NARROW_COLUMNS, "-narrow")  # see kvchat.tcss
+        # A narrow footer: the palette's key, docked right, would overlap the others.
+        footer = self.query_one(Footer)
+        wide = event.size.width >= NARROW_COLUMNS
+        if footer.show_command_palette != wide:
+            footer.show_command_palette = wide
+            footer.refresh(recompose=True)  # the footer builds its keys when composed
+
+    def _show_sidebar(self) -> None:
+        """Show or hide the sessions sidebar: as set by Ctrl+L, else by the width."""
+        wanted = self.sidebar_wanted
+        shown = wanted if wanted is not None else self.size.width >= NARROW_COLUMNS
+        sessions = self.sessions
+        if sessions.display != shown:
+            sessions.display = shown
+            if not shown and self.focused is sessions:
+                self.prompt.focus()
+
+    @property
+    def focus_chain(self) -> list[Widget]:
+        """Tab stops: the messages count as one (see Conversation.tab_stop); ↑/↓ move in them."""
+        chain = super().focus_chain
+        try:
+            stop = self.conversation.tab_stop()
+        except NoMatches:  # not composed yet, or being torn down
+            return chain
+        return [w for w in chain if not isinstance(w, MessageView) or w is stop]
+
+    # --- the key table's actions ----------------------------------------------------------
+
+    def action_cancel(self) -> None:
+        """Esc: stop the reply; else back to the input."""
+        if not self.turns.cancel() and self.focused is not self.prompt:
+            self.prompt.focus()
+
+    def action_regenerate(self) -> None:
+        turn = self.turns.regenerate()
+        if turn is not None:
+            self.run_turn(turn)
+
+    def action_continue_reply(self) -> None:
+        """F12: go on with the last reply (one cut at the token limit) from the hot KV."""
+        turn = self.turns.continue_reply()
+        if turn is not None:
+            self.run_turn(turn)
+
+    @work(group="action", exit_on_error=False)
+    async def switch_version(self, view: MessageView, step: int) -> None:
+        """←/→ on the last reply: make its previous / next version current and show it."""
+        await self.turns.switch_version(view, step)
+
+    @work(group="action", exit_on_error=False)
+    async def action_new_session(self) -> None:
+        await self.session_actions.new_session()
+
+    @work(group="action", exit_on_error=False)
+    async def action_rename(self) -> None:
+        await self.session_actions.rename()
+
+    @work(group="action", exit_on_error=False)
+    async def action_delete(self) -> None:
+        await self.session_actions.delete()
+
+    @work(group="action", exit_on_error=False)
+    async def action_search(self) -> None:
+        await self.session_actions.search()
+
+    @work(group="action", exit_on_error=False)
+    async def action_export(self) -> None:
+        await self.session_actions.export()
+
+    @work(group="action", exit_on_error=False)
+    async def action_settings(self) -> None:
+        await self.session_actions.settings()
+
+    @work(group="action", exit_on_error=False)
+    async def action_branch(self, view: MessageView | None = None) -> None:
+        await self.branching.branch(view)
+
+    @work(group="action", exit_on_error=False)
+    async def action_edit_message(self, view: MessageView | None = None) -> None:
+        await self.branching.edit_message(view)
+
+    def action_copy_message(self) -> None:
+        self.message_actions.copy_message()
+
+    @work(group="action", exit_on_error=False)
+    async def action_copy_code(self, view: MessageView | None = None) -> None:
+        await self.message_actions.copy_code(view)
+
+    @work(group="action", exit_on_error=False)
+    async def action_message_details(self, view: MessageView | None = None) -> None:
+        await self.message_actions.details(view)
+
+    def action_pick_model(self) -> None:
+        if ready_or_say(self.app, self.state):
+            self.pick_model()
+
+    @work(group="models", exclusive=True, exit_on_error=False)
+    async def pick_model(self) -> None:
+        await self.model_switch.pick()
+
+    def action_focus_sessions(self) -> None:
+        """Ctrl+L: to the sessions list (shown if it was hidden); in the list: hide it."""
+        sessions = self.sessions
+        if self.focused is sessions:
+            self.sidebar_wanted = False
+            self._show_sidebar()
+            self.prompt.focus()
+            return
+        if not sessions.display:
+            self.sidebar_wanted = True
+            self._show_sidebar()
+        sessions.focus()
+
+    def action_help(self) -> None:
+        from kvchat.tui.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen())

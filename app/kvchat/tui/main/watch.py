@@ -1,0 +1,98 @@
+"""The watch on other processes: what another kvchat writes to the open session shows up.
+
+Every ``WATCH_S`` seconds, while no reply is being generated here, the screen asks the
+watch to look: the store thread reads when the open session last changed (one row by its
+key). Only when that moved are its messages read, and shown again if they differ from
+what is on screen (a ``kvchat ask --session`` from a shell, or a second app: its reply
+shows as it is saved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from textual.message import Message as TextualMessage
+
+from kvchat.errors import KvchatError
+from kvchat.tui.backend import Backend
+from kvchat.tui.main.opener import SessionOpener
+from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.main.signals import SessionsChanged
+from kvchat.tui.widgets.conversation import Conversation
+from kvchat.tui.widgets.status import StatusBar
+
+if TYPE_CHECKING:
+    from kvchat.service.chat import Message
+
+WATCH_S = 2.0
+
+
+class SessionWatch:
+    """Looks for changes other processes made to the open session (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        state: ScreenState,
+        *,
+        opener: SessionOpener,
+        conversation: Conversation,
+        status: StatusBar,
+        post: Callable[[TextualMessage], bool],
+    ) -> None:
+        self.backend = backend
+        self.state = state
+        self.opener = opener
+        self.conversation = conversation
+        self.status = status
+        self.post = post  # to the screen
+
+    @property
+    def due(self) -> bool:
+        """Whether a look makes sense now: the model is up, no reply runs, a session is open."""
+        state = self.state
+        return state.ready and state.turn is None and state.session_id is not None
+
+    async def check(self) -> None:
+        """Show the open session again when another process changed it."""
+        state, backend = self.state, self.backend
+        session_id = state.session_id
+        if session_id is None or state.shown_id != session_id:
+            return  # not shown yet: opening it reads it afresh
+        try:
+            stamp = await backend.on_store(backend.chat.changed_at, session_id)
+        except KvchatError:
+            return  # deleted meanwhile: the sidebar's refresh shows that
+        if state.seen_change == (session_id, stamp):
+            return
+        messages: list[Message] = await backend.on_store(backend.chat.messages, session_id)
+        if state.turn is not None or state.session_id != session_id:
+            return  # a turn started meanwhile: it shows the store's truth when done
+        state.seen_change = (session_id, stamp)
+        if self._matches(messages):
+            return
+        added = len(messages) - self._shown_count()
+        await self.opener.show_stored(session_id, lazy=False)
+        if added > 0:
+            plural = "s" if added != 1 else ""
+            self.status.set_turn(f"{added} new message{plural} from another kvchat")
+        else:
+            self.status.set_turn("messages updated by another kvchat")
+        self.post(SessionsChanged())
+
+    def _shown_count(self) -> int:
+        conversation = self.conversation
+        shown = len(conversation.views) + len(conversation.pending)
+        return conversation.first + shown + conversation.later
+
+    def _matches(self, messages: list[Message]) -> bool:
+        """The screen shows ``messages``: as many, and the last one shown alike."""
+        if len(messages) != self._shown_count():
+            return False
+        conversation = self.conversation
+        views = conversation.views
+        if not views or conversation.later:
+            return True
+        last, stored = views[-1], messages[-1]
+        return (last.role, last.text, last.partial) == (stored.role, stored.content, stored.partial)
