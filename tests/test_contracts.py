@@ -1,5 +1,6 @@
 """The checks CI runs as tests: ruff (lint and format), the import-linter contracts in
-pyproject.toml, and the same layering at run time (the domain loads neither textual nor click).
+pyproject.toml (the layers among them), mypy on the service and its seams, no import
+circles, and the same layering at run time (the domain loads neither textual nor click).
 """
 
 from __future__ import annotations
@@ -48,6 +49,33 @@ def test_import_contracts() -> None:
     check(tool("lint-imports"), "--no-cache", "--no-logo")
 
 
+def test_the_service_and_its_seams_type_check() -> None:
+    """mypy, strict on the files [tool.mypy] names (the service, the engine protocol, the
+    KV tiers)."""
+    check(tool("mypy"), "--no-incremental")
+
+
+def test_no_package_imports_another_that_imports_it_back() -> None:
+    """No circle among kvchat's packages and root modules (the layers contract allows none
+    between layers; this also covers modules outside the layers)."""
+    import grimp
+
+    graph = grimp.build_graph("kvchat", exclude_type_checking_imports=True)
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    edges: dict[str, set[str]] = {}
+    for module in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(module):
+            if unit(imported) != unit(module) and imported != "kvchat":
+                edges.setdefault(unit(module), set()).add(unit(imported))
+    circles = sorted(
+        f"{a} <-> {b}" for a, targets in edges.items() for b in targets if a in edges.get(b, ())
+    )
+    assert not circles, circles
+
+
 # Imports of textual or click made by kvchat's own modules while the domain loads. click may
 # still be in sys.modules afterwards: sqlite-utils imports it for its plugin hooks.
 HYGIENE = """
@@ -63,7 +91,7 @@ def spy(name, globals=None, locals=None, fromlist=(), level=0):
     return real_import(name, globals, locals, fromlist, level)
 
 builtins.__import__ = spy
-import kvchat.service.chat, kvchat.transfer.rendered, kvchat.store, kvchat.kvcache
+import kvchat.service.chat, kvchat.service.exports, kvchat.store, kvchat.kvcache
 made += ["textual is loaded"] if "textual" in sys.modules else []
 print("\\n".join(made))
 """

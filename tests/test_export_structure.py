@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from markdown_it import MarkdownIt
 
+from kvchat.service.exports import to_markdown
 from kvchat.store import Message, Session
-from kvchat.transfer.rendered import to_markdown
 
 SESSION = Session("abcd1234", "Tricky", None, {}, "2026-01-01", "2026-01-01")
 

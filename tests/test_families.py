@@ -25,11 +25,11 @@ import pytest
 
 from kvchat.config import bundled_model_path, load_settings
 from kvchat.engine import EngineCapabilities, EngineConfig, EngineDefaults
-from kvchat.planner.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.planner import kv_bytes_per_token, read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, state_bytes_per_token
+from kvchat.planner.templates import BUILTIN, CHATML, choose_template, load_template
 from kvchat.service.chat import ChatService
 from kvchat.store import SnapshotRow
 from tests.conftest import run_cli

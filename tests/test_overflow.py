@@ -52,7 +52,7 @@ def would_overflow(svc: ChatService, session_id: str, text: str) -> bool:
     engine = svc.engine
     session = svc.store.get_session(session_id)
     chat = [m.as_chat() for m in svc.messages(session_id)] + [{"role": "user", "content": text}]
-    prompt = engine.chat_tokens(svc._system_head(session) + chat)
+    prompt = engine.chat_tokens(svc.turns.head(session) + chat)
     return len(prompt) > engine.n_ctx - min(MAX_TOKENS, engine.n_ctx // 4)
 
 
@@ -157,7 +157,7 @@ def test_shift_in_process_keeps_tokens_positions_and_cells_in_order(
         assert "KV shift" in report.summary() and "left the window" in report.summary()
         # The context holds the window's prompt (then the reply): tokens and positions agree.
         window = [m.as_chat() for m in svc.messages(session)[report.dropped_messages :]]
-        prompt = engine.chat_tokens(svc._system_head(svc.store.get_session(session)) + window[:-1])
+        prompt = engine.chat_tokens(svc.turns.head(svc.store.get_session(session)) + window[:-1])
         assert engine.tokens[: len(prompt)] == prompt
         mem = llama_cpp.llama_get_memory(engine.ctx)
         assert llama_cpp.llama_memory_seq_pos_min(mem, SEQ_ID) == 0

@@ -242,11 +242,11 @@ def test_a_gpu_out_of_memory_retries_with_less_context_then_fewer_layers():
 def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monkeypatch):
     """An engine that fails as a GPU that is out of memory does, until the plan is small
     enough; then the real engine on the CPU (this build has no GPU)."""
-    from kvchat.service import chat as chat_module
+    from kvchat.service import engine_host
     from kvchat.service.chat import ChatService
 
     monkeypatch.setattr("kvchat.planner.defaults.gpu_offload_supported", lambda: True)
-    real = chat_module.create_engine
+    real = engine_host.create_engine
     tried: list[tuple[int, int]] = []
 
     def failing(settings, path, *, config):
@@ -258,7 +258,7 @@ def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monk
             )
         return real(settings, path, config=config)
 
-    monkeypatch.setattr(chat_module, "create_engine", failing)
+    monkeypatch.setattr(engine_host, "create_engine", failing)
     service = ChatService(load_settings(vram="6GiB", n_threads=1, temperature=0, max_tokens=8))
     try:
         service.load_engine()

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.engine import Engine, common_prefix
 from kvchat.errors import KvchatError
@@ -92,6 +92,51 @@ class HotSession:
     def mark_dirty(self) -> None:
         """The hot KV has changed since its last save."""
         self._dirty = True
+
+
+class Tiers(Protocol):
+    """Where sessions' KV lives, as the conversation service drives it: :class:`KVTiers`
+    (the context, RAM and disk) and ``ServerSlots`` (a llama-server's slots and slot files)
+    both implement it."""
+
+    @property
+    def hot_session_id(self) -> str | None: ...
+
+    @property
+    def dirty(self) -> bool: ...
+
+    def mark_dirty(self) -> None: ...
+
+    def mark_hot(self, session_id: str | None) -> None: ...
+
+    def attach(self, engine: Engine, fingerprint: Fingerprint) -> None: ...
+
+    def detach(self) -> None: ...
+
+    def make_hot(
+        self,
+        session_id: str,
+        *,
+        no_restore: bool = False,
+        prompt: list[int] | None = None,
+        history: Callable[[], list[int] | None] | None = None,
+    ) -> RestoreResult: ...
+
+    def spill(self) -> None: ...
+
+    def save_hot(self) -> SnapshotWrite: ...
+
+    def forget(self, session_id: str) -> None: ...
+
+    def location(self, session_id: str) -> str: ...
+
+    def snapshot(self, session_id: str) -> SnapshotRow | None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def gc(self, locks: SessionLocks | None = None) -> CacheGc: ...
+
+    def clear(self, session_id: str | None = None) -> int: ...
 
 
 class KVTiers(HotSession):

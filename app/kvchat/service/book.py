@@ -1,8 +1,9 @@
-"""Sessions and branches: the part of the conversation service that needs no model.
+"""Sessions, branches and reply versions: the part of the conversation service that needs
+no model run.
 
-:class:`SessionBook` is mixed into :class:`kvchat.service.chat.ChatService`; it reads and writes
-the store (titles, settings, forks, edits, the remembered sessions) and asks the service's
-KV tiers where a session's memory lives.
+:class:`SessionBook` reads and writes the store (titles, settings, forks, edits, versions,
+the remembered sessions) under the sessions' turn locks, and asks the engine host's KV
+tiers where a session's memory lives (and to forget it).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.service.parts import ServiceParts
+from kvchat.service.engine_host import EngineHost
+from kvchat.service.exports import ExportFormat, export_session
 from kvchat.service.reports import SESSION_SETTINGS
-from kvchat.store import Message, SearchHit, Session, SessionSummary
+from kvchat.service.turn_lock import turn_lock
+from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
 from kvchat.text import check_text
-from kvchat.transfer.rendered import ExportFormat, export_session
 
 DEFAULT_TITLE = "New chat"
 # A branch's title says what it is and where it starts, first (a narrow list cuts the end):
@@ -30,8 +33,13 @@ LAST_SESSION_KEY = "last_session"
 OPEN_SESSION_KEY = "app_open_session"
 
 
-class SessionBook(ServiceParts):
-    """Sessions, messages, forks and edits over the store (mixed into ChatService)."""
+class SessionBook:
+    """Sessions, messages, forks, edits and reply versions over the store."""
+
+    def __init__(self, store: Store, locks: SessionLocks, host: EngineHost) -> None:
+        self.store = store
+        self.locks = locks
+        self.host = host  # its tiers hold the sessions' KV; its engine counts an edit's tokens
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -41,7 +49,7 @@ class SessionBook(ServiceParts):
         if system_prompt is not None:
             check_text(system_prompt, "the system prompt")
         session = self.store.create_session(title or DEFAULT_TITLE, system_prompt)
-        self._remember(session.id)
+        self.remember(session.id)
         return session
 
     def resolve(self, ref: str) -> Session:
@@ -97,10 +105,8 @@ class SessionBook(ServiceParts):
     def turn_holder(self, session_id: str) -> str | None:
         """Why a turn on the session would wait now (another process holds its turn lock),
         or None when it is free: one try of the lock, let go at once."""
-        from kvchat.store.locks import SessionBusy
-
         try:
-            with self.locks.hold(session_id, wait_s=0):  # ChatService's SessionLocks
+            with self.locks.hold(session_id, wait_s=0):
                 return None
         except SessionBusy as exc:
             return str(exc)
@@ -109,7 +115,7 @@ class SessionBook(ServiceParts):
         """Hold the session's turn lock as a turn does (waiting a little for a turn running
         elsewhere, then ``SessionBusy``): what reads a whole session to copy it (fork, edit,
         a bundle) never copies a reply that is still streaming."""
-        return self._turn_lock(session_id)
+        return turn_lock(self.locks, session_id)
 
     def add_message(
         self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
@@ -147,8 +153,8 @@ class SessionBook(ServiceParts):
     def delete(self, session_id: str) -> None:
         """Delete a session, its messages and its KV in every tier (never under a turn that
         another process is running on it: that raises ``SessionBusy``)."""
-        with self._turn_lock(session_id):
-            self.tiers.forget(session_id)
+        with turn_lock(self.locks, session_id):
+            self.host.tiers.forget(session_id)
             self.store.delete_session(session_id)
         self.locks.remove(session_id)
 
@@ -156,13 +162,13 @@ class SessionBook(ServiceParts):
         """Delete a session that never got a message and is as it was made (the default
         title, no system prompt, no settings): True if it was. Checked under the session's
         turn lock, so one that a turn elsewhere is writing to is kept."""
-        with self._turn_lock(session_id):
+        with turn_lock(self.locks, session_id):
             session = self.store.get_session(session_id)
             if self.store.messages(session_id) or (
                 session.title != DEFAULT_TITLE or session.system_prompt or session.settings
             ):
                 return False
-            self.tiers.forget(session_id)
+            self.host.tiers.forget(session_id)
             self.store.delete_session(session_id)
         self.locks.remove(session_id)
         return True
@@ -177,7 +183,7 @@ class SessionBook(ServiceParts):
 
     def kv_location(self, session_id: str) -> str:
         """Where this session's KV lives now: hot, ram, disk or none."""
-        return self.tiers.location(session_id)
+        return self.host.tiers.location(session_id)
 
     def fork(self, session_id: str, at_message: int | None = None) -> Session:
         """A new session with this one's messages up to ``at_message`` (an id; default all).
@@ -186,7 +192,7 @@ class SessionBook(ServiceParts):
         earlier fork point finds the shared prefix in the chunks on its first turn. Made
         under the session's turn lock: never from a reply still streaming.
         """
-        with self._turn_lock(session_id):
+        with turn_lock(self.locks, session_id):
             ids = [m.id for m in self.messages(session_id)]
             if at_message is not None and at_message not in ids:
                 raise KvchatError(f"session {session_id} has no message {at_message}")
@@ -208,8 +214,8 @@ class SessionBook(ServiceParts):
         text = check_text(text).strip()
         if not text:
             raise KvchatError("the message is empty")
-        edited = ("user", text, self.engine.count_tokens(text))
-        with self._turn_lock(session_id):
+        edited = ("user", text, self.host.engine.count_tokens(text))
+        with turn_lock(self.locks, session_id):
             history = self.store.messages(session_id)
             target = next((m for m in history if m.id == message_id), None)
             if target is None or target.role != "user":
@@ -230,7 +236,7 @@ class SessionBook(ServiceParts):
         by ``label`` (what the branch is: "Fork at #7", "Edit of #3")."""
         title = self._branch_title(self.store.get_session(session_id).title, label)
         branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
-        self._remember(branch.id)
+        self.remember(branch.id)
         return branch
 
     def _branch_title(self, parent_title: str, label: str) -> str:
@@ -259,9 +265,39 @@ class SessionBook(ServiceParts):
             )
         return history[number - 1]
 
-    def _remember(self, session_id: str) -> None:
+    def remember(self, session_id: str) -> None:
         """Note the session to open next time: a convenience, so a full disk is no error."""
         try:
             self.store.set_meta(LAST_SESSION_KEY, session_id)
         except StoreFull:
             pass
+
+    # --- reply versions ---------------------------------------------------------------------
+
+    def reply_versions(self, message_id: int) -> tuple[int, int]:
+        """(the 1-based position of the message's current version, how many it has); a
+        message never regenerated is (1, 1)."""
+        return self.store.version_of(message_id)
+
+    def reply_versions_in(self, session_id: str) -> dict[int, tuple[int, int]]:
+        """:meth:`reply_versions` of every reply of the session with more than one version,
+        by message id, in one query."""
+        return self.store.versions_in(session_id)
+
+    def switch_version(self, message_id: int, step: int) -> Message | None:
+        """Make the previous (``step`` -1) or next (+1) version of the last reply current and
+        return it; None at either end. Only the session's last reply switches (the messages
+        after an earlier one answer the version they followed).
+
+        Nothing is decoded here: the next turn's prefill reuses the context up to where the
+        versions differ, so it decodes this version's reply and the new message only.
+        """
+        message = self.store.get_message(message_id)
+        with turn_lock(self.locks, message.session_id):
+            history = self.store.messages(message.session_id)
+            if not history or history[-1].id != message_id:
+                raise KvchatError(
+                    "only the last reply's versions can be switched: the messages after this "
+                    "one answer the version they followed"
+                )
+            return self.store.switch_version(message_id, step)

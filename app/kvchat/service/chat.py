@@ -1,37 +1,43 @@
 """The conversation service: one turn = store + engine + kvcache. It knows no UI.
 
-The service composes the store (text, the source of truth), an engine from the factory
-(loaded lazily) and the KV tiers; the UI and CLI talk to it alone. Not thread-safe: a UI
-runs every call that touches the engine on one worker thread.
+:class:`ChatService` is the one door the UI and the CLI use. It owns the store (text, the
+source of truth), the session locks and the KV tiers, and composes collaborators that each
+own one concern:
+
+* :class:`~kvchat.service.engine_host.EngineHost`: the model, loaded lazily, and the tiers
+  its KV lives in;
+* :class:`~kvchat.service.book.SessionBook`: sessions, branches, reply versions;
+* :class:`~kvchat.service.pipeline.TurnPipeline`: every kind of turn;
+* :class:`~kvchat.service.upkeep.Upkeep`: the settle, the snapshot write and titles after
+  a turn;
+* :class:`~kvchat.service.model_choices.ModelChoices`: the model picker.
+
+Not thread-safe: a UI runs every call that touches the engine on one worker thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvchat.config import Settings, data_dir
-from kvchat.crashes import unreported_crash
-from kvchat.engine import CancelCheck, Engine, create_engine, engine_config
-from kvchat.engine.probe import ProbeOutcome, probed_config
+from kvchat.engine import CancelCheck, Engine
+from kvchat.engine.probe import ProbeOutcome
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult
-from kvchat.kvcache.server_tiers import ServerSlots
-from kvchat.kvcache.tiers import CacheGc, KVTiers
-from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
-from kvchat.service.book import DEFAULT_TITLE, SessionBook
-from kvchat.service.checks import check_engine_config, disk_full, os_error_line
-from kvchat.service.context_window import fit_window, system_head
-from kvchat.service.model_choices import ModelChoices
-from kvchat.service.pipeline import TurnRunner
-from kvchat.service.reply_turns import ReplyTurns
+from kvchat.kvcache.tiers import CacheGc, KVTiers, SnapshotWrite, Tiers
+from kvchat.planner.defaults import DefaultsChoice
+from kvchat.service.book import SessionBook
+from kvchat.service.checks import disk_full, os_error_line
+from kvchat.service.engine_host import EngineHost
+from kvchat.service.exports import ExportFormat
+from kvchat.service.model_choices import ModelChoice, ModelChoices, SessionModel
+from kvchat.service.pipeline import POST_WAIT_S, PrefillProgress, TurnOptions, TurnPipeline
 from kvchat.service.reports import (
     SESSION_SETTINGS,
     Housekeeping,
-    SnapshotWrite,
     TokenCallback,
     TokenCounts,
     TurnReport,
@@ -39,11 +45,11 @@ from kvchat.service.reports import (
     WindowShift,
     generation_params,
 )
-from kvchat.service.upkeep import ContextUpkeep
+from kvchat.service.upkeep import Upkeep
 from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
 from kvchat.store.locks import SessionLocks
 from kvchat.store.store import DamagedDatabase, StoreFull
-from kvchat.text import check_text, short_title
+from kvchat.text import check_text
 
 __all__ = [
     "CacheGc",
@@ -66,11 +72,9 @@ __all__ = [
 
 # A streaming reply is stored (partial) after this long, then updated this often.
 STREAM_SAVE_EVERY_S = 1.0
-# How long a turn waits for another process's turn on the same session before giving up.
-LOCK_WAIT_S = 3.0
 
 
-class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoices):
+class ChatService:
     """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
 
     def __init__(
@@ -84,9 +88,7 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         when it is first used otherwise); its context is emptied then, and :meth:`close`
         leaves it open: whoever created it closes it.
         """
-        self.settings = settings
         directory = home or data_dir()
-        self._directory = directory
         try:
             self.store = Store(directory / "kvchat.db")
         except OSError as exc:
@@ -99,171 +101,135 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
                 raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
             raise
         try:
-            # The KV tiers (hot context, RAM, disk); tools that measure them use this directly.
-            self.tiers = KVTiers.open(directory / "snapshots", self.store, settings)
+            tiers = KVTiers.open(directory / "snapshots", self.store, settings)
         except BaseException:
             self.store.close()
             raise
         # One turn per session at a time, across processes (see SessionLocks).
         self.locks = SessionLocks(directory / "locks")
-        self.stream_save_every_s = STREAM_SAVE_EVERY_S
-        self._init_upkeep()
-        self._engine: Engine | None = None
-        self._given_engine = engine
-        self._fingerprint: Fingerprint | None = None
-        # n_ctx, KV types, flash attention and GPU layers as planned (see load_engine).
-        self.plan: DefaultsChoice | None = None
-        # What the engine probe chose for this machine (None: nothing probed, see load_engine).
-        self.probe: ProbeOutcome | None = None
+        self.host = EngineHost(settings, directory, self.store, tiers, engine)
+        self.sessions = SessionBook(self.store, self.locks, self.host)
+        self.upkeep = Upkeep(self.host, self.store, self.locks)
+        self.models = ModelChoices(self.host, self.store, self.upkeep)
+        self.turns = TurnPipeline(
+            self.host, self.store, self.locks, self.sessions, self.upkeep, self.models
+        )
+        self.turns.stream_save_every_s = STREAM_SAVE_EVERY_S
 
-    # --- engine ---------------------------------------------------------------------------
+    # --- what the parts hold ------------------------------------------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        """The settings in use (a model switch replaces them)."""
+        return self.host.settings
+
+    @property
+    def tiers(self) -> Tiers:
+        """Where sessions' KV lives: the local tiers, or a llama-server's slots."""
+        return self.host.tiers
+
+    @property
+    def local_tiers(self) -> KVTiers:
+        """The context, RAM and disk tiers (the benchmark measures them directly)."""
+        return self.host.local_tiers
+
+    @property
+    def plan(self) -> DefaultsChoice | None:
+        """n_ctx, KV types, flash attention and GPU layers as planned (None before loading)."""
+        return self.host.plan
+
+    @property
+    def probe(self) -> ProbeOutcome | None:
+        """What the engine probe chose for this machine (None: nothing probed)."""
+        return self.host.probe
+
+    @property
+    def stream_save_every_s(self) -> float:
+        return self.turns.stream_save_every_s
+
+    @stream_save_every_s.setter
+    def stream_save_every_s(self, seconds: float) -> None:
+        self.turns.stream_save_every_s = seconds
+
+    @property
+    def prefill_progress(self) -> PrefillProgress | None:
+        """A hook called between a prompt's prefill batches (see TurnPipeline)."""
+        return self.turns.prefill_progress
+
+    @prefill_progress.setter
+    def prefill_progress(self, hook: PrefillProgress | None) -> None:
+        self.turns.prefill_progress = hook
+
+    @property
+    def defer_housekeeping(self) -> bool:
+        """Whether a turn leaves its settle and snapshot write to :meth:`housekeep`."""
+        return self.upkeep.deferred
+
+    @defer_housekeeping.setter
+    def defer_housekeeping(self, deferred: bool) -> None:
+        self.upkeep.deferred = deferred
+
+    # --- the engine ---------------------------------------------------------------------------
 
     def load_engine(self) -> Engine:
         """Load the model (idempotent); raises KvchatError for a missing or invalid file."""
-        if self._engine is None:
-            path = self.settings.model_path()
-            self.plan = plan_defaults(self.settings, path)
-            planned = self.plan.apply(self.settings)
-            if self._given_engine is not None:
-                engine = self._given_engine
-                check_engine_config(
-                    engine, engine_config(planned, path), self.settings.model_fields_set
-                )
-                engine.clear()  # another service's KV is not this one's
-            else:
-                engine = self._open_engine(planned, path)
-            self._engine = engine
-            if engine.capabilities.server_slots:  # a llama-server keeps the KV (issue 13)
-                self.tiers = ServerSlots(self.store, engine)  # type: ignore[assignment,arg-type]
-                return engine
-            self._fingerprint = Fingerprint.current(path, engine.layout())
-            self.tiers.attach(engine, self._fingerprint)
-        return self._engine
-
-    def _open_engine(self, planned: Settings, path: Path) -> Engine:
-        """Open the engine on the settings the probe found safe and fast on this machine;
-        a GPU that fails to load it gets smaller plans (fewer layers, less context)."""
-        config = engine_config(planned, path)
-        if planned.engine == "llama.cpp":
-            config, self.probe = probed_config(
-                config,
-                repack=planned.repack,
-                threads=planned.n_threads is None,
-                directory=self._directory,
-            )
-        tried: list[str] = []
-        while True:
-            try:
-                return create_engine(planned, path, config=config)
-            except KvchatError as exc:
-                assert self.plan is not None
-                smaller = retry_plan(self.plan, config, str(exc))
-                if smaller is None:
-                    if tried:
-                        raise KvchatError(f"{exc} (after: {'; '.join(tried)})") from exc
-                    raise
-                tried.append(smaller.retry_note)
-                self.plan = smaller
-                config = replace(config, n_ctx=smaller.n_ctx, n_gpu_layers=smaller.n_gpu_layers)
-
-    def startup_notices(self) -> list[str]:
-        """Lines to say once when the model has loaded: the probe's choice the first time
-        it was made, and a crash of the last run not reported yet."""
-        notices = []
-        if self.probe is not None and self.probe.fresh and self.probe.reason:
-            notices.append(self.probe.reason)
-        crash = unreported_crash(self._directory)
-        if crash is not None:
-            notices.append(crash.line())
-        return notices
+        return self.host.load()
 
     @property
     def engine(self) -> Engine:
         """The engine, loaded on first use (for tests and tools; a UI needs only the members
         below: context_tokens, plan_note)."""
-        return self.load_engine()
+        return self.host.load()
 
     @property
     def context_tokens(self) -> int:
         """Tokens in the live context (0 before the model loads)."""
-        return self._engine.n_tokens if self._engine is not None else 0
+        engine = self.host.loaded
+        return engine.n_tokens if engine is not None else 0
 
     @property
     def plan_note(self) -> str | None:
-        """The context settings chosen for this machine, one line (None before the model loads)."""
-        if isinstance(self.tiers, ServerSlots):  # the model runs in a llama-server
-            return self.tiers.note
-        if self.plan is None:
-            return None
-        notes = [self.plan.note]
-        engine = self._engine
-        if self.probe is not None and engine is not None and self.probe.best_threads("generate"):
-            config = engine.config
-            if config.n_threads != self.probe.best_threads("generate"):
-                notes.append(
-                    f"threads re-measured after a slow reply: now {config.n_threads} for "
-                    f"generation, {config.n_threads_batch} for prompts"
-                )
-        return " — ".join(notes)
+        """The context settings chosen for this machine, one line (None before loading)."""
+        return self.host.plan_note
 
     @property
     def fingerprint(self) -> Fingerprint:
-        self.load_engine()
-        assert self._fingerprint is not None
-        return self._fingerprint
+        return self.host.fingerprint
+
+    def startup_notices(self) -> list[str]:
+        """Lines to say once when the model has loaded (see EngineHost.startup_notices)."""
+        return self.host.startup_notices()
 
     def close(self) -> None:
         """Save the hot session if it has unsaved KV, then release everything (an engine
         given to the constructor is left open for its owner)."""
-        self._release_engine()
+        self.upkeep.abandon()
+        self.host.release()
         self.store.close()
 
-    def _release_engine(self) -> None:
-        """Save the hot session if it has unsaved KV, then close the engine (also before
-        another model loads: see switch_model)."""
-        if self._engine is not None:
-            self._abandon_upkeep()
-            self.tiers.detach()
-            if self._engine is not self._given_engine:
-                self._engine.close()
-            self._engine = None
-
-    # --- the KV cache ------------------------------------------------------------------------
+    # --- the KV cache -------------------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, Any]:
         """Both tiers and the persistent counters, for ``kvchat cache`` and the app."""
-        return self._kv().stats()
+        return self.host.kv().stats()
 
     def cache_gc(self) -> CacheGc:
         """Remove orphaned files and unused chunks, evict snapshots beyond the disk budget."""
-        return self._kv().gc(self.locks)  # a session with a turn running is not evicted
+        return self.host.kv().gc(self.locks)  # a session with a turn running is not evicted
 
     def cache_clear(self, session_id: str | None = None) -> int:
         """Delete the saved KV of one session, or of all; returns snapshots deleted. Text is kept."""
-        return self._kv().clear(session_id)
-
-    def _kv(self) -> KVTiers:
-        """The tiers; a llama-server's slot files are known once the engine is open."""
-        if self.settings.engine == "llama-server":
-            self.load_engine()
-        return self.tiers
+        return self.host.kv().clear(session_id)
 
     def make_hot(
         self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
     ) -> RestoreResult:
-        """Bring a session's KV into the context from the best tier that has it.
+        """Bring a session's KV into the context from the best tier that has it."""
+        return self.turns.make_hot(session_id, no_restore=no_restore, prompt=prompt)
 
-        Hot → RAM → disk (its own snapshot, or the longest prefix another session's
-        snapshot shares with ``prompt``, by default its whole history) → none.
-        """
-        self.load_engine()
-        self._abandon_upkeep()  # the last turn's housekeeping yields to this
-        return self.tiers.make_hot(
-            session_id,
-            no_restore=no_restore,
-            prompt=prompt,
-            history=lambda: self._history_tokens(session_id),
-        )
+    def kv_location(self, session_id: str) -> str:
+        """Where this session's KV lives now: hot, ram, disk or none."""
+        return self.sessions.kv_location(session_id)
 
     # --- turns ----------------------------------------------------------------------------
 
@@ -286,18 +252,8 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         the message is saved without a reply. A reply that was generated is always in the
         report; if it could not be stored, ``report.reply_error`` says why.
         """
-        session = self.store.get_session(session_id)
-        params = generation_params(self.settings, session.settings, overrides)
-        text = self._checked_message(text, session.system_prompt, params.max_tokens)
-        with self._turn_lock(session_id):
-            engine = self.load_engine()
-            self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
-            try:
-                if session.title == DEFAULT_TITLE:
-                    self._retitle(session_id, short_title(text))
-                return self._turn(session_id, params, on_token, cancel, no_restore)
-            except KvchatError as exc:
-                raise UnansweredMessage(session_id, str(exc)) from exc
+        options = TurnOptions(on_token, cancel, no_restore)
+        return self.turns.send(session_id, text, options, overrides)
 
     def start(
         self,
@@ -318,8 +274,8 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
         if system_prompt is not None:
             check_text(system_prompt, "the system prompt")
         params = generation_params(self.settings, {}, overrides)
-        text = self._checked_message(text, system_prompt, params.max_tokens)
-        session = self.new_session(system_prompt=system_prompt)
+        text = self.turns.checked_message(text, system_prompt, params.max_tokens)
+        session = self.sessions.new_session(system_prompt=system_prompt)
         try:
             report = self.send(
                 session.id,
@@ -343,44 +299,187 @@ class ChatService(TurnRunner, ReplyTurns, ContextUpkeep, SessionBook, ModelChoic
     def _discard(self, session_id: str) -> None:
         """Delete a session this service just made (best effort: a full disk may refuse)."""
         try:
-            self.delete(session_id)
+            self.sessions.delete(session_id)
         except (KvchatError, OSError):
             pass
 
-    def _checked_message(self, text: str, system_prompt: str | None, max_tokens: int) -> str:
-        """The message stripped, if it is text, not empty, and fits the context alone."""
-        text = check_text(text).strip()
-        if not text:
-            raise KvchatError("the message is empty")
-        engine = self.load_engine()
-        head = system_head(system_prompt or self.settings.system_prompt)
-        reserve = min(max_tokens, engine.n_ctx // 4)
-        fit_window(
-            engine.chat_tokens, head, [{"role": "user", "content": text}], engine.n_ctx, reserve
+    def post(self, session_id: str, text: str, *, wait_s: float = POST_WAIT_S) -> Message:
+        """Commit the user's message now, without the model (see TurnPipeline.post)."""
+        return self.turns.post(session_id, text, wait_s=wait_s)
+
+    def answer(
+        self,
+        session_id: str,
+        message_id: int,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Run the turn on the message :meth:`post` stored (see TurnPipeline.answer)."""
+        options = TurnOptions(on_token, cancel, no_restore)
+        return self.turns.answer(session_id, message_id, options, overrides)
+
+    def regenerate(
+        self,
+        session_id: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """A new version of the last reply; the earlier versions are kept."""
+        options = TurnOptions(on_token, cancel, no_restore)
+        return self.turns.regenerate(session_id, options, overrides)
+
+    def continue_reply(
+        self,
+        session_id: str,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: CancelCheck | None = None,
+        no_restore: bool = False,
+        **overrides: Any,
+    ) -> TurnReport:
+        """Go on with the last reply (one cut at the token limit)."""
+        options = TurnOptions(on_token, cancel, no_restore)
+        return self.turns.continue_reply(session_id, options, overrides)
+
+    def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
+        """Time the next turn up to its first token, committing nothing (``kvchat bench``)."""
+        return self.turns.probe(session_id, text, no_restore=no_restore)
+
+    # --- after a turn -------------------------------------------------------------------------
+
+    def interrupt_housekeeping(self) -> None:
+        """A new message waits: housekeeping stops at its next batch (any thread)."""
+        self.upkeep.interrupt()
+
+    def allow_housekeeping(self) -> None:
+        """Housekeeping may run again (a UI calls it as each user action's work starts)."""
+        self.upkeep.allow()
+
+    @property
+    def housekeeping_pending(self) -> bool:
+        """Whether the last turn's settle or snapshot write has not run (or not finished)."""
+        return self.upkeep.pending
+
+    def housekeep(self) -> Housekeeping:
+        """Run what the last turn left pending (see Upkeep.run_pending)."""
+        return self.upkeep.run_pending()
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def new_session(self, title: str | None = None, system_prompt: str | None = None) -> Session:
+        return self.sessions.new_session(title, system_prompt)
+
+    def resolve(self, ref: str) -> Session:
+        """A session by id or unique title prefix."""
+        return self.sessions.resolve(ref)
+
+    def list_sessions(self) -> list[SessionSummary]:
+        return self.sessions.list_sessions()
+
+    def last_session(self) -> Session | None:
+        return self.sessions.last_session()
+
+    def remember_open(self, session_id: str) -> None:
+        """Note that the app opened this session: the next launch opens it again."""
+        self.sessions.remember_open(session_id)
+
+    def last_open_session(self) -> Session | None:
+        return self.sessions.last_open_session()
+
+    def messages(self, session_id: str) -> list[Message]:
+        return self.sessions.messages(session_id)
+
+    def message_at(self, session_id: str, number: int) -> Message:
+        """The session's message #``number`` (1-based, in order: what the app shows)."""
+        return self.sessions.message_at(session_id, number)
+
+    def changed_at(self, session_id: str) -> str:
+        """When the session last changed, by any process (one row read by its key)."""
+        return self.sessions.changed_at(session_id)
+
+    def turn_holder(self, session_id: str) -> str | None:
+        """Why a turn on the session would wait now, or None when it is free."""
+        return self.sessions.turn_holder(session_id)
+
+    def holding(self, session_id: str) -> AbstractContextManager[None]:
+        """Hold the session's turn lock as a turn does (see SessionBook.holding)."""
+        return self.sessions.holding(session_id)
+
+    def add_message(
+        self, session_id: str, role: str, text: str, *, token_count: int = 0, partial: bool = False
+    ) -> Message:
+        """Store a message without running the model (tests, the benchmark, an import)."""
+        return self.sessions.add_message(
+            session_id, role, text, token_count=token_count, partial=partial
         )
-        return text
 
-    def _retitle(self, session_id: str, title: str) -> None:
-        try:
-            self.store.update_session(session_id, title=title)
-        except StoreFull:
-            pass  # a title is a convenience: the turn goes on
+    def rename(self, session_id: str, title: str) -> Session:
+        return self.sessions.rename(session_id, title)
 
-    @contextmanager
-    def _turn_lock(self, session_id: str) -> Iterator[None]:
-        """Hold the session's turn lock (see :class:`kvchat.store.locks.SessionLocks`)."""
-        try:
-            held = self.locks.hold(session_id, LOCK_WAIT_S)
-            held.__enter__()
-        except OSError as exc:
-            raise KvchatError(os_error_line(f"cannot lock session {session_id}", exc)) from None
-        try:
-            yield
-        finally:
-            held.__exit__(None, None, None)
+    def configure(
+        self,
+        session_id: str,
+        *,
+        system_prompt: str | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> Session:
+        """Set a session's system prompt ("" clears it) and sampling overrides."""
+        return self.sessions.configure(session_id, system_prompt=system_prompt, settings=settings)
 
-    def _system_head(self, session: Session) -> list[dict[str, str]]:
-        return system_head(session.system_prompt or self.settings.system_prompt)
+    def delete(self, session_id: str) -> None:
+        """Delete a session, its messages and its KV in every tier."""
+        self.sessions.delete(session_id)
+
+    def drop_if_unused(self, session_id: str) -> bool:
+        """Delete a session that never got a message and is as it was made."""
+        return self.sessions.drop_if_unused(session_id)
+
+    def export(self, session_id: str, fmt: ExportFormat) -> str:
+        return self.sessions.export(session_id, fmt)
+
+    def search(self, query: str) -> list[SearchHit]:
+        return self.sessions.search(query)
+
+    def fork(self, session_id: str, at_message: int | None = None) -> Session:
+        """A new session with this one's messages up to ``at_message`` (KV shared)."""
+        return self.sessions.fork(session_id, at_message)
+
+    def edit(self, session_id: str, message_id: int, text: str) -> Session:
+        """Edit a past user message as a new branch: the original conversation is kept."""
+        return self.sessions.edit(session_id, message_id, text)
+
+    def reply_versions(self, message_id: int) -> tuple[int, int]:
+        return self.sessions.reply_versions(message_id)
+
+    def reply_versions_in(self, session_id: str) -> dict[int, tuple[int, int]]:
+        return self.sessions.reply_versions_in(session_id)
+
+    def switch_version(self, message_id: int, step: int) -> Message | None:
+        """Make the previous or next version of the last reply current."""
+        return self.sessions.switch_version(message_id, step)
+
+    # --- models -------------------------------------------------------------------------------
+
+    def model_choices(self, also: Path | None = None) -> list[ModelChoice]:
+        return self.models.model_choices(also)
+
+    @property
+    def loaded_model_path(self) -> Path | None:
+        return self.host.loaded_model_path
+
+    def switch_model(self, spec: str | Path) -> Path:
+        """Load another model in place of the loaded one (see ModelChoices.switch_model)."""
+        return self.models.switch_model(spec)
+
+    def session_model(self, session_id: str) -> SessionModel | None:
+        """The model ``session_id`` last ran with (None: no turn recorded one)."""
+        return self.models.session_model(session_id)
 
 
 @contextmanager

@@ -1,9 +1,10 @@
-"""What the service checks before it starts: room on the disk, an engine handed to it."""
+"""What the service checks: room on the disk, an engine handed to it, two paths to one file."""
 
 from __future__ import annotations
 
 import errno
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from kvchat.engine import Engine
@@ -29,6 +30,14 @@ def check_engine_config(engine: Engine, wanted: Any, explicit: set[str]) -> None
     ]
     if differ:
         raise ValueError(f"the engine given to ChatService has other settings: {', '.join(differ)}")
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (the paths compared when either cannot resolve)."""
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return a == b
 
 
 def os_error_line(what: str, exc: OSError) -> str:

@@ -126,7 +126,7 @@ def markdown_html(text: str, *, typed: bool = False) -> str:
 
     parser = MarkdownIt("gfm-like", {"html": False, "breaks": typed})
     parser.disable(["html_inline", "html_block", "entity", "image"])
-    return parser.render(text)
+    return str(parser.render(text))
 
 
 def to_html(session: Session, messages: list[Message]) -> str:

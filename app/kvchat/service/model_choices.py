@@ -1,6 +1,6 @@
 """Choosing the model while the app runs, and the model each session last ran with.
 
-:class:`ModelChoices` is mixed into :class:`kvchat.service.chat.ChatService`. The choices are the
+:class:`ModelChoices` is the service's model picker. The choices are the
 catalog's models (present or not), the GGUF files in the models dir, the bundled model and
 the model loaded now, each with the planner's fit for this machine in one line. Nothing
 here downloads (that stays ``kvchat models pull``) and a model file is only ever read.
@@ -29,13 +29,15 @@ from kvchat.planner.defaults import (
 from kvchat.planner.gguf_info import read_gguf
 from kvchat.planner.kv_bytes import fmt_bytes
 from kvchat.planner.stores import discover
-from kvchat.service.parts import ServiceParts
+from kvchat.service.checks import same_file
+from kvchat.service.engine_host import EngineHost
+from kvchat.service.upkeep import Upkeep
+from kvchat.store import Store
 from kvchat.store.store import StoreFull
 from kvchat.text import one_line
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
-    from kvchat.engine import Engine
     from kvchat.planner.model_info import ModelInfo
 
 # The engine that runs its model in this process; another (llama-server) has its own model.
@@ -88,13 +90,6 @@ def model_label(path: Path) -> str:
     return path.stem
 
 
-def same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return a == b
-
-
 def fit_line(choice: DefaultsChoice, info: ModelInfo | None = None) -> str:
     """The plan in a few words: "fits: 32k context, all layers on the GPU", "CPU only: …"."""
     ctx = f"{choice.n_ctx // 1024}k" if choice.n_ctx % 1024 == 0 else f"{choice.n_ctx:,}"
@@ -107,15 +102,18 @@ def fit_line(choice: DefaultsChoice, info: ModelInfo | None = None) -> str:
     return f"CPU only: {ctx} context{kv}"
 
 
-class ModelChoices(ServiceParts):
-    """The model picker's service side (see the module docstring)."""
+class ModelChoices:
+    """The model picker's service side (see the module docstring): switching goes through
+    the engine host, after the last turn's housekeeping is dropped."""
 
-    if TYPE_CHECKING:  # ChatService's
-        _engine: Engine | None
-        _given_engine: Engine | None
-        _directory: Path
+    def __init__(self, host: EngineHost, store: Store, upkeep: Upkeep) -> None:
+        self.host = host
+        self.store = store
+        self.upkeep = upkeep
 
-        def _release_engine(self) -> None: ...
+    @property
+    def settings(self) -> Settings:
+        return self.host.settings
 
     # --- the choices ------------------------------------------------------------------------
 
@@ -127,7 +125,7 @@ class ModelChoices(ServiceParts):
             catalog = load_catalog()
         except KvchatError:
             catalog = []
-        planner = PlannerFit(self.settings, self._directory)
+        planner = PlannerFit(self.settings, self.host.directory)
         loaded = self.loaded_model_path
         choices: list[ModelChoice] = []
         seen: list[Path] = []
@@ -204,7 +202,7 @@ class ModelChoices(ServiceParts):
     @property
     def loaded_model_path(self) -> Path | None:
         """The model file the engine has open (None before it loads)."""
-        return self._engine.config.model_path if self._engine is not None else None
+        return self.host.loaded_model_path
 
     # --- switching --------------------------------------------------------------------------
 
@@ -226,21 +224,22 @@ class ModelChoices(ServiceParts):
         loaded = self.loaded_model_path
         if loaded is not None and same_file(loaded, path):
             return loaded
+        host = self.host
         previous = self.settings
-        self._release_engine()
-        self.tiers.mark_hot(None)  # the next context holds no session's KV
-        self._lend_engine(path)
-        self.settings = wanted
+        self._release()
+        host.tiers.mark_hot(None)  # the next context holds no session's KV
+        host.lend_for(path)
+        host.settings = wanted
         try:
-            self.load_engine()
+            host.load()
         except (KvchatError, ValueError) as exc:
-            self._release_engine()
-            self.settings = previous
+            self._release()
+            host.settings = previous
             why = one_line(str(exc))
             try:
                 back = loaded or previous.model_path()
-                self._lend_engine(back)
-                self.load_engine()
+                host.lend_for(back)
+                host.load()
             except (KvchatError, ValueError) as again:
                 raise KvchatError(
                     f"cannot load {path.name}: {why}; the previous model did not load "
@@ -251,15 +250,10 @@ class ModelChoices(ServiceParts):
             ) from None
         return path
 
-    def _lend_engine(self, path: Path | None) -> None:
-        """An engine given to the constructor serves its own model file only: set it aside
-        while another model is loaded, use it again when its model comes back."""
-        lent = self._given_engine or getattr(self, "_set_aside", None)
-        if lent is None:
-            return
-        self._set_aside = lent
-        mine = path is not None and same_file(lent.config.model_path, path)
-        self._given_engine = lent if mine else None
+    def _release(self) -> None:
+        """Drop the last turn's housekeeping, save the hot session, close the engine."""
+        self.upkeep.abandon()
+        self.host.release()
 
     # --- what each session ran with -----------------------------------------------------------
 
@@ -277,7 +271,7 @@ class ModelChoices(ServiceParts):
             loaded=loaded is not None and same_file(path, loaded),
         )
 
-    def _record_model(self, session_id: str) -> None:
+    def record(self, session_id: str) -> None:
         """Note the model a turn of ``session_id`` ran with (a convenience: a full disk is
         no error)."""
         path = self.loaded_model_path

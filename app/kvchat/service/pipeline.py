@@ -1,28 +1,39 @@
-"""Running the model for a turn: the new reply to the session's history, and the probe the
-benchmark times (mixed into ChatService)."""
+"""One turn's model work, for every kind of turn: send, answer a posted message, regenerate,
+continue a reply, and the benchmark's probe.
+
+Each turn goes the same way: make the session hot, fit (and shift) the window, read the
+prompt, stream the reply (kept as it streams), store it, then hand the settle and the
+snapshot write to :class:`~kvchat.service.upkeep.Upkeep`.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
 from kvchat.errors import KvchatError
-from kvchat.service.book import DEFAULT_TITLE
+from kvchat.kvcache import RestoreResult
+from kvchat.service.book import DEFAULT_TITLE, SessionBook
 from kvchat.service.checks import os_error_line
-from kvchat.service.context_window import fit_window
-from kvchat.service.parts import ServiceParts
+from kvchat.service.context_window import fit_window, plan_shift, system_head
+from kvchat.service.engine_host import EngineHost
+from kvchat.service.model_choices import ModelChoices
 from kvchat.service.reports import (
     MessageRefused,
     TokenCallback,
     TurnReport,
     UnansweredMessage,
+    WindowShift,
     generation_params,
 )
-from kvchat.service.streaming import StreamSaver, stream_reply
-from kvchat.store import Message
-from kvchat.store.locks import SessionBusy
+from kvchat.service.streaming import STREAM_SAVE_EVERY_S, StreamSaver, stream_reply
+from kvchat.service.turn_lock import turn_lock
+from kvchat.service.upkeep import Upkeep
+from kvchat.store import Message, Session, Store
+from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
 from kvchat.text import check_text, short_title
 
@@ -33,34 +44,95 @@ POST_WAIT_S = 3.0
 PrefillProgress = Callable[[int, int, float], None]
 
 
-class TurnRunner(ServiceParts):
-    """A turn's model work: make the session hot, fit and shift the window, prefill, stream
-    the reply (kept as it streams), store it, settle, save the snapshot."""
+@dataclass
+class TurnOptions:
+    """How the caller runs a turn: streaming, stopping, and whether to restore."""
 
-    # How often a streaming reply is stored (ChatService sets it from STREAM_SAVE_EVERY_S).
-    stream_save_every_s: float
-    # A caller's hook for the prompt read before a reply: called on the engine thread between
-    # the prefill's batches (a long paste can take minutes; a UI shows how far it is).
-    prefill_progress: PrefillProgress | None = None
+    on_token: TokenCallback | None = None
+    cancel: CancelCheck | None = None
+    no_restore: bool = False
 
-    def _read_prompt(
-        self, engine: Engine, prompt: list[int], cancel: CancelCheck | None
-    ) -> PrefillResult:
-        """``engine.prefill``, reporting its progress to :attr:`prefill_progress`."""
-        hook = self.prefill_progress
-        if hook is None:
-            return engine.prefill(prompt, cancel)
-        started = time.perf_counter()
-        base: int | None = None
 
-        def check() -> bool:  # asked before each batch: the context holds what was read
-            nonlocal base
-            held = engine.n_tokens
-            base = held if base is None else base
-            hook(held - base, len(prompt) - base, time.perf_counter() - started)
-            return cancel is not None and cancel()
+@dataclass
+class PromptRead:
+    """How a turn's prompt came into the context."""
 
-        return engine.prefill(prompt, check)
+    restore: RestoreResult
+    prefill: PrefillResult
+    shift: WindowShift
+
+
+class TurnPipeline:
+    """The turns of the conversation service (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: EngineHost,
+        store: Store,
+        locks: SessionLocks,
+        book: SessionBook,
+        upkeep: Upkeep,
+        models: ModelChoices,
+    ) -> None:
+        self.host = host
+        self.store = store
+        self.locks = locks
+        self.book = book
+        self.upkeep = upkeep
+        self.models = models
+        # How often a streaming reply is stored.
+        self.stream_save_every_s = STREAM_SAVE_EVERY_S
+        # A caller's hook for the prompt read before a reply: called on the engine thread
+        # between the prefill's batches (a long paste can take minutes; a UI shows how far
+        # it is).
+        self.prefill_progress: PrefillProgress | None = None
+
+    # --- what a turn starts from ----------------------------------------------------------
+
+    def head(self, session: Session) -> list[dict[str, str]]:
+        """The system message the session's prompts start with (none when it has none)."""
+        return system_head(session.system_prompt or self.host.settings.system_prompt)
+
+    def checked_message(self, text: str, system_prompt: str | None, max_tokens: int) -> str:
+        """The message stripped, if it is text, not empty, and fits the context alone."""
+        text = check_text(text).strip()
+        if not text:
+            raise KvchatError("the message is empty")
+        engine = self.host.load()
+        head = system_head(system_prompt or self.host.settings.system_prompt)
+        reserve = min(max_tokens, engine.n_ctx // 4)
+        fit_window(
+            engine.chat_tokens, head, [{"role": "user", "content": text}], engine.n_ctx, reserve
+        )
+        return text
+
+    def history_tokens(self, session_id: str) -> list[int] | None:
+        """The session's whole history as prompt tokens (None when it has no messages)."""
+        history = self.store.messages(session_id)
+        if not history:
+            return None
+        session = self.store.get_session(session_id)
+        chat = self.head(session) + [m.as_chat() for m in history]
+        return self.host.engine.chat_tokens(chat)
+
+    def make_hot(
+        self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
+    ) -> RestoreResult:
+        """Bring a session's KV into the context from the best tier that has it.
+
+        Hot → RAM → disk (its own snapshot, or the longest prefix another session's
+        snapshot shares with ``prompt``, by default its whole history) → none.
+        """
+        self.host.load()
+        self.upkeep.abandon()  # the last turn's housekeeping yields to this
+        return self.host.tiers.make_hot(
+            session_id,
+            no_restore=no_restore,
+            prompt=prompt,
+            history=lambda: self.history_tokens(session_id),
+        )
+
+    # --- the user's message ---------------------------------------------------------------
 
     def post(self, session_id: str, text: str, *, wait_s: float = POST_WAIT_S) -> Message:
         """Commit the user's message now, without the model: a UI calls it off its engine
@@ -86,23 +158,31 @@ class TurnRunner(ServiceParts):
         try:
             message = self.store.add_message(session_id, "user", text)
             if session.title == DEFAULT_TITLE:
-                try:
-                    self.store.update_session(session_id, title=short_title(text))
-                except StoreFull:
-                    pass  # a title is a convenience: the message is stored
+                self._retitle(session_id, short_title(text))
         finally:
             held.__exit__(None, None, None)
         return message
 
+    def send(
+        self, session_id: str, text: str, options: TurnOptions, overrides: dict[str, Any]
+    ) -> TurnReport:
+        """Commit the user's message, then run the model and commit its reply (see
+        ``ChatService.send``)."""
+        session = self.store.get_session(session_id)
+        params = generation_params(self.host.settings, session.settings, overrides)
+        text = self.checked_message(text, session.system_prompt, params.max_tokens)
+        with turn_lock(self.locks, session_id):
+            engine = self.host.load()
+            self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
+            try:
+                if session.title == DEFAULT_TITLE:
+                    self._retitle(session_id, short_title(text))
+                return self.run(session_id, params, options)
+            except KvchatError as exc:
+                raise UnansweredMessage(session_id, str(exc)) from exc
+
     def answer(
-        self,
-        session_id: str,
-        message_id: int,
-        *,
-        on_token: TokenCallback | None = None,
-        cancel: CancelCheck | None = None,
-        no_restore: bool = False,
-        **overrides: Any,
+        self, session_id: str, message_id: int, options: TurnOptions, overrides: dict[str, Any]
     ) -> TurnReport:
         """Run the turn on the user's message ``message_id`` that :meth:`post` stored (it must
         still be the session's last message) and commit the reply, as :meth:`send` does.
@@ -112,26 +192,102 @@ class TurnRunner(ServiceParts):
         unanswered (:class:`UnansweredMessage`).
         """
         session = self.store.get_session(session_id)
-        params = generation_params(self.settings, session.settings, overrides)
-        with self._turn_lock(session_id):
+        params = generation_params(self.host.settings, session.settings, overrides)
+        with turn_lock(self.locks, session_id):
             history = self.store.messages(session_id)
             last = history[-1] if history else None
             if last is None or last.id != message_id or last.role != "user":
                 raise KvchatError("the message to answer is no longer the session's last one")
-            engine = self.load_engine()
+            engine = self.host.load()
             try:
-                self._checked_message(last.content, session.system_prompt, params.max_tokens)
+                self.checked_message(last.content, session.system_prompt, params.max_tokens)
             except KvchatError as exc:
                 self.store.delete_message(message_id)
                 raise MessageRefused(last.content, str(exc)) from exc
             try:
                 count = engine.count_tokens(last.content)
                 self.store.update_message(message_id, last.content, False, token_count=count)
-                return self._turn(session_id, params, on_token, cancel, no_restore)
+                return self.run(session_id, params, options)
             except KvchatError as exc:
                 raise UnansweredMessage(session_id, str(exc)) from exc
 
-    def probe_turn(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
+    def _retitle(self, session_id: str, title: str) -> None:
+        try:
+            self.store.update_session(session_id, title=title)
+        except StoreFull:
+            pass  # a title is a convenience: the turn goes on
+
+    # --- turns on the last reply ------------------------------------------------------------
+
+    def regenerate(
+        self, session_id: str, options: TurnOptions, overrides: dict[str, Any]
+    ) -> TurnReport:
+        """A new version of the last reply (the prompt is already in the context).
+
+        The earlier versions are kept (see ``SessionBook.switch_version``); the new one
+        becomes current once it is stored, in one transaction with the version list.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.host.settings, session.settings, overrides)
+        with turn_lock(self.locks, session_id):
+            history = self.store.messages(session_id)
+            if not history:
+                raise KvchatError("nothing to regenerate: the session has no messages")
+            replaces = history[-1].id if history[-1].role == "assistant" else None
+            return self.run(session_id, params, options, replaces)
+
+    def continue_reply(
+        self, session_id: str, options: TurnOptions, overrides: dict[str, Any]
+    ) -> TurnReport:
+        """Go on with the last reply (one cut at the token limit): generate more after it and
+        append that to the stored message.
+
+        The prompt is the history with the reply left open; the context already holds it
+        (hot, or restored), so only what differs is decoded before generating.
+        """
+        session = self.store.get_session(session_id)
+        params = generation_params(self.host.settings, session.settings, overrides)
+        with turn_lock(self.locks, session_id):
+            history = self.store.messages(session_id)
+            if not history or history[-1].role != "assistant":
+                raise KvchatError("nothing to continue: the session does not end with a reply")
+            last = history[-1]
+            engine = self.host.load()
+            self.book.remember(session_id)
+            base = engine.chat_tokens(self.head(session) + [m.as_chat() for m in history[:-1]])
+            prompt = base + engine.tokenize(last.content)
+            if len(prompt) + 1 >= engine.n_ctx:
+                raise KvchatError(
+                    f"the context is full ({len(prompt):,} of {engine.n_ctx:,} tokens): "
+                    "no room to continue this reply"
+                )
+            stats = GenerationStats()
+            read = self._hot_prompt(session_id, prompt, options)
+            more = stream_reply(
+                engine, read.prefill, params, stats, options.cancel, options.on_token
+            )
+            report = TurnReport.of_run(session_id, more, read.restore, read.prefill, stats)
+            if more:
+                try:
+                    message = self.store.update_message(
+                        last.id,
+                        last.content + more,
+                        report.partial,
+                        token_count=last.token_count + stats.generated,
+                        finish_reason=report.finish_reason,
+                    )
+                except KvchatError as exc:
+                    report.reply_error = f"the continued reply could not be saved: {exc}"
+                else:
+                    report.message_id = message.id
+            if engine.n_tokens < len(prompt):
+                base = prompt  # cut short: nothing to settle (see Upkeep.after_reply)
+            self._finish(report, session, base)
+            return report
+
+    # --- the benchmark's probe ------------------------------------------------------------
+
+    def probe(self, session_id: str, text: str, *, no_restore: bool = False) -> TurnReport:
         """Time the next turn up to its first token, committing nothing (for ``kvchat bench``).
 
         The session is made hot from scratch each time (the hot tier is skipped), and the
@@ -139,36 +295,26 @@ class TurnRunner(ServiceParts):
         """
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        engine = self.load_engine()
-        self._abandon_upkeep()
-        self.tiers.spill()
+        engine = self.host.load()
+        self.upkeep.abandon()
+        tiers = self.host.tiers
+        tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
         chat = [m.as_chat() for m in self.store.messages(session_id)]
-        prompt = engine.chat_tokens(
-            self._system_head(session) + chat + [{"role": "user", "content": text}]
-        )
+        prompt = engine.chat_tokens(self.head(session) + chat + [{"role": "user", "content": text}])
         prefill = engine.prefill(prompt)
         params = GenerationParams(temperature=0.0, max_tokens=1)
         reply = "".join(engine.generate(params, stats))
-        self.tiers.mark_hot(None)
+        tiers.mark_hot(None)
         return TurnReport.of_run(session_id, reply, restore, prefill, stats)
 
-    def _history_tokens(self, session_id: str) -> list[int] | None:
-        """The session's whole history as prompt tokens (None when it has no messages)."""
-        history = self.store.messages(session_id)
-        if not history:
-            return None
-        session = self.store.get_session(session_id)
-        chat = self._system_head(session) + [m.as_chat() for m in history]
-        return self.engine.chat_tokens(chat)
+    # --- the turn itself ----------------------------------------------------------------------
 
-    def _turn(
+    def run(
         self,
         session_id: str,
         params: GenerationParams,
-        on_token: TokenCallback | None,
-        cancel: CancelCheck | None,
-        no_restore: bool,
+        options: TurnOptions,
         replaces: int | None = None,
     ) -> TurnReport:
         """Run the model on the session's history (without message ``replaces``) and store
@@ -176,18 +322,16 @@ class TurnRunner(ServiceParts):
         the session's turn lock held."""
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        engine = self.load_engine()
-        self._remember(session_id)
+        engine = self.host.load()
+        self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
         chat = [m.as_chat() for m in history]
         reserve = min(params.max_tokens, engine.n_ctx // 4)
-        head = self._system_head(session)
+        head = self.head(session)
         prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
-        restore = self.make_hot(session_id, no_restore=no_restore, prompt=prompt)
-        self.tiers.mark_hot(session_id)
-        shift = self._shift_window(head, chat, prompt, dropped)
-        prefill = self._read_prompt(engine, prompt, cancel)
-        self.tiers.mark_dirty()
+        read = self._hot_prompt(
+            session_id, prompt, options, lambda: self._shift_window(head, chat, prompt, dropped)
+        )
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.
         saver = (
@@ -195,63 +339,154 @@ class TurnRunner(ServiceParts):
             if replaces is None
             else None
         )
-        reply = stream_reply(engine, prefill, params, stats, cancel, on_token, saver)
-        streamed = saver.message_id if saver is not None else None
+        reply = stream_reply(
+            engine, read.prefill, params, stats, options.cancel, options.on_token, saver
+        )
         report = TurnReport.of_run(
             session_id,
             reply,
-            restore,
-            prefill,
+            read.restore,
+            read.prefill,
             stats,
             dropped_messages=dropped,
-            shifted_tokens=shift.tokens,
-            shifted_messages=shift.messages,
-            window_note=shift.note,
+            shifted_tokens=read.shift.tokens,
+            shifted_messages=read.shift.messages,
+            window_note=read.shift.note,
         )
         # From here on the reply exists: whatever fails is reported, never raised.
-        if reply.strip():
-            try:
-                ended = report.finish_reason  # stored with it: "length" shows as cut
-                if replaces is not None:  # a new version; the earlier ones are kept
-                    message = self.store.add_version(
-                        replaces,
-                        reply,
-                        token_count=stats.generated,
-                        partial=report.partial,
-                        finish_reason=ended,
-                    )
-                elif streamed is not None:  # the final commit replaces the streamed text
-                    message = self.store.update_message(
-                        streamed,
-                        reply,
-                        report.partial,
-                        token_count=stats.generated,
-                        finish_reason=ended,
-                    )
-                else:
-                    message = self.store.add_message(
-                        session_id,
-                        "assistant",
-                        reply,
-                        token_count=stats.generated,
-                        partial=report.partial,
-                        finish_reason=ended,
-                    )
-            except KvchatError as exc:
-                report.reply_error = f"the reply could not be saved: {exc}"
-                if streamed is not None and saver is not None:  # what the database holds
-                    report.stored_part = saver.stored_chars
-                    report.reply_error = (
-                        f"the reply could not be saved whole: {exc}; the database keeps its "
-                        f"first {saver.stored_chars:,} of {len(reply):,} characters, marked "
-                        "partial"
-                    )
-            else:
-                report.message_id = message.id
-        elif streamed is not None:
-            try:
-                self.store.delete_message(streamed)
-            except KvchatError:
-                pass
-        self._after_reply(report, session, prompt, dropped)
+        self._store_reply(report, session_id, reply, stats, replaces, saver)
+        self._finish(report, session, prompt, dropped)
         return report
+
+    def _hot_prompt(
+        self,
+        session_id: str,
+        prompt: list[int],
+        options: TurnOptions,
+        shift: Callable[[], WindowShift] = WindowShift,
+    ) -> PromptRead:
+        """Make the session hot for ``prompt``, move what left the window out (``shift``),
+        and read the prompt."""
+        restore = self.make_hot(session_id, no_restore=options.no_restore, prompt=prompt)
+        tiers = self.host.tiers
+        tiers.mark_hot(session_id)
+        shifted = shift()
+        prefill = self._read_prompt(self.host.engine, prompt, options.cancel)
+        tiers.mark_dirty()
+        return PromptRead(restore, prefill, shifted)
+
+    def _store_reply(
+        self,
+        report: TurnReport,
+        session_id: str,
+        reply: str,
+        stats: GenerationStats,
+        replaces: int | None,
+        saver: StreamSaver | None,
+    ) -> None:
+        """Commit the reply: a new version of ``replaces``, the final text of the streamed
+        message, or a new message; a failure is written into ``report``."""
+        streamed = saver.message_id if saver is not None else None
+        if not reply.strip():
+            if streamed is not None:
+                try:
+                    self.store.delete_message(streamed)
+                except KvchatError:
+                    pass
+            return
+        ended = report.finish_reason  # stored with it: "length" shows as cut
+        try:
+            if replaces is not None:  # a new version; the earlier ones are kept
+                message = self.store.add_version(
+                    replaces,
+                    reply,
+                    token_count=stats.generated,
+                    partial=report.partial,
+                    finish_reason=ended,
+                )
+            elif streamed is not None:  # the final commit replaces the streamed text
+                message = self.store.update_message(
+                    streamed,
+                    reply,
+                    report.partial,
+                    token_count=stats.generated,
+                    finish_reason=ended,
+                )
+            else:
+                message = self.store.add_message(
+                    session_id,
+                    "assistant",
+                    reply,
+                    token_count=stats.generated,
+                    partial=report.partial,
+                    finish_reason=ended,
+                )
+        except KvchatError as exc:
+            report.reply_error = f"the reply could not be saved: {exc}"
+            if streamed is not None and saver is not None:  # what the database holds
+                report.stored_part = saver.stored_chars
+                report.reply_error = (
+                    f"the reply could not be saved whole: {exc}; the database keeps its "
+                    f"first {saver.stored_chars:,} of {len(reply):,} characters, marked partial"
+                )
+        else:
+            report.message_id = message.id
+
+    def _finish(
+        self, report: TurnReport, session: Session, prompt: list[int], dropped: int = 0
+    ) -> None:
+        """After any turn: the session remembers its model, then the settle and snapshot."""
+        self.models.record(session.id)
+        self.upkeep.after_reply(report, session, prompt, dropped)
+
+    def _read_prompt(
+        self, engine: Engine, prompt: list[int], cancel: CancelCheck | None
+    ) -> PrefillResult:
+        """``engine.prefill``, reporting its progress to :attr:`prefill_progress`."""
+        hook = self.prefill_progress
+        if hook is None:
+            return engine.prefill(prompt, cancel)
+        started = time.perf_counter()
+        base: int | None = None
+
+        def check() -> bool:  # asked before each batch: the context holds what was read
+            nonlocal base
+            held = engine.n_tokens
+            base = held if base is None else base
+            hook(held - base, len(prompt) - base, time.perf_counter() - started)
+            return cancel is not None and cancel()
+
+        return engine.prefill(prompt, check)
+
+    def _shift_window(
+        self,
+        head: list[dict[str, str]],
+        chat: list[dict[str, str]],
+        prompt: list[int],
+        dropped: int,
+    ) -> WindowShift:
+        """When old messages left the window: move them out of the KV instead of re-reading.
+
+        :func:`kvchat.service.context_window.plan_shift` finds the block of held tokens
+        those messages are; those positions are removed and the rest shifted down (a
+        context shift), so the prefill reuses the shifted KV and decodes only the new turn.
+        An engine whose cache cannot shift re-reads the kept window, and says so.
+        """
+        engine = self.host.engine
+        plan = plan_shift(engine.chat_tokens, head, chat, engine.tokens, prompt, dropped)
+        if plan is None:
+            return WindowShift()
+        kept = f"re-read the kept window ({len(prompt) - plan.start:,} tokens after the first {plan.start:,})"
+        if not plan.found:
+            return WindowShift(
+                note=f"the context does not hold the messages that left the window: {kept}"
+            )
+        if not engine.capabilities.can_shift:
+            return WindowShift(note=f"this model's KV cache cannot be shifted: {kept}")
+        n_discard = engine.shift(plan.start, plan.end)
+        if not n_discard:
+            return WindowShift(
+                note="llama.cpp did not take back the shifted KV: "
+                f"re-read the kept window ({len(prompt):,} tokens)"
+            )
+        return WindowShift(tokens=n_discard, messages=plan.messages)

@@ -143,7 +143,7 @@ def _chunk_data(raw: bytes, chunk: IncomingChunk, per_cell: int, label: str) -> 
     """The chunk's data (after its header), checked: header, size, checksum, cell range."""
     if len(raw) < 12:
         raise SnapshotRejected(f"{label} is not a kvchat chunk file (too short)")
-    header, data_at = fmt.read_header(raw, fmt.CHUNK_MAGIC, label)  # type: ignore[arg-type]
+    header, data_at = fmt.read_header(raw, fmt.CHUNK_MAGIC, label)
     n_bytes = header.get("n_bytes")
     expected = 8 + chunk.n_tokens * per_cell
     if (
@@ -327,7 +327,7 @@ def install_blob(
     label = "the KV state"
     if len(raw) < 12:
         raise SnapshotRejected(f"{label} is not a kvchat snapshot file (too short)")
-    header, tokens_at = fmt.read_header(raw, fmt.MAGIC, label)  # type: ignore[arg-type]
+    header, tokens_at = fmt.read_header(raw, fmt.MAGIC, label)
     n_bytes = header.get("n_bytes")
     state_at = tokens_at + 4 * len(tokens)
     if (

@@ -144,7 +144,7 @@ def chunk_preamble(entry: ChunkRow) -> bytes:
     return _chunk_preamble(entry.key, entry.start, entry.n_tokens, entry.n_bytes, entry.checksum)
 
 
-def read_header(mapped: mmap.mmap, magic: bytes, name: str) -> tuple[dict[str, Any], int]:
+def read_header(mapped: mmap.mmap | bytes, magic: bytes, name: str) -> tuple[dict[str, Any], int]:
     """The file's JSON header and the offset of the data after it."""
     if mapped[:8] != magic:
         raise SnapshotRejected(f"{name} is not a kvchat snapshot file (bad magic)")
