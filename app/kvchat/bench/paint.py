@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -31,15 +32,20 @@ def _paint_child(started: float) -> None:
 
         settings = load_settings()
 
+    shows = os.environ.get("KVCHAT_BENCH_PAINT_SHOWS")
+
     class FirstFrame(KvchatApp):
         def _display(self, screen: Any, renderable: Any) -> None:
             super()._display(screen, renderable)
             if renderable is not None and not self._batch_count:
                 now = time.perf_counter()
+                if shows and shows not in _frame_text(self, renderable):
+                    return  # not yet the frame that shows what was asked for
                 figures = {
                     "wall": time.time(),
                     "import_ms": (imported - started) * 1000,
                     "app_ms": (now - self.created_at) * 1000,
+                    "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 }
                 print(json.dumps(figures), flush=True)
                 os._exit(0)  # the measurement is done: no model, no shutdown
@@ -47,16 +53,26 @@ def _paint_child(started: float) -> None:
     FirstFrame(settings, cursor_blink=False).run(headless=True, size=SIZE)
 
 
-def first_paint(home: Path, runs: int, mode: str = "app") -> dict[str, float]:
+def _frame_text(app: Any, renderable: Any) -> str:
+    """The characters a frame update draws (the parts of the screen it changes)."""
+    return "".join(s.text for s in app.console.render(renderable) if not s.control)
+
+
+def first_paint(
+    home: Path, runs: int, mode: str = "app", *, shows: str | None = None
+) -> dict[str, float]:
     """Median figures of ``runs`` fresh processes that start the app over ``home``'s
-    database (copied: the child is killed at its first frame)."""
-    totals, imports, apps = [], [], []
+    database (copied: the child is killed at its first frame, or with ``shows`` at the
+    first frame that draws that text: the newest session's title in the sidebar)."""
+    totals, imports, apps, rss = [], [], [], []
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="kvchat-paint-") as scratch:
             if (home / "kvchat.db").exists():
                 shutil.copy(home / "kvchat.db", Path(scratch) / "kvchat.db")
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
             env.update(KVCHAT_HOME=scratch, KVCHAT_BENCH_PAINT=mode)
+            if shows:
+                env["KVCHAT_BENCH_PAINT_SHOWS"] = shows
             # The command mode imports what `kvchat` imports before the app (the CLI) first.
             cli = "import kvchat.cli; " if mode == "command" else ""
             code = (
@@ -65,7 +81,7 @@ def first_paint(home: Path, runs: int, mode: str = "app") -> dict[str, float]:
             )
             started = time.time()
             proc = subprocess.run(
-                [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
             )
             lines = proc.stdout.strip().splitlines()
             if not lines:
@@ -74,8 +90,10 @@ def first_paint(home: Path, runs: int, mode: str = "app") -> dict[str, float]:
         totals.append((figures["wall"] - started) * 1000)
         imports.append(figures["import_ms"])
         apps.append(figures["app_ms"])
+        rss.append(figures["rss_kb"] / 1024)
     return {
         "total_ms": statistics.median(totals),
         "import_ms": statistics.median(imports),
         "app_ms": statistics.median(apps),
+        "rss_mb": statistics.median(rss),
     }

@@ -264,48 +264,104 @@ def _print(text: str) -> None:
         _drop_stdout()
 
 
+# `kvchat list` reads this many sessions at a time (--all, or a pipe): memory stays flat.
+LIST_PAGE = 500
+_LIST_HEADER = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"
+
+
+def _list_line(s: Any) -> str:
+    """One session's row; columns by display width (a wide CJK title takes two a character)."""
+    title = fit_width(one_line(s.session.title), 32)
+    snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
+    updated = s.session.updated[:16].replace("T", " ")
+    return f"{s.session.id:<9} {title} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
+
+
+def _screen_rows() -> int:
+    """Sessions that fit one screen under the header, leaving a line for the note after."""
+    import shutil
+
+    return max(5, shutil.get_terminal_size().lines - 3)
+
+
 @main.command(name="list")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON list (every session, unless --limit)."
+)
+@click.option(
+    "-n",
+    "--limit",
+    type=click.IntRange(min=1),
+    help="Show the N most recently updated sessions (default: one screen on a terminal).",
+)
+@click.option("--all", "show_all", is_flag=True, help="Show every session.")
 @click.pass_context
-def list_sessions(ctx: click.Context, as_json: bool) -> None:
-    """Sessions, most recently updated first (reads only: no database is made)."""
-    settings = settings_from(ctx)
-    summaries = []
-    if _database_exists():
-        with service(settings) as chat:
-            summaries = chat.list_sessions()
+def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all: bool) -> None:
+    """Sessions, most recently updated first (reads only: no database is made).
+
+    On a terminal one screen of them, and how many more there are; into a pipe, or with
+    --all, every one (read a page at a time).
+    """
+    if show_all and limit is not None:
+        raise KvchatError("use either --limit or --all, not both")
+    if limit is None and not show_all and not as_json and sys.stdout.isatty():
+        limit = _screen_rows()
+    if not _database_exists():
+        _print("[]" if as_json else 'No sessions yet. Start one with: kvchat ask --new "Hello"')
+        return
+    items: list[dict[str, Any]] = []  # --json: one list, printed at the end
+    with service(settings_from(ctx)) as chat:
+        shown_rows = 0
+        after = None
+        while limit is None or shown_rows < limit:
+            size = LIST_PAGE if limit is None else min(LIST_PAGE, limit - shown_rows)
+            page = chat.list_sessions_page(size, after)
+            if as_json:
+                items.extend(s.to_json() for s in page.sessions)
+            elif page.sessions:
+                lines = [_list_line(s) for s in page.sessions]
+                _print("\n".join([_LIST_HEADER, *lines] if shown_rows == 0 else lines))
+            shown_rows += len(page.sessions)
+            after = page.next
+            if after is None:
+                break
+        more = chat.count_sessions() - shown_rows if after is not None else 0
     if as_json:
-        _print(to_json([s.to_json() for s in summaries], indent=2))
-        return
-    if not summaries:
+        _print(to_json(items, indent=2))
+    elif shown_rows == 0:
         _print('No sessions yet. Start one with: kvchat ask --new "Hello"')
-        return
-    # Columns by display width: a wide (CJK) title takes two columns a character.
-    lines = [f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<17} {'SNAPSHOT':>10}"]
-    for s in summaries:
-        title = fit_width(one_line(s.session.title), 32)
-        snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
-        updated = s.session.updated[:16].replace("T", " ")
-        lines.append(
-            f"{s.session.id:<9} {title} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
-        )
-    _print("\n".join(lines))
+    elif more > 0:
+        plural = "s" if more != 1 else ""
+        click.echo(f"… {more:,} more session{plural} (kvchat list --all, or --limit N)", err=True)
 
 
 @main.command()
-@click.argument("session_ref")
+@click.argument("session_ref", required=False)
 @click.option(
     "--format", "fmt", type=click.Choice([*FORMATS, "bundle"]), default="md", show_default=True
 )
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
-    help="Write to FILE (- for stdout, the default).",
+    type=click.Path(allow_dash=True, path_type=Path),
+    help="Write to FILE (- for stdout, the default); with --all, into the folder DIR.",
+)
+@click.option(
+    "--all",
+    "export_all",
+    is_flag=True,
+    help="Every session, one file each (named by its id) in the folder given by -o DIR.",
 )
 @click.pass_context
-def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) -> None:
-    """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences)."""
+def export(
+    ctx: click.Context, session_ref: str | None, fmt: str, output: Path | None, export_all: bool
+) -> None:
+    """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences);
+    or, with --all -o DIR, every session."""
+    if export_all:
+        return _export_all(ctx, session_ref, fmt, output)
+    if session_ref is None:
+        raise KvchatError("name the session to export (see `kvchat list`), or use --all -o DIR")
     if fmt == "bundle":
         return export_bundle(ctx, session_ref, output)  # text + KV, see kvchat.transfer
     settings = settings_from(ctx)
@@ -328,6 +384,56 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
     click.echo(f"wrote {output}", err=True)
 
 
+# `kvchat export --all` reads this many sessions at a time.
+EXPORT_PAGE = 200
+_EXTENSIONS = {"md": "md", "json": "json", "html": "html"}
+
+
+def _export_all(ctx: click.Context, session_ref: str | None, fmt: str, output: Path | None) -> None:
+    """``kvchat export --all -o DIR``: every session as DIR/<id>.<format>, a page of the
+    list at a time. Files are named by session id, never by title; made 0600, replacing a
+    file of that name but never following a link."""
+    if session_ref is not None:
+        raise KvchatError("--all exports every session: name none")
+    if fmt == "bundle":
+        raise KvchatError(
+            "bundles are exported one session at a time (kvchat export S --format bundle -o FILE)"
+        )
+    if output is None or str(output) == "-":
+        raise KvchatError("--all writes one file per session: give the folder with -o DIR")
+    try:
+        output.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvchatError(f"cannot make the folder {output}: {exc.strerror or exc}") from None
+    written = 0
+    if _database_exists():
+        with service(settings_from(ctx)) as chat:
+            after = None
+            while True:
+                page = chat.list_sessions_page(EXPORT_PAGE, after)
+                for summary in page.sessions:
+                    session_id = summary.session.id
+                    text = chat.export(session_id, fmt)  # type: ignore[arg-type]
+                    _write_private(output / f"{session_id}.{_EXTENSIONS[fmt]}", text)
+                    written += 1
+                after = page.next
+                if after is None:
+                    break
+    plural = "" if written == 1 else "s"
+    click.echo(f"wrote {written:,} session{plural} to {output}", err=True)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (0600; an existing file replaced, a link refused)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise KvchatError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 @click.option("--cold", is_flag=True, help="Evict snapshot files from the page cache first.")
@@ -344,6 +450,17 @@ def export(ctx: click.Context, session_ref: str, fmt: str, output: Path | None) 
 @click.option(
     "--ui", is_flag=True, help="The app's latencies instead: first paint, switch, jump, typing."
 )
+@click.option(
+    "--sessions",
+    help="With --ui: homes of N sessions (comma-separated) imported and measured against an "
+    "empty one: first paint, idle CPU, RSS, echo, search, kvchat list, import rate.",
+)
+@click.option(
+    "--messages", default=50, show_default=True, type=click.IntRange(min=1), help="Per session."
+)
+@click.option(
+    "--idle", "idle_s", default=10.0, show_default=True, help="Seconds of idle CPU measured."
+)
 @model_options
 @click.pass_context
 def bench(
@@ -355,6 +472,9 @@ def bench(
     no_tiers: bool,
     one_layout: bool,
     ui: bool,
+    sessions: str | None,
+    messages: int,
+    idle_s: float,
     **flags: Any,
 ) -> None:
     """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
@@ -366,6 +486,24 @@ def bench(
         raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
     settings = settings_from(ctx, **flags)
     progress = None if as_json else (lambda line: click.echo(line, err=True))
+    if sessions is not None:
+        if not ui:
+            raise KvchatError("--sessions measures the app: use it with --ui")
+        from kvchat.bench.scale import format_scale_report, run_scale_bench
+
+        try:
+            counts = [int(x) for x in sessions.split(",") if x.strip()]
+        except ValueError:
+            raise KvchatError(
+                f"--sessions takes comma-separated counts, not {sessions!r}"
+            ) from None
+        if not counts or min(counts) < 1:
+            raise KvchatError("--sessions takes counts of 1 or more")
+        scale = run_scale_bench(
+            settings, counts, messages, idle_s=idle_s, runs=max(1, repeat), progress=progress
+        )
+        click.echo(json.dumps(scale.to_json(), indent=2) if as_json else format_scale_report(scale))
+        return
     if ui:
         from kvchat.bench.ui import format_ui_report, run_ui_bench
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,51 @@ def _made_elsewhere(item: Any) -> str:
     )
 
 
+class _ImportProgress:
+    """How far an import has got, on stderr: a bar redrawn on a terminal (at most 10 times a
+    second), else a line every :data:`PROGRESS_EVERY` conversations."""
+
+    def __init__(self, stream: Any, path: Path) -> None:
+        self.stream = stream
+        self.path = path
+        self.tty = stream.isatty()
+        self.last = 0.0
+        self.drawn = False
+
+    def __call__(self, progress: Any) -> None:
+        if self.tty:
+            now = time.monotonic()
+            if now - self.last < 0.1:
+                return
+            self.last = now
+            share = progress.bytes_done / progress.bytes_total if progress.bytes_total else 1.0
+            filled = int(share * BAR_WIDTH)
+            bar = "█" * filled + "░" * (BAR_WIDTH - filled)
+            self.stream.write(
+                f"\r{bar} {share:4.0%}  {progress.sessions:,} conversations,"
+                f" {progress.messages:,} messages\x1b[K"
+            )
+            self.drawn = True
+        elif progress.sessions % PROGRESS_EVERY == 0:
+            self.stream.write(
+                f"kvchat: {self.path}: {progress.sessions:,} conversations,"
+                f" {progress.messages:,} messages read\n"
+            )
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Take the bar off the terminal (the import's lines follow)."""
+        if self.drawn:
+            self.drawn = False
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+# Width of the import's progress bar; lines off a terminal come every so many conversations.
+BAR_WIDTH = 30
+PROGRESS_EVERY = 1000
+
+
 @click.command(name="import")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -67,8 +113,12 @@ def import_cmd(
     errors: list[dict[str, str]] = []
     with service(settings_from(ctx, **flags)) as chat:
         for path in files:
+            progress = _ImportProgress(sys.stderr, path)
             try:
-                result = import_file(chat, path, kv=not no_kv)
+                try:
+                    result = import_file(chat, path, kv=not no_kv, progress=progress)
+                finally:
+                    progress.clear()
             except KvchatError as exc:
                 errors.append({"file": str(path), "error": str(exc)})
                 if not as_json:

@@ -17,7 +17,15 @@ from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat, export_session
 from kvchat.service.reports import SESSION_SETTINGS
 from kvchat.service.turn_lock import turn_lock
-from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.store import (
+    Message,
+    SearchHit,
+    Session,
+    SessionChanges,
+    SessionPage,
+    SessionSummary,
+    Store,
+)
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
 from kvchat.text import check_text
@@ -301,3 +309,26 @@ class SessionBook:
                     "one answer the version they followed"
                 )
             return self.store.switch_version(message_id, step)
+
+    # --- the session list at scale (issue 26) -------------------------------------------------
+
+    def list_sessions_page(
+        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
+    ) -> SessionPage:
+        """Up to ``limit`` sessions, most recently updated first, after the cursor ``after``
+        (the previous page's ``next``); only titles containing ``title`` when given."""
+        return self.store.list_sessions_page(limit, after, title=title)
+
+    def count_sessions(self, *, title: str | None = None) -> int:
+        """How many sessions there are (whose title contains ``title``, when given)."""
+        return self.store.count_sessions(title=title)
+
+    def change_stamp(self) -> int:
+        """The session list's change stamp: it moves when any process makes, changes or
+        deletes a session (one row read)."""
+        return self.store.change_stamp()
+
+    def sessions_changed_since(self, stamp: int) -> SessionChanges:
+        """Sessions made or changed after ``stamp`` and those deleted, by any process, with
+        the stamp to ask from next (indexed reads of what changed, never the whole list)."""
+        return self.store.sessions_changed_since(stamp)

@@ -46,7 +46,15 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.upkeep import Upkeep
-from kvchat.store import Message, SearchHit, Session, SessionSummary, Store
+from kvchat.store import (
+    Message,
+    SearchHit,
+    Session,
+    SessionChanges,
+    SessionPage,
+    SessionSummary,
+    Store,
+)
 from kvchat.store.locks import SessionLocks
 from kvchat.store.store import DamagedDatabase, StoreFull
 from kvchat.text import check_text
@@ -59,6 +67,8 @@ __all__ = [
     "Message",
     "RestoreResult",
     "SearchHit",
+    "SessionChanges",
+    "SessionPage",
     "SessionSummary",
     "open_service",
     "SESSION_SETTINGS",
@@ -480,6 +490,26 @@ class ChatService:
     def session_model(self, session_id: str) -> SessionModel | None:
         """The model ``session_id`` last ran with (None: no turn recorded one)."""
         return self.models.session_model(session_id)
+
+    # --- the session list at scale (issue 26) -------------------------------------------------
+
+    def list_sessions_page(
+        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
+    ) -> SessionPage:
+        """A page of the session list, newest first (keyset: pass ``page.next`` as ``after``);
+        only titles containing ``title`` when given."""
+        return self.sessions.list_sessions_page(limit, after, title=title)
+
+    def count_sessions(self, *, title: str | None = None) -> int:
+        return self.sessions.count_sessions(title=title)
+
+    def change_stamp(self) -> int:
+        """The session list's change stamp now (one row read)."""
+        return self.sessions.change_stamp()
+
+    def sessions_changed_since(self, stamp: int) -> SessionChanges:
+        """What another process (or this one) made, changed or deleted after ``stamp``."""
+        return self.sessions.sessions_changed_since(stamp)
 
 
 @contextmanager

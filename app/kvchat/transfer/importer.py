@@ -372,7 +372,7 @@ def import_file(
                 result,
                 _some(path, chatgpt.sessions(path, conversations)),
                 progress=progress,
-                bytes_done=lambda: reader.bytes_read,
+                bytes_done=lambda: reader.bytes_done,
                 total=info.st_size,
             )
             _kv_reasons(result, f"{chatgpt.NAME} carries no KV")

@@ -52,6 +52,12 @@ class ArrayReader:
         self.lines_before = 0  # newlines in the text dropped from the buffer
         self.column_before = 0  # characters after the last of them
 
+    @property
+    def bytes_done(self) -> int:
+        """About how far into the file parsing has got (read-ahead not counted; characters
+        buffered counted as bytes)."""
+        return max(0, self.bytes_read - (len(self.buf) - self.pos))
+
     def _fill(self, at_least: int) -> bool:
         """Read ``at_least`` more bytes (or to the end); False when there were none."""
         if self.eof:

@@ -1,0 +1,402 @@
+"""``kvchat bench --ui --sessions N --messages M``: the app and the CLI as a history grows.
+
+For a home of one conversation (the baseline: as good as empty, with a title for the first
+paint to wait for) and for each N, in one run: a home is built through the import path
+(``import_file`` of a generated ChatGPT export, :mod:`kvchat.bench.export_gen`, in its own
+process: its rate and peak RSS), then measured:
+
+* first paint: process start → the first frame that shows the newest session's title
+  (fresh processes, :func:`kvchat.bench.paint.first_paint`), and that process's RSS;
+* the app running (model loaded, nothing happening): CPU over ``idle_s`` seconds, read from
+  /proc, its RSS, and keystroke echo (key → the frame that shows it in the input);
+* search (the service's, as the dialog calls it) for a rare word and for a word in every
+  message; ``kvchat list`` (one screen, and --all) in fresh processes.
+
+Every figure is also given against the baseline's, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvchat.bench.export_gen import COMMON_WORD, RARE_WORD, write_chatgpt_export
+from kvchat.bench.paint import SIZE, first_paint
+
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+
+Say = Callable[[str], None]
+# What the first paint waits for: the newest conversation's title (export_gen names it).
+NEWEST_TITLE = "Conversation 0:"
+# The home every other is measured against: one conversation (an empty home has no session
+# whose title the first paint could wait for).
+BASELINE = 1
+LIST_SCREEN = 40  # `kvchat list --limit` as one screen
+
+
+@dataclass
+class HomeFigures:
+    """One home's figures."""
+
+    sessions: int
+    messages: int  # per session
+    import_s: float = 0.0
+    imported: int = 0  # messages
+    import_peak_rss_mb: float = 0.0
+    export_mb: float = 0.0
+    first_paint_ms: float = 0.0
+    paint_rss_mb: float = 0.0
+    ready_s: float = 0.0  # process start → app ready (model loaded)
+    idle_cpu: float = 0.0  # share of one core over the idle window
+    rss_mb: float = 0.0
+    echo_ms: list[float] = field(default_factory=list)
+    search_ms: dict[str, float] = field(default_factory=dict)
+    search_hits: dict[str, int] = field(default_factory=dict)
+    list_ms: float = 0.0
+    list_all_ms: float = 0.0
+
+    @property
+    def import_rate(self) -> float:
+        return self.imported / self.import_s if self.import_s else 0.0
+
+    @property
+    def echo_p95_ms(self) -> float:
+        from kvchat.bench.ui_report import _percentile
+
+        return _percentile(self.echo_ms, 95)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("echo_ms")
+        data["echo_keys"] = len(self.echo_ms)
+        data["echo_p95_ms"] = self.echo_p95_ms
+        data["import_rate"] = self.import_rate
+        return _rounded(data)
+
+
+@dataclass
+class ScaleReport:
+    idle_s: float
+    homes: list[HomeFigures] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def against_baseline(self, home: HomeFigures) -> dict[str, float]:
+        """``home``'s figures against the baseline home's (one conversation): ratios, and
+        RSS growth in MB."""
+        base = self.homes[0]
+
+        def ratio(a: float, b: float) -> float:
+            return a / b if b else 0.0
+
+        return {
+            "first_paint_x": ratio(home.first_paint_ms, base.first_paint_ms),
+            "paint_rss_x": ratio(home.paint_rss_mb, base.paint_rss_mb),
+            "rss_growth_mb": home.rss_mb - base.rss_mb,
+            "list_x": ratio(home.list_ms, base.list_ms),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine,
+            "idle_s": self.idle_s,
+            "homes": [
+                {**h.to_json(), "against_baseline": _rounded(self.against_baseline(h))}
+                for h in self.homes
+            ],
+        }
+
+
+def _rounded(data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, float):
+            out[key] = round(value, 3)
+        elif isinstance(value, dict):
+            out[key] = _rounded(value)
+        else:
+            out[key] = value
+    return out
+
+
+# --- building a home through the import path -----------------------------------------------
+
+
+def _env(home: Path) -> dict[str, str]:
+    """The environment of a kvchat process over ``home``: none of this one's KVCHAT_ settings
+    but the shared engine-probe file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    if "KVCHAT_PROBE_FILE" in os.environ:
+        env["KVCHAT_PROBE_FILE"] = os.environ["KVCHAT_PROBE_FILE"]
+    env["KVCHAT_HOME"] = str(home)
+    return env
+
+
+def _kvchat(home: Path, *args: str) -> float:
+    """Run ``kvchat ARGS`` over ``home`` (its output dropped): wall seconds."""
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvchat", *args],
+        env=_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=600,
+    )
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvchat {' '.join(args)} failed: {proc.stderr[-2000:]}")
+    return seconds
+
+
+def build_home(home: Path, sessions: int, messages: int, scratch: Path) -> HomeFigures:
+    """A home of ``sessions`` × ``messages``, made by the import path (``import_file``, as
+    ``kvchat import`` calls it, in a process of its own: its time from the file's open to
+    the commit, and its peak RSS) from a generated ChatGPT export, removed after."""
+    figures = HomeFigures(sessions, messages)
+    export = scratch / f"conversations-{sessions}x{messages}.json"
+    figures.export_mb = write_chatgpt_export(export, sessions, messages) / 1e6
+    code = "from kvchat.bench.scale import _import_child; _import_child()"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(export)],
+            env=_env(home),
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+    finally:
+        export.unlink(missing_ok=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench: the import failed: {proc.stderr[-2000:]}")
+    done = json.loads(lines[-1])
+    figures.import_s = done["seconds"]
+    figures.imported = done["messages"]
+    figures.import_peak_rss_mb = done["rss_kb"] / 1024
+    return figures
+
+
+def _import_child() -> None:
+    """Run in a fresh process: import the file named on the command line into KVCHAT_HOME
+    and print how long it took, how many messages, and the peak RSS."""
+    import resource
+
+    from kvchat.config import load_settings
+    from kvchat.service.chat import open_service
+    from kvchat.transfer import import_file
+
+    with open_service(load_settings()) as service:
+        started = time.perf_counter()
+        result = import_file(service, Path(sys.argv[1]))
+        seconds = time.perf_counter() - started
+    figures = {
+        "seconds": seconds,
+        "messages": sum(s.messages for s in result.sessions),
+        "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+    print(json.dumps(figures), flush=True)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def measure_list(home: Path, figures: HomeFigures, runs: int) -> None:
+    """``kvchat list`` (one screen) and ``kvchat list --all``, median wall times."""
+    figures.list_ms = statistics.median(
+        _kvchat(home, "list", "--limit", str(LIST_SCREEN)) * 1000 for _ in range(runs)
+    )
+    figures.list_all_ms = statistics.median(
+        _kvchat(home, "list", "--all") * 1000 for _ in range(runs)
+    )
+
+
+def measure_search(settings: Settings, home: Path, figures: HomeFigures, runs: int) -> None:
+    """The service's search, as the search dialog calls it: median ms and hits per word."""
+    from kvchat.service.chat import ChatService
+
+    service = ChatService(settings, home=home)
+    try:
+        for name, word in (("rare", RARE_WORD), ("common", COMMON_WORD)):
+            times = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                hits = service.search(word)
+                times.append((time.perf_counter() - started) * 1000)
+            figures.search_ms[name] = statistics.median(times)
+            figures.search_hits[name] = len(hits)
+    finally:
+        service.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure_app(home: Path, figures: HomeFigures, idle_s: float, keys: int) -> None:
+    """Start the app over ``home`` in its own process, wait until it is ready (model
+    loaded), then read its CPU over ``idle_s`` seconds and its RSS, then time ``keys``
+    keystrokes' echo."""
+    code = "from kvchat.bench.scale import _app_child; _app_child()"
+    env = _env(home)
+    env["KVCHAT_BENCH_KEYS"] = str(keys)
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("bench --ui: the app process ended before it was ready")
+        figures.ready_s = time.perf_counter() - started
+        time.sleep(1.0)  # what the app does right after it is ready settles
+        cpu, clock = _cpu_seconds(proc.pid), time.perf_counter()
+        time.sleep(idle_s)
+        figures.idle_cpu = (_cpu_seconds(proc.pid) - cpu) / (time.perf_counter() - clock)
+        figures.rss_mb = _rss_mb(proc.pid)
+        proc.stdin.write("echo\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if line:
+            figures.echo_ms = json.loads(line)["echo_ms"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _app_child() -> None:
+    """Run in a fresh process: the app over KVCHAT_HOME, driven as the terminal would."""
+    from kvchat.bench.ui import _Frames, _press, _wait
+    from kvchat.tui.app import KvchatApp
+
+    keys = int(os.environ.get("KVCHAT_BENCH_KEYS", "30"))
+    app = KvchatApp(None, cursor_blink=False)
+
+    async def drive() -> None:
+        async with app.run_test(size=SIZE):
+            await _wait(lambda: app.main.ready, 900)
+            print(json.dumps({"ready": True}), flush=True)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, sys.stdin.readline)  # the idle window ends
+            frames = _Frames(app)
+            prompt = app.main.prompt
+            prompt.focus()
+            await _wait(lambda: app.focused is prompt)
+            latencies = []
+            for i in range(keys):
+                ch = "abcdefghijklmnopqrstuvwxyz"[i % 26]
+                expected = prompt.text + ch
+                echoed = frames.when(lambda expected=expected: prompt.text == expected)  # type: ignore[misc]
+                pressed = time.perf_counter()
+                _press(app, ch, ch)
+                at = await asyncio.wait_for(echoed, 30)
+                latencies.append((at - pressed) * 1000)
+                await asyncio.sleep(0.06)  # a fast typist: ~10 keys a second
+            print(json.dumps({"echo_ms": latencies}), flush=True)
+            os._exit(0)  # measured: no shutdown to wait for
+
+    asyncio.run(drive())
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def run_scale_bench(
+    settings: Settings,
+    sessions: list[int],
+    messages: int,
+    *,
+    idle_s: float = 10.0,
+    keys: int = 30,
+    runs: int = 3,
+    app: bool = True,
+    progress: Say | None = None,
+) -> ScaleReport:
+    """Measure the baseline home (one conversation), then a home of each size in ``sessions`` (× ``messages``).
+    ``app=False`` leaves out the running app (idle CPU, RSS, echo: a model load each)."""
+    say = progress or (lambda _line: None)
+    report = ScaleReport(idle_s=idle_s)
+    report.machine = {
+        "cpu_cores": os.cpu_count() or 0,
+        "load": round(os.getloadavg()[0], 2),
+        "model": str(settings.model_path().name),
+    }
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-scale-") as scratch:
+        root = Path(scratch)
+        for n in [BASELINE, *sessions]:
+            home = root / f"home-{n}"
+            say(f"scale: {n:,} sessions × {messages} messages: importing…")
+            figures = build_home(home, n, messages, root)
+            say(
+                f"scale: imported {figures.imported:,} messages in {figures.import_s:.1f} s"
+                f" ({figures.import_rate:,.0f}/s, peak RSS {figures.import_peak_rss_mb:.0f} MB)"
+            )
+            paint = first_paint(home, runs, shows=NEWEST_TITLE)
+            figures.first_paint_ms = paint["total_ms"]
+            figures.paint_rss_mb = paint["rss_mb"]
+            say(f"scale: first paint {figures.first_paint_ms:,.0f} ms")
+            if app:
+                measure_app(home, figures, idle_s, keys)
+                say(
+                    f"scale: idle CPU {figures.idle_cpu:.1%} of a core, RSS {figures.rss_mb:.0f} MB"
+                )
+            measure_search(settings, home, figures, max(runs, 5))
+            measure_list(home, figures, runs)
+            report.homes.append(figures)
+    return report
+
+
+def format_scale_report(report: ScaleReport) -> str:
+    machine = report.machine
+    lines = [
+        f"{machine.get('cpu_cores')} cores, load {machine.get('load')} at the start;"
+        f" model {machine.get('model')}",
+        "",
+        f"{'sessions':>9} {'messages':>9} {'import/s':>9} {'imp RSS':>8} {'paint':>8}"
+        f" {'×base':>7} {'paintRSS':>9} {'idle CPU':>9} {'RSS':>7} {'+RSS':>6}"
+        f" {'echo p95':>9} {'search':>13} {'list':>7} {'list all':>9}",
+    ]
+    for h in report.homes:
+        vs = report.against_baseline(h)
+        search = f"{h.search_ms.get('rare', 0):.0f}/{h.search_ms.get('common', 0):.0f} ms"
+        lines.append(
+            f"{h.sessions:>9,} {h.sessions * h.messages:>9,}"
+            f" {h.import_rate:>9,.0f} {h.import_peak_rss_mb:>6.0f}MB"
+            f" {h.first_paint_ms:>6,.0f}ms {vs['first_paint_x']:>6.2f}×"
+            f" {h.paint_rss_mb:>7.0f}MB {h.idle_cpu:>9.1%} {h.rss_mb:>5.0f}MB"
+            f" {vs['rss_growth_mb']:>+5.0f}"
+            f" {h.echo_p95_ms:>7.0f}ms {search:>13} {h.list_ms:>5.0f}ms {h.list_all_ms:>7.0f}ms"
+        )
+    lines += [
+        "",
+        "paint: process start → the newest session's title drawn (median of runs);"
+        " paintRSS: that process's peak RSS (no model); idle CPU, RSS, echo: the app running"
+        f" with its model, over {report.idle_s:.0f} s; search: a rare word / a word in every"
+        f" message; list: `kvchat list --limit {LIST_SCREEN}` / `--all`.",
+    ]
+    return "\n".join(lines)
