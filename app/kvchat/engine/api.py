@@ -32,6 +32,9 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = False
+    # Sliding-window layers keep every cell (llama.cpp's swa_full) instead of a window's
+    # worth: ~5× the KV on Gemma 3, for nothing kvchat needs (window checkpoints cut back).
+    swa_full: bool = False
     seed: int = 0
     # A built-in template name or a Jinja file (kvchat.planner.templates); None: the GGUF's.
     chat_template: str | None = None
@@ -191,6 +194,12 @@ class Engine(Protocol):
         (``capabilities.window_checkpoints``; [] otherwise)."""
         ...
 
+    def held_checkpoint(self, limit: int) -> int:
+        """The furthest position, at most ``limit``, where the context can be cut below its
+        :attr:`window_floor` with a window checkpoint the engine still holds in RAM (its
+        prefill then loads that window there); 0 when it holds none."""
+        ...
+
     # --- tokens ---------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
@@ -316,6 +325,9 @@ class EngineDefaults:
 
     def take_checkpoints(self) -> list[tuple[int, Any]]:
         return []
+
+    def held_checkpoint(self, limit: int) -> int:
+        return 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -27,6 +27,7 @@ _FROM_SETTINGS = (
     "type_k",
     "type_v",
     "flash_attn",
+    "swa_full",
     "chat_template",
 )
 

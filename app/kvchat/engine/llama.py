@@ -88,7 +88,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             config, _ = probed_config(config)
             self.config = config
         try:
-            with scratch_sequence(), weight_repack(bool(config.repack)):
+            with scratch_sequence(_scratch_wanted(config)), weight_repack(bool(config.repack)):
                 self.llm = llama_cpp.Llama(
                     model_path=str(config.model_path),
                     n_ctx=config.n_ctx,
@@ -100,9 +100,10 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                     type_k=GGML_TYPES[config.type_k],
                     type_v=GGML_TYPES[config.type_v],
                     flash_attn=config.flash_attn,
-                    # Sliding-window layers keep every cell in the context (llama.cpp's default,
-                    # said here because kvchat relies on it: prefix reuse cuts the context back).
-                    swa_full=True,
+                    # Sliding-window layers keep a window's worth of cells (pad256(n_swa +
+                    # n_ubatch)), not n_ctx: a cut below what they hold loads a window
+                    # checkpoint (see window_floor). swa_full = true keeps every cell.
+                    swa_full=config.swa_full,
                     seed=config.seed,
                     verbose=False,
                 )
@@ -138,11 +139,10 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._spec: KvSpec | None = None
         self._spec_problem: str | None = None
         self._read_spec()
-        # Sliding-window models: the first position whose window KV the context really
-        # holds (a restored state keeps only the window's cells), and window checkpoints
-        # taken at message boundaries, by position, until the next save takes them.
-        self._swa_from = 0
-        self._pending: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        # Sliding-window models: window checkpoints taken at message boundaries, by
+        # position (see SeqStateMixin._capture), and those the next save has to write.
+        self._held: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self._unsaved: set[int] = set()
         self._init_markup(self._vocab)
         self.prefill_slice = PREFILL_SLICE
         if self._one_chunk_attention():
@@ -267,8 +267,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         """Empty the context (the KV of every sequence, and the token list)."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, -1, -1)
         self.llm.n_tokens = 0
-        self._swa_from = 0
-        self._pending.clear()
+        self._forget_checkpoints()
 
     # --- where the context can be cut --------------------------------------------------------
 
@@ -297,10 +296,14 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
 
     @property
     def window_floor(self) -> int:
-        """The lowest position the context can be cut to now (see :meth:`restore_floor`)."""
-        if not self._swa_from:
+        """The lowest position the context can be cut to now (see :meth:`restore_floor`):
+        the token there attends to the ``n_swa - 1`` before it, so its window must start at
+        or above the lowest position the sliding-window cache still holds. 0 when the
+        cache holds every position (swa_full, or a context shorter than the cache)."""
+        if not self.interleaved or not self.n_tokens:
             return 0
-        return self._swa_from + self.n_swa - 1
+        low = self._window_low()
+        return low + self.n_swa - 1 if low > 0 else 0
 
     def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
         """Bring ``prompt`` into the context, decoding only what follows the common prefix.
@@ -325,10 +328,15 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         floor = self.window_floor
         if reused < floor:
             # Not aligned then (a whole state restored off a multiple of four: its last
-            # tokens' KV may differ from a full prefill's by rounding), else from the start:
-            # the window lacks cells the next token attends to.
+            # tokens' KV may differ from a full prefill's by rounding), else at a window
+            # checkpoint held in RAM, else from the start: the window lacks cells the next
+            # token attends to.
             deepest = max(0, min(common_prefix(self.tokens, prompt), len(prompt) - MIN_BATCH))
-            reused = deepest if deepest >= floor else 0
+            if deepest >= floor:
+                reused = deepest
+            else:
+                held = self.held_checkpoint(reused)
+                reused = held if held and self._load_window(held) else 0
         self.truncate(reused)
         if reused in marks:
             self._capture()
@@ -371,10 +379,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         """Drop the KV of every token from position ``n_keep`` on."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, n_keep, -1)
         self.llm.n_tokens = n_keep
-        if n_keep == 0:
-            self._swa_from = 0
-        for pos in [pos for pos in self._pending if pos > n_keep]:
-            del self._pending[pos]
+        self._forget_checkpoints(above=n_keep)
 
     def can_shift(self) -> bool:
         """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
@@ -618,6 +623,21 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
 
     def close(self) -> None:
         self.llm.close()
+
+
+def _scratch_wanted(config: EngineConfig) -> bool:
+    """Whether the context gets the scratch sequence: not for a sliding-window model with
+    window-sized caches, whose state is never loaded piece by piece (see
+    ``appends_state``): a second sequence would double the window cells llama.cpp keeps."""
+    if config.swa_full:
+        return True
+    from kvchat.planner.gguf_info import read_gguf
+
+    try:
+        info = read_gguf(config.model_path)
+    except KvchatError:
+        return True  # llama.cpp says what is wrong with the file
+    return not (info.sliding_window and any(info.swa_layers))
 
 
 @contextmanager

@@ -24,9 +24,13 @@ SEQ_ID = 0
 # piece goes through this one and its cells are then handed to SEQ_ID (no copy: the
 # context's cache is unified, so the cells just change owner).
 SCRATCH_SEQ = 1
-# Window checkpoints (sliding-window models) kept in memory until the next save: a turn
-# takes two (where a regenerate and where the next turn start), each a whole window.
-MAX_PENDING_CHECKPOINTS = 2
+# Window checkpoints (sliding-window models) kept in memory: a turn takes two (where a
+# regenerate and where the next turn start), each a whole window. The next save writes
+# them to disk; the newest stay in RAM after it, so a regenerate, an edit or a fork a few
+# messages back cuts the hot context there without reading the disk.
+MAX_HELD_CHECKPOINTS = 8
+# ... within this many bytes (a window of Gemma 3 4B is ~120 MB), the two newest always.
+MAX_HELD_BYTES = 512 << 20
 # Buffers are sized in whole huge pages, with room to grow: a state grows every turn.
 HUGE_PAGE = 2 << 20
 GROWTH = 1.25
@@ -39,18 +43,18 @@ PARAMS_LOCK = threading.RLock()
 
 
 @contextmanager
-def scratch_sequence() -> Iterator[None]:
+def scratch_sequence(wanted: bool = True) -> Iterator[None]:
     """Contexts created inside this block (by ``llama_cpp.Llama``, which takes no such
     argument) get :data:`SCRATCH_SEQ` beside sequence 0, in one unified cache of n_ctx
     cells: what :meth:`SeqStateMixin.state_append` needs. Decoding one sequence in it is
-    what it is in a single-sequence context."""
+    what it is in a single-sequence context. ``wanted`` False: sequence 0 alone."""
     module = llama_cpp.llama_cpp
     with PARAMS_LOCK:
         defaults = module.llama_context_default_params
 
         def with_scratch() -> Any:
             params = defaults()
-            params.n_seq_max = SCRATCH_SEQ + 1
+            params.n_seq_max = SCRATCH_SEQ + 1 if wanted else 1
             params.kv_unified = True
             return params
 
@@ -96,18 +100,33 @@ class SeqStateMixin:
     ctx: Any
     n_ctx: int
     n_swa: int
-    _swa_from: int
-    _pending: dict[int, ctypes.Array[ctypes.c_uint8]]
+    # Window checkpoints by position (each valid while the context keeps the tokens before
+    # it: a cut below one drops it), and those no save has taken yet.
+    _held: dict[int, ctypes.Array[ctypes.c_uint8]]
+    _unsaved: set[int]
     _buffer: StateBuffer
     config: Any
 
     # --- window checkpoints (sliding-window models) -------------------------------------
 
+    def _window_low(self) -> int:
+        """The lowest position whose cells the sliding-window cache still holds (llama.cpp's
+        interleaved cache answers seq_pos_min from it); -1 when empty.
+
+        Without swa_full the cache is a ring of ``pad256(n_swa + n_ubatch)`` cells, filled
+        in position order: a cell is overwritten only once it has left every window, the
+        lowest position first, so the cache holds every position from here on. A restored
+        state holds only its last ``n_swa`` cells."""
+        return int(llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(self.ctx), SEQ_ID))
+
     def _capture(self) -> None:
         """Keep the window's cells at the current position (llama.cpp's partial state: the
         sliding-window cache alone), if the context really holds all of them."""
         n = self.n_tokens
-        if not n or (self._swa_from and n < self._swa_from + self.n_swa) or n in self._pending:
+        if not n or n in self._held:
+            return
+        low = self._window_low()
+        if low > 0 and n < low + self.n_swa:
             return
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, SEQ_ID, flags))
@@ -117,16 +136,54 @@ class SeqStateMixin:
             or llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size
         ):
             return
-        self._pending[n] = buf
-        while len(self._pending) > MAX_PENDING_CHECKPOINTS:
-            del self._pending[min(self._pending)]
+        self._held[n] = buf
+        self._unsaved.add(n)
+        self._trim_held()
+
+    def _trim_held(self) -> None:
+        """Forget the oldest held checkpoints beyond the count and byte limits (never the
+        two newest, nor one no save has taken yet)."""
+        while len(self._held) > 2:
+            total = sum(len(buf) for buf in self._held.values())
+            if len(self._held) <= MAX_HELD_CHECKPOINTS and total <= MAX_HELD_BYTES:
+                return
+            spare = sorted(self._held)[:-2]
+            saved = [pos for pos in spare if pos not in self._unsaved]
+            if not saved:
+                return
+            del self._held[saved[0]]
+
+    def _forget_checkpoints(self, above: int = -1) -> None:
+        """Drop the held checkpoints at positions above ``above`` (all: -1)."""
+        for pos in [pos for pos in self._held if pos > above]:
+            del self._held[pos]
+            self._unsaved.discard(pos)
 
     def take_checkpoints(self) -> list[tuple[int, Any]]:
         """Window checkpoints taken since the last call, as (position, partial state) with
-        the context still holding the tokens before each position; then forgotten."""
-        taken = sorted((pos, data) for pos, data in self._pending.items() if pos <= self.n_tokens)
-        self._pending.clear()
+        the context still holding the tokens before each position. They stay held in RAM
+        (see :meth:`held_checkpoint`) until the context is cut below them."""
+        taken = sorted((pos, self._held[pos]) for pos in self._unsaved if pos <= self.n_tokens)
+        self._unsaved.clear()
         return taken
+
+    def held_checkpoint(self, limit: int) -> int:
+        """The furthest held window checkpoint at or below ``limit`` (0: none)."""
+        below = [pos for pos in self._held if 0 < pos <= min(limit, self.n_tokens)]
+        return max(below, default=0)
+
+    def _load_window(self, position: int) -> bool:
+        """Cut the context to ``position`` and load the held window checkpoint there into
+        the sliding-window cache (llama.cpp's partial state: the full-attention layers keep
+        their cells). False, with the context emptied, when llama.cpp refuses it."""
+        buf = self._held[position]
+        self.truncate(position)
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        loaded = llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(buf), SEQ_ID, flags)
+        if loaded != len(buf) or self._window_low() != max(0, position - self.n_swa):
+            self.clear()
+            return False
+        return True
 
     # --- sequence state -------------------------------------------------------------------
 
@@ -207,8 +264,6 @@ class SeqStateMixin:
         n = len(tokens)
         self.llm.input_ids[:n] = tokens
         self.llm.n_tokens = n
-        # A state keeps only the window's cells of its sliding-window layers.
-        self._swa_from = max(0, n - self.n_swa) if self.interleaved else 0
 
     def state_save_file(self, path: Path) -> int:
         """llama.cpp's own seq-state file writer (the benchmark's reference)."""

@@ -319,10 +319,12 @@ class KVTiers(HotSession):
     ) -> bool:
         """Whether a context holding ``held`` can be cut where the prompt's prefill starts
         (a sliding-window state keeps only its window's cells: see
-        :mod:`kvchat.kvcache.cold.checkpoints`)."""
+        :mod:`kvchat.kvcache.cold.checkpoints`). The hot context can also be cut at a
+        window checkpoint the engine holds in RAM; else a checkpoint on disk serves."""
         target = prompt if prompt is not None else windows.continuation(held)
         floor = engine.window_floor if hot else engine.restore_floor(len(held))
-        return engine.reuse_point(held, target) >= floor
+        point = engine.reuse_point(held, target)
+        return point >= floor or (hot and engine.held_checkpoint(point) > 0)
 
     def _count(self, **deltas: int) -> None:
         """Bump the persistent counters; figures are not worth failing a turn for."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvchat.planner.kv_bytes import fmt_bytes, kv_bytes_per_token
 from kvchat.planner.model_info import ModelInfo
-from kvchat.planner.plan import PlanConfig, compute_bytes
+from kvchat.planner.plan import PlanConfig, compute_bytes, window_cells
 
 # Besides weights, KV and compute: llama.cpp's own buffers, the tokenizer, Python.
 RAM_OVERHEAD = 256 * 2**20
@@ -67,10 +67,17 @@ def available_ram() -> int | None:
     return None
 
 
-def ram_needed(info: ModelInfo, n_ctx: int, type_k: str = "f16", type_v: str = "f16") -> int:
-    """Weights + the KV of ``n_ctx`` tokens + the compute buffer + overhead, in bytes."""
-    config = PlanConfig(vram_bytes=0, type_k=type_k, type_v=type_v)
-    kv = kv_bytes_per_token(info, type_k, type_v).total * n_ctx
+def ram_needed(
+    info: ModelInfo, n_ctx: int, type_k: str = "f16", type_v: str = "f16", swa_full: bool = False
+) -> int:
+    """Weights + the KV of ``n_ctx`` tokens (sliding-window layers: their window's cells,
+    unless ``swa_full``) + the compute buffer + overhead, in bytes."""
+    config = PlanConfig(vram_bytes=0, type_k=type_k, type_v=type_v, swa_full=swa_full)
+    window = min(n_ctx, window_cells(info, n_ctx, config))
+    kv = sum(
+        size * (window if info.swa_layers[il] and not swa_full else n_ctx)
+        for il, size in enumerate(kv_bytes_per_token(info, type_k, type_v).per_layer)
+    )
     return info.weight_bytes + kv + compute_bytes(info, n_ctx, config)["total"] + RAM_OVERHEAD
 
 

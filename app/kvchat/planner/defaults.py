@@ -383,6 +383,7 @@ def _gpu_plan(
             type_k=kv[0],
             type_v=kv[1],
             flash_attn=flash,
+            swa_full=settings.swa_full,
             n_ubatch=settings.n_batch,
         )
 

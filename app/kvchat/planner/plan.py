@@ -6,9 +6,11 @@ The model of llama.cpp's GPU memory (llama-cpp-python 0.3.36, one sequence):
   ``row(n_kv_heads × head_dim_k, type_k) + row(n_kv_heads × head_dim_v, type_v)`` where
   ``row(n, f16) = 2n``, ``row(n, q8_0) = 34 · n/32`` and ``row(n, q4_0) = 18 · n/32``.
   Full-attention layers hold ``n_ctx`` cells (llama.cpp pads n_ctx up to a multiple of 256).
-  Sliding-window layers hold ``n_ctx`` cells too when ``swa_full`` is on (llama-cpp-python's
-  default, and what kvchat needs: a pruned SWA cache cannot be rolled back for prefix reuse
-  or saved as a whole-history snapshot), else ``min(n_ctx, pad256(n_swa + n_ubatch))``.
+  Sliding-window layers hold ``pad256(min(n_ctx, n_swa + n_ubatch))`` cells (llama.cpp's
+  ``llama_kv_cache_iswa``, for kvchat's one sequence: kvchat opens these models without its
+  scratch sequence, which would add another ``n_swa``), or ``n_ctx`` cells with ``swa_full``
+  (kvchat's ``swa_full`` setting; off by default: window checkpoints at message boundaries
+  let the context be cut back without the cells that left the window).
   A layer's cache lives on the same device as the layer.
 - **Weights.** With ``n_gpu_layers = k`` llama.cpp puts the output layer and the last k-1
   repeating layers on the GPU (``i_gpu_start = n_layer + 1 - k``); k = n_layer + 1 (or -1)
@@ -35,7 +37,7 @@ The model of llama.cpp's GPU memory (llama-cpp-python 0.3.36, one sequence):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvchat.errors import KvchatError
@@ -78,7 +80,7 @@ class PlanConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
-    swa_full: bool = True
+    swa_full: bool = False
     n_ubatch: int = DEFAULT_UBATCH
     reserve_bytes: int = DEFAULT_RESERVE
 
@@ -153,6 +155,14 @@ def allocated_per_layer(info: ModelInfo, cfg: PlanConfig, kv: KvPerToken) -> tup
     return tuple(sizes)
 
 
+def window_cells(info: ModelInfo, n_ctx: int, cfg: PlanConfig) -> int:
+    """Cells llama.cpp gives each sliding-window layer without swa_full (``n_ctx`` cells
+    when the model has no window)."""
+    if not info.sliding_window:
+        return pad(n_ctx)
+    return pad(min(pad(n_ctx), info.sliding_window + cfg.n_ubatch))
+
+
 def memory_at(
     info: ModelInfo, n_ctx: int, n_gpu_layers: int, cfg: PlanConfig, kv: KvPerToken | None = None
 ) -> dict[str, int]:
@@ -161,9 +171,7 @@ def memory_at(
     per_layer = allocated_per_layer(info, cfg, kv)
     on_gpu, out_gpu = gpu_layers(info, n_gpu_layers)
     full_cells = pad(n_ctx)
-    swa_cells = full_cells
-    if not cfg.swa_full and info.sliding_window:
-        swa_cells = min(full_cells, pad(info.sliding_window + cfg.n_ubatch))
+    swa_cells = full_cells if cfg.swa_full else window_cells(info, n_ctx, cfg)
     gpu_w = host_w = gpu_kv = host_kv = 0
     for il in range(info.n_layer):
         cells = swa_cells if info.swa_layers[il] else full_cells
@@ -220,6 +228,35 @@ def max_context(
     return lo * CTX_STEP
 
 
+# The context the window figures are compared at (the README's "hot KV at 32k").
+COMPARE_CTX = 32768
+
+
+def window_figures(info: ModelInfo, cfg: PlanConfig, kv: KvPerToken) -> dict[str, int] | None:
+    """A sliding-window model's KV with window-sized caches and with ``swa_full``, at
+    :data:`COMPARE_CTX` (or the trained context, if shorter), and the context each fits
+    at full offload in the budget; None for a model without sliding-window layers."""
+    if not (info.sliding_window and any(info.swa_layers)):
+        return None
+    limit = info.context_length or 131072
+    at = min(COMPARE_CTX, limit)
+    windows, every = replace(cfg, swa_full=False), replace(cfg, swa_full=True)
+    full_ngl = info.n_layer + 1
+
+    def kv_at(config: PlanConfig) -> int:
+        mem = memory_at(info, at, full_ngl, config, kv)
+        return mem["kv"] + mem["host_kv"]
+
+    return {
+        "n_ctx": at,
+        "window_cells": window_cells(info, at, windows),
+        "kv_windows": kv_at(windows),
+        "kv_swa_full": kv_at(every),
+        "max_ctx_windows": max_context(info, full_ngl, windows, limit, kv),
+        "max_ctx_swa_full": max_context(info, full_ngl, every, limit, kv),
+    }
+
+
 @dataclass
 class OffloadRow:
     """What fits with one n_gpu_layers setting."""
@@ -259,6 +296,7 @@ class Plan:
                 "sliding_window": self.kv.swa,
             },
             "kv_bytes_per_token_per_layer": list(self.kv.per_layer),
+            "sliding_windows": window_figures(self.info, self.config, self.kv),
             "weight_bytes": self.info.weight_bytes,
             "gpu_weight_bytes_full_offload": self.full.gpu_weight_bytes,
             "compute_buffer_estimate": compute_bytes(
@@ -305,11 +343,10 @@ def make_plan(
             best.memory = memory_at(info, target, k, cfg, kv)
             break
     notes = list(info.notes)
-    if info.sliding_window and cfg.swa_full:
+    if info.sliding_window and any(info.swa_layers) and cfg.swa_full:
         notes.append(
-            f"sliding-window layers keep every token (swa_full, llama-cpp-python's "
-            f"default and what prefix reuse needs); with swa_full off they would "
-            f"keep only ~{pad(info.sliding_window + cfg.n_ubatch)} cells"
+            f"sliding-window layers keep every token (swa_full = true); with swa_full "
+            f"off (the default) they keep {window_cells(info, limit, cfg):,} cells"
         )
     if info.attention_kind == "MHA":
         notes.append(
@@ -364,6 +401,20 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"  sliding-window layers: {n_swa} (window {info.sliding_window:,}), "
             f"{kv.swa:,} bytes/token"
+        )
+    figures = window_figures(info, cfg, kv)
+    if figures:
+        used = "windows" if not cfg.swa_full else "swa_full"
+        lines.append(
+            f"  sliding-window layers keep {figures['window_cells']:,} cells (window "
+            f"{info.sliding_window:,} + n_ubatch {cfg.n_ubatch}, padded to 256) unless "
+            f"swa_full; planned with {used}"
+        )
+        lines.append(
+            f"  KV at {figures['n_ctx']:,} tokens: {fmt_bytes(figures['kv_windows'])} with "
+            f"windows, {fmt_bytes(figures['kv_swa_full'])} with swa_full; full offload fits "
+            f"{figures['max_ctx_windows']:,} tokens with windows, "
+            f"{figures['max_ctx_swa_full']:,} with swa_full"
         )
     growth = state_bytes_per_token(info, kv)
     window = state_window_bytes(info, kv)

@@ -106,7 +106,7 @@ class SnapshotStore:
         previous = self.store.get_snapshot(session_id)
         pending = engine.take_checkpoints() if engine.capabilities.window_checkpoints else []
         if self.chunked:
-            layout, why = self._parse(engine, state)
+            state, layout, why = self._parse(engine, state)
         else:
             layout, why = None, None  # whole by the user's choice (snapshot_chunks = false)
         if layout is not None:
@@ -126,22 +126,31 @@ class SnapshotStore:
         return result
 
     @staticmethod
-    def _parse(engine: Engine, state: memoryview) -> tuple[kvlayout.StateLayout | None, str | None]:
-        """The state's layout, or None and why it is stored whole."""
+    def _parse(
+        engine: Engine, state: memoryview
+    ) -> tuple[memoryview, kvlayout.StateLayout | None, str | None]:
+        """The state (its window cells in position order: see
+        :func:`kvlayout.in_position_order`) and its layout, or None and why it is stored
+        whole."""
         why = engine.chunk_problem()
         if why:
-            return None, why
+            return state, None, why
         spec = engine.kv_spec()
         shape = engine.kv_shape() if spec is None else None
         if spec is None and shape is None:
-            return None, "the model's layers keep KV of different sizes and no spec says which"
+            return (
+                state,
+                None,
+                "the model's layers keep KV of different sizes and no spec says which",
+            )
         try:
             if spec is not None:
-                return kvlayout.parse(state, spec=spec), ""
+                state = kvlayout.in_position_order(state, spec)
+                return state, kvlayout.parse(state, spec=spec), ""
             assert shape is not None
-            return kvlayout.parse(state, *shape), ""
+            return state, kvlayout.parse(state, *shape), ""
         except kvlayout.LayoutError as exc:
-            return None, f"llama.cpp's state is not a layout kvchat can cut ({exc})"
+            return state, None, f"llama.cpp's state is not a layout kvchat can cut ({exc})"
 
     def chunk_plan(
         self, fingerprint: Fingerprint, tokens: list[int], base: list[int]

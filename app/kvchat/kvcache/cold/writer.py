@@ -166,8 +166,9 @@ class SnapshotWriter:
         for position, partial in pending:
             if position > n:
                 continue
-            body = np.frombuffer(partial, dtype=np.uint8)[8:]
             try:
+                ordered = kvlayout.in_position_order(partial, spec, partial=True)
+                body = np.frombuffer(ordered, dtype=np.uint8)[8:]
                 parsed = kvlayout.parse_section(memoryview(body), spec, position, header=False)
             except kvlayout.LayoutError:
                 continue  # not the window this state's layout has: leave it out

@@ -61,6 +61,9 @@ class StateLayout:
     # The sliding-window section that follows the base one (interleaved caches), or None.
     swa: StateLayout | None = None
     n_swa: int = 0
+    # Cells listed out of position order (a ring's state): the order that sorts them, as
+    # parsed by in_position_order; None when they are in order.
+    order: Any = None
 
     def describe(self) -> dict[str, Any]:
         """The per-model constants, recorded with a chunk chain and checked on restore."""

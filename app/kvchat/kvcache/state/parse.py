@@ -92,12 +92,59 @@ def parse_section(
     return section
 
 
+def in_position_order(
+    data: memoryview | bytes, spec: KvSpec, *, partial: bool = False
+) -> memoryview:
+    """``data`` (a seq state, or with ``partial`` a window checkpoint: llama.cpp's partial
+    state) with the sliding-window section's cells in position order.
+
+    Without swa_full, llama.cpp's sliding-window cache is a ring: once it has wrapped, its
+    state lists the window's cells in ring order (e.g. positions 366…376, then 345…365).
+    The cells are the same; kvchat cuts and stores them by position, so they are put in
+    order (a copy; the bytes themselves when they already are). Raises
+    :class:`LayoutError` when the bytes are not such a state."""
+    view = memoryview(data).cast("B")
+    if not spec.interleaved:
+        return view
+    r = _Reader(view)
+    r.take("<Q")
+    if not partial:
+        _section(r, *spec.part(False), first_pos=0)
+    section = _section(r, *spec.part(True), first_pos=None)
+    if r.pos != len(view):
+        raise LayoutError(f"{len(view) - r.pos} unexplained bytes after the window")
+    order = section.order
+    if order is None:
+        return view
+    src = np.frombuffer(view, dtype=np.uint8)
+    out = src.copy()
+    n = section.n_cells
+
+    def permute(offset: int, size: int) -> None:
+        block = src[offset : offset + n * size].reshape(n, size)
+        out[offset : offset + n * size] = block[order].reshape(-1)
+
+    permute(section.meta_offset, section.cell_meta_size)
+    for layer in section.k_layers:
+        permute(layer.offset, layer.row_size)
+    for layer in section.v_layers:
+        if section.v_trans:
+            size = layer.row_size * layer.n_dims * n
+            grid = src[layer.offset : layer.offset + size].reshape(layer.n_dims, n, layer.row_size)
+            out[layer.offset : layer.offset + size] = grid[:, order, :].reshape(-1)
+        else:
+            permute(layer.offset, layer.row_size)
+    return memoryview(out).cast("B")
+
+
 def _section(
-    r: _Reader, k_widths: list[int], v_widths: list[int], *, first_pos: int
+    r: _Reader, k_widths: list[int], v_widths: list[int], *, first_pos: int | None
 ) -> StateLayout:
     """One cache's part: tried with 12-byte cell metadata, then with the 24-byte form; and
     with a V entry for every layer, then (a model whose zero-width layers keep no V tensor)
-    without the zero-width ones. Only a reading where every size adds up is taken."""
+    without the zero-width ones. Only a reading where every size adds up is taken.
+    ``first_pos`` None: the cells may come in any order of one run of positions (a ring,
+    see :func:`in_position_order`)."""
     start = r.pos
     errors: list[str] = []
     tries = [(False, False), (True, False)]
@@ -117,7 +164,7 @@ def _read_section(
     r: _Reader,
     k_widths: list[int],
     v_widths: list[int],
-    first_pos: int,
+    first_pos: int | None,
     ext: bool,
     no_empty_v: bool = False,
 ) -> StateLayout:
@@ -131,14 +178,25 @@ def _read_section(
     meta_offset = r.pos
     cell_meta_size = 24 if ext else 12
     expected_pos = first_pos
+    positions: list[int] = []
     for _ in range(n_cells):
         pos, n_seq = r.take("<iI")
         if n_seq != 1:
             raise LayoutError(f"a cell belongs to {n_seq} sequences")
         r.skip(cell_meta_size - 8)
+        if expected_pos is None:
+            positions.append(pos)
+            continue
         if pos != expected_pos:
             raise LayoutError(f"cell positions are not {first_pos}, {first_pos + 1}, …")
         expected_pos += 1
+    order: np.ndarray | None = None
+    if first_pos is None:
+        first_pos = min(positions)
+        if sorted(positions) != list(range(first_pos, first_pos + n_cells)):
+            raise LayoutError("the cells' positions are not one run")
+        if positions != sorted(positions):
+            order = np.argsort(np.asarray(positions), kind="stable")
     meta_size = r.pos - meta_offset
     v_trans, layers = r.take("<II")
     if layers != len(k_widths):
@@ -147,6 +205,7 @@ def _read_section(
         n_cells, meta_offset, meta_size, cell_meta_size, v_trans, layers, offset=offset
     )
     layout.first_pos = first_pos
+    layout.order = order
     for width in k_widths:
         k_type, row_size = r.take("<iQ")
         _check_row(k_type, row_size, width, "K")

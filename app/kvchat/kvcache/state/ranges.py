@@ -42,7 +42,13 @@ from kvchat.kvcache.state.layout import (
     layout_for,
     swa_spec,
 )
-from kvchat.kvcache.state.parse import chunk_size, extract, parse, parse_section
+from kvchat.kvcache.state.parse import (
+    chunk_size,
+    extract,
+    in_position_order,
+    parse,
+    parse_section,
+)
 
 __all__ = [
     "PREAMBLE",
@@ -57,6 +63,7 @@ __all__ = [
     "check_desc",
     "chunk_size",
     "extract",
+    "in_position_order",
     "layout_for",
     "parse",
     "parse_section",

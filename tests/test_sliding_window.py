@@ -1,0 +1,259 @@
+"""Sliding-window models with window-sized caches (issue 24): ``swa_full`` off by default.
+
+llama.cpp (llama-cpp-python 0.3.36) gives each sliding-window layer a ring of
+``pad256(min(n_ctx, n_swa × n_seq + n_ubatch))`` cells; a cell is overwritten only once it
+has left every window, so the context can be cut back as far as the ring still reaches
+(``LlamaEngine.window_floor``), and below that only at a window checkpoint: held in RAM
+by the engine (a regenerate of a long reply), else read from disk (a restore). Never a
+window short of cells. Tiny random-weight Gemma 3 and Gemma 2 GGUFs (tests/tiny_models.py)
+with ``n_batch`` 64 keep a 256-cell ring, so a few hundred tokens leave it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from kvchat.config import load_settings
+from kvchat.engine import EngineConfig
+from kvchat.kvcache.state import ranges as kvlayout
+from kvchat.planner import read_gguf
+from kvchat.planner.plan import PlanConfig, memory_at, window_cells
+from kvchat.service.chat import ChatService
+from tests.test_families import KV_LOG, kv_log
+from tests.tiny_models import FAMILIES, write_tiny
+
+pytestmark = pytest.mark.e2e
+
+RING_BATCH = 64  # n_batch (= n_ubatch): a ring of pad256(32 + 64) = 256 cells
+FIRST = (
+    "Here is a long question about rivers, salt, wool and cider, the trade of old towns, "
+    "and how their markets worked every autumn, who came to them from the hills and what "
+    "they brought. Tell me a long story about one of those towns."
+)
+SECOND = "What did the miller say?"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    folder = tmp_path_factory.mktemp("tiny-windows")
+
+    def get(name: str) -> Path:
+        path = folder / f"{name}.gguf"
+        if not path.exists():
+            write_tiny(FAMILIES[name], path)
+        return path
+
+    return get
+
+
+def open_engine(path: Path, **extra: Any) -> Any:
+    from kvchat.engine.llama import LlamaEngine
+
+    values: dict[str, Any] = {"n_ctx": 1024, "n_batch": RING_BATCH, "n_threads": 1}
+    return LlamaEngine(EngineConfig(path, **(values | extra)))
+
+
+TOKENS = [100 + (i * 37) % 4000 for i in range(900)]
+
+
+# ------------------------------------------------------------------- what llama.cpp keeps
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("n_batch", [RING_BATCH, 512])
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_llama_cpp_allocates_the_planners_window_cells(
+    family: str, n_batch: int, swa_full: bool, tiny: Callable[[str], Path]
+) -> None:
+    path = tiny(family)
+    info = read_gguf(path)
+    cfg = PlanConfig(flash_attn=False, swa_full=swa_full, n_ubatch=n_batch)
+    with kv_log() as lines:
+        engine = open_engine(path, n_batch=n_batch, swa_full=swa_full)
+    try:
+        sizes = [
+            (float(m.group(1)) * 2**20, int(m.group(2))) for m in map(KV_LOG.search, lines) if m
+        ]
+        planned = memory_at(info, 1024, 0, cfg)
+        # llama.cpp logs MiB with two decimals: ±0.005 MiB a line; the cells are exact.
+        total = sum(size for size, _ in sizes)
+        assert total == pytest.approx(planned["host_kv"], abs=0.005 * 2**20 * len(sizes))
+        cells = sorted(count for _, count in sizes)
+        windows = window_cells(info, 1024, cfg)
+        assert cells == sorted([1024, 1024 if swa_full else windows])
+        if not swa_full:
+            assert windows == (256 if n_batch == RING_BATCH else 768)
+            # No scratch sequence beside the conversation: it would add another window.
+            assert llama_cpp.llama_n_seq_max(engine.ctx) == 1
+            assert engine.capabilities.window_checkpoints and not engine.capabilities.can_shift
+        else:
+            assert llama_cpp.llama_n_seq_max(engine.ctx) == 2
+    finally:
+        engine.close()
+
+
+def state(engine: Any) -> bytes:
+    """The context's seq state, its window cells in position order (a wrapped ring lists
+    them from where it wrapped: the same cells)."""
+    return bytes(kvlayout.in_position_order(engine.state_get(), engine.kv_spec()))
+
+
+def test_the_floor_is_what_the_ring_still_holds(tiny: Callable[[str], Path]) -> None:
+    """The context is cut as low as llama.cpp's ring reaches and no lower; below it a held
+    window checkpoint is loaded, else the prompt is decoded from the start; each leaves
+    exactly the KV of a full prefill."""
+    path = tiny("gemma3")
+    engine, fresh = open_engine(path), open_engine(path)
+    n_swa = FAMILIES["gemma3"].sliding_window
+
+    def full_prefill(prompt: list[int]) -> bytes:
+        fresh.clear()
+        assert fresh.prefill(prompt).decoded == len(prompt)
+        return state(fresh)
+
+    try:
+        # 200 tokens fit the 256-cell ring: every cut is possible.
+        engine.prefill(TOKENS[:200])
+        assert engine.window_floor == 0
+        assert engine.prefill(TOKENS[:40]).reused == 38
+        assert state(engine) == full_prefill(TOKENS[:40])
+        # 600 tokens: the ring holds the last 256 positions, and a cut above 600 - 256 +
+        # n_swa - 1 keeps a whole window.
+        engine.clear()
+        engine.prefill(TOKENS[:300])  # a window checkpoint where a regenerate starts: 298
+        engine.prefill(TOKENS[:600])
+        low = 600 - 256
+        assert engine.window_floor == low + n_swa - 1
+        floor = engine.window_floor
+        result = engine.prefill(TOKENS[: floor + 2])
+        assert (result.reused, result.decoded) == (floor, 2)
+        assert state(engine) == full_prefill(TOKENS[: floor + 2])
+        # Below the floor: the checkpoint at 298 is loaded into the window layers (the
+        # full-attention layers keep their cells), and only what follows is decoded.
+        assert engine.held_checkpoint(320) == 298
+        result = engine.prefill(TOKENS[:330])
+        assert (result.reused, result.decoded) == (298, 32)
+        assert state(engine) == full_prefill(TOKENS[:330])
+        # Below every checkpoint: decoded from the start, never with a window short of cells.
+        engine.prefill(TOKENS[:700])
+        assert engine.held_checkpoint(250) == 0 and engine.window_floor > 250
+        result = engine.prefill(TOKENS[:252])
+        assert (result.reused, result.decoded) == (0, 252)
+        assert state(engine) == full_prefill(TOKENS[:252])
+    finally:
+        engine.close()
+        fresh.close()
+
+
+def test_checkpoints_stay_held_after_a_save_takes_them(tiny: Callable[[str], Path]) -> None:
+    engine = open_engine(tiny("gemma3"))
+    try:
+        engine.prefill(TOKENS[:300])
+        engine.settle(300, TOKENS[:360])
+        assert [pos for pos, _ in engine.take_checkpoints()] == [298, 360]
+        assert engine.take_checkpoints() == []  # taken once ...
+        assert engine.held_checkpoint(1000) == 360  # ... and still held
+        engine.prefill(TOKENS[:320])  # a cut below 360 drops it
+        assert engine.held_checkpoint(1000) == 318
+        engine.clear()
+        assert engine.held_checkpoint(1000) == 0
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------------- turns
+
+
+def service(home: Path, model: Path, **extra: Any) -> ChatService:
+    values: dict[str, Any] = {
+        "n_ctx": 1024,
+        "n_batch": RING_BATCH,
+        "temperature": 0.0,
+        "max_tokens": 240,  # longer than the ring's slack: a regenerate is below the floor
+        "n_threads": 1,
+    }
+    return ChatService(load_settings(model=str(model), **(values | extra)), home=home)
+
+
+def baseline(
+    home: Path, tmp: Path, model: Path, turn: Callable[[ChatService], Any], **extra: Any
+) -> Any:
+    """The same turn with a full prefill, on a copy of ``home``."""
+    copy = tmp / "baseline"
+    shutil.copytree(home, copy)
+    svc = service(copy, model, **extra)
+    try:
+        return turn(svc)
+    finally:
+        svc.close()
+        shutil.rmtree(copy)
+
+
+def test_a_regenerate_below_the_floor_loads_the_window_from_ram_then_disk(
+    tiny: Callable[[str], Path], kvhome: Path, tmp_path: Path
+) -> None:
+    model = tiny("gemma3")
+    svc = service(kvhome, model)
+    try:
+        first = svc.start(FIRST)
+        session = first.session_id
+        assert first.tokens.generated == 240
+        full = baseline(kvhome, tmp_path, model, lambda s: s.regenerate(session, no_restore=True))
+        assert full.tokens.decoded == full.tokens.prompt
+        # The reply pushed the regenerate's start out of the ring ...
+        start = first.tokens.prompt - 2
+        assert svc.engine.window_floor > start
+        # ... so the hot context loads the window checkpoint held there, in RAM.
+        again = svc.regenerate(session)
+        assert again.restore.source == "hot", again.restore.reason
+        assert (again.tokens.reused, again.tokens.decoded) == (start, 2)
+        assert again.reply == full.reply and again.tokens.generated == 240
+        # Without it in RAM, the checkpoint on disk serves: exactly as a restore.
+        assert svc.engine.window_floor > start
+        svc.engine._held.clear()  # what a context that took many checkpoints since has
+        third = svc.regenerate(session)
+        assert third.restore.source == "disk", third.restore.reason
+        assert third.tokens.decoded <= 5 and third.reply == full.reply
+    finally:
+        svc.close()
+
+
+def test_edit_and_fork_past_the_ring_decode_only_the_new_part(
+    tiny: Callable[[str], Path], kvhome: Path, tmp_path: Path
+) -> None:
+    model = tiny("gemma3")
+    svc = service(kvhome, model, max_tokens=120)
+    try:
+        first = svc.start(FIRST)
+        session = first.session_id
+        second = svc.send(session, SECOND)
+        svc.send(session, "And the baker?")
+        # The hot context can no longer be cut where the branches part.
+        assert svc.engine.window_floor > second.tokens.reused
+        messages = svc.messages(session)
+
+        def edit(s: ChatService) -> Any:
+            branch = s.edit(session, messages[2].id, "What did the weaver say?")
+            return s.regenerate(branch.id, no_restore=s is not svc)
+
+        def fork(s: ChatService) -> Any:
+            child = s.fork(session, messages[1].id)
+            return s.send(child.id, "Who was the miller?", no_restore=s is not svc)
+
+        for turn, shared in ((edit, second.tokens.reused), (fork, second.tokens.reused)):
+            full = baseline(kvhome, tmp_path, model, turn, max_tokens=120)
+            branched = turn(svc)
+            assert branched.restore.source == "disk", branched.restore.reason
+            assert branched.restore.donor == session
+            assert branched.tokens.reused >= shared - 8
+            assert branched.tokens.decoded < 24
+            assert full.tokens.decoded == full.tokens.prompt == branched.tokens.prompt
+            assert branched.reply == full.reply, turn.__name__
+    finally:
+        svc.close()
