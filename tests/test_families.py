@@ -200,7 +200,7 @@ def test_state_layout_and_bytes_per_token_match_llama_cpp(
     with kv_log() as lines:
         engine = LlamaEngine(EngineConfig(path, n_ctx=4096, n_threads=1))
     try:
-        # What llama.cpp allocates (swa_full: sliding-window layers hold every cell too).
+        # What llama.cpp allocates (sliding-window layers: a window's worth of cells).
         allocated = sum(float(m.group(1)) for m in map(KV_LOG.search, lines) if m) * 2**20
         planned = memory_at(info, 4096, 0, PlanConfig(flash_attn=False))
         assert allocated == pytest.approx(planned["host_kv"] + planned["kv"], rel=0.02)

@@ -25,7 +25,18 @@ from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.planner import read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, window_cells
 from kvchat.service.chat import ChatService
-from tests.test_families import KV_LOG, kv_log
+from tests.conftest import run_cli
+from tests.test_families import (
+    FLAGS,
+    KV_LOG,
+    both_ways,
+    check_equal,
+    copies,
+    fork_at,
+    gemma3_270m,
+    kv_log,
+    regenerate,
+)
 from tests.tiny_models import FAMILIES, write_tiny
 
 pytestmark = pytest.mark.e2e
@@ -257,3 +268,68 @@ def test_edit_and_fork_past_the_ring_decode_only_the_new_part(
             assert branched.reply == full.reply, turn.__name__
     finally:
         svc.close()
+
+
+# ------------------------------------------------------------------- Gemma 3 270M
+
+__all__ = ["gemma3_270m"]  # the fixture (tests/test_families.py)
+
+HISTORY = (
+    " ".join(
+        f"Fact {i}: the river town number {i} trades salt, wool and {i * 3} barrels of cider."
+        for i in range(84)
+    )
+    + " Tell me a short story about one of these towns."
+)
+
+
+def test_gemma3_270m_keeps_windows_and_resumes_2000_tokens_exactly(
+    gemma3_270m: Path, kvhome: Path, tmp_path: Path
+) -> None:
+    """The real sliding-window model: its hot KV is the planner's window-sized figure, and a
+    2,000-token conversation resumes in a new process, regenerates and forks past its
+    window decoding only the new part, with the replies of a full prefill."""
+    info = read_gguf(gemma3_270m)
+    for swa_full in (False, True):
+        with kv_log() as lines:
+            engine = open_engine(
+                gemma3_270m, n_ctx=4096, n_batch=512, swa_full=swa_full, chat_template="gemma"
+            )
+        engine.close()
+        sizes = [
+            (float(m.group(1)) * 2**20, int(m.group(2))) for m in map(KV_LOG.search, lines) if m
+        ]
+        planned = memory_at(info, 4096, 0, PlanConfig(flash_attn=False, swa_full=swa_full))
+        total = sum(size for size, _ in sizes)
+        assert total == pytest.approx(planned["host_kv"], abs=0.005 * 2**20 * len(sizes))
+        assert sorted(count for _, count in sizes) == ([1024, 4096] if not swa_full else [4096] * 2)
+        if not swa_full:
+            windowed = total
+    # 3 full layers and 15 of 1,024 cells instead of 18 of 4,096: 27 MiB, not 72 MiB.
+    assert windowed / total == pytest.approx((3 * 4096 + 15 * 1024) / (18 * 4096), rel=0.01)
+
+    flags = [*FLAGS, "--n-ctx", "4096", "--model", str(gemma3_270m), "--chat-template", "gemma"]
+    first = run_cli(kvhome, "ask", "--new", HISTORY, "--json", *flags).json
+    session = first["session"]
+    assert first["tokens"]["prompt"] > 1900
+    resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
+    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli(
+        full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
+    ).json
+    assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
+    assert 0 < resumed["tokens"]["decoded"] < 64
+    assert resumed["tokens"]["prompt"] + 32 > 2000
+    assert full["tokens"]["decoded"] == full["tokens"]["prompt"] == resumed["tokens"]["prompt"]
+    assert resumed["reply"] == full["reply"]
+
+    extra = {"chat_template": "gemma", "n_ctx": 4096}
+    restored, baseline = both_ways(
+        resumed_home, tmp_path, gemma3_270m, regenerate(session), **extra
+    )
+    check_equal(restored, baseline)
+    assert restored.tokens.decoded <= 5
+    fork = fork_at(session, 1, "What colour was the boat?")
+    restored, baseline = both_ways(resumed_home, tmp_path, gemma3_270m, fork, **extra)
+    check_equal(restored, baseline)
+    assert restored.tokens.reused > 1900 and restored.tokens.decoded < 24

@@ -19,6 +19,8 @@ SPECIAL_ATTRS = (
     | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
     | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 )
+# A message's fields that hold text (a person's, a file's, a model's), never markup.
+TEXT_FIELDS = ("content", "reasoning_content")
 # What C's isspace() strips next to a token with the LSTRIP/RSTRIP attribute.
 C_SPACE = " \t\n\v\f\r"
 
@@ -138,18 +140,34 @@ class ChatTokensMixin:
         changed) is rendered over the real messages instead, with every special token's
         spelling in them broken by a word joiner (U+2060), and tokenized whole.
         """
-        contents = [str(m.get("content") or "") for m in messages]
-        stand_ins = [{**m, "content": f"{self._slot}{i}\ue001"} for i, m in enumerate(messages)]
+        texts: list[str] = []  # every message's content, then its reasoning where it has one
+        stand_ins: list[dict[str, str]] = []
+        required: set[int] = set()
+        for message in messages:
+            stand_in = dict(message)
+            for key in TEXT_FIELDS:
+                if key != "content" and not message.get(key):
+                    continue
+                stand_in[key] = f"{self._slot}{len(texts)}\ue001"
+                if key == "content":
+                    required.add(len(texts))
+                texts.append(str(message.get(key) or ""))
+            stand_ins.append(stand_in)
         rendered = self.render(stand_ins)
         pieces = self._slots.split(rendered)
-        found = {int(index) for index in pieces[1::2]}
-        if found != set(range(len(messages))) or any(self._slot_id in p for p in pieces[::2]):
-            return self._defanged_tokens(messages, contents)
+        found = [int(index) for index in pieces[1::2]]
+        # Every content exactly once; reasoning at most once (a template may drop it).
+        if (
+            set(found) & required != required
+            or len(found) != len(set(found))
+            or any(self._slot_id in p for p in pieces[::2])
+        ):
+            return self._defanged_tokens(messages)
         tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
         run = TextRun()
         for index, piece in enumerate(pieces):
-            if index % 2:  # a message's content
-                run.add(contents[int(piece)])
+            if index % 2:  # a message's content or reasoning
+                run.add(texts[int(piece)])
             else:
                 self._add_markup(piece, run, tokens)
         tokens += self.tokenize(run.take())
@@ -168,9 +186,7 @@ class ChatTokensMixin:
             tokens.append(special.id)
             run.strip_next = special.rstrip
 
-    def _defanged_tokens(
-        self, messages: Sequence[dict[str, str]], contents: list[str]
-    ) -> list[int]:
+    def _defanged_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt of a template that changes message text: the real messages rendered
         with every special token's spelling in their content broken, read like template text.
 
@@ -178,7 +194,10 @@ class ChatTokensMixin:
         broken, so only spellings of two or more characters become special tokens here (a
         template's own one-character special token is read as text in this rare case).
         """
-        safe = [{**m, "content": self._markup.defang(c)} for m, c in zip(messages, contents)]
+        safe = [
+            {**m, **{k: self._markup.defang(str(m[k] or "")) for k in TEXT_FIELDS if k in m}}
+            for m in messages
+        ]
         rendered = self.render(safe)
         tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
         run = TextRun()

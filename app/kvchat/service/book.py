@@ -181,9 +181,10 @@ class SessionBook:
         self.locks.remove(session_id)
         return True
 
-    def export(self, session_id: str, fmt: ExportFormat) -> str:
+    def export(self, session_id: str, fmt: ExportFormat, reasoning: bool = True) -> str:
+        """The session as ``fmt`` (``reasoning`` False: without thinking models' reasoning)."""
         return export_session(
-            self.store.get_session(session_id), self.store.messages(session_id), fmt
+            self.store.get_session(session_id), self.store.messages(session_id), fmt, reasoning
         )
 
     def search(self, query: str) -> list[SearchHit]:

@@ -35,6 +35,7 @@ from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat
 from kvchat.service.model_choices import ModelChoice, ModelChoices, SessionModel
 from kvchat.service.pipeline import POST_WAIT_S, PrefillProgress, TurnOptions, TurnPipeline
+from kvchat.service.reasoning import ReasoningStyle
 from kvchat.service.reports import (
     SESSION_SETTINGS,
     Housekeeping,
@@ -450,8 +451,14 @@ class ChatService:
         """Delete a session that never got a message and is as it was made."""
         return self.sessions.drop_if_unused(session_id)
 
-    def export(self, session_id: str, fmt: ExportFormat) -> str:
-        return self.sessions.export(session_id, fmt)
+    def export(self, session_id: str, fmt: ExportFormat, reasoning: bool = True) -> str:
+        """The session as Markdown, JSON or HTML (``reasoning`` False: without reasoning)."""
+        return self.sessions.export(session_id, fmt, reasoning)
+
+    @property
+    def reasoning_style(self) -> ReasoningStyle:
+        """How the loaded model's replies carry reasoning (loads the model)."""
+        return self.host.reasoning_style
 
     def search(self, query: str) -> list[SearchHit]:
         return self.sessions.search(query)

@@ -17,6 +17,11 @@ ChatMessage = dict[str, str]
 Render = Callable[[Sequence[ChatMessage]], list[int]]
 
 
+# Tokens at the end of a turn's prompt that the next turn's prompt may render otherwise (a
+# generation prompt that opens a think block the history does not show).
+REWRITTEN_TAIL = 16
+
+
 def system_head(system: str | None) -> list[ChatMessage]:
     """The system prompt as the first message of every window (none when empty)."""
     return [{"role": "system", "content": system}] if system else []
@@ -106,12 +111,15 @@ def settle_target(
 
     That is what the template puts between the reply and the next user's words (e.g.
     ``<|im_end|>\\n<|im_start|>user\\n``), found as the common prefix of the prompts for
-    two different next messages. When the template re-renders the history differently
-    from ``prompt``, ``held`` (what the context holds) is kept as it is.
+    two different next messages. A template may end its generation prompt with what it
+    does not write before a reply in the history (an opening ``<think>``): up to
+    :data:`REWRITTEN_TAIL` tokens of the prompt may differ. When the template re-renders
+    earlier history differently, ``held`` (what the context holds) is kept as it is.
     """
     first = render(chat + [{"role": "user", "content": "A"}])
     second = render(chat + [{"role": "user", "content": "B"}])
     shared = common_prefix(first, second)
-    if first[: len(prompt)] == list(prompt) and len(prompt) < shared < n_ctx - 1:
+    same = common_prefix(first, prompt)
+    if len(prompt) - same <= REWRITTEN_TAIL and len(prompt) < shared < n_ctx - 1:
         return first[:shared]
     return held

@@ -17,6 +17,7 @@ from kvchat.kvcache.server_tiers import ServerSlots
 from kvchat.kvcache.tiers import KVTiers, Tiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
 from kvchat.service.checks import check_engine_config, same_file
+from kvchat.service.reasoning import ReasoningStyle, detect_style
 from kvchat.store import Store
 
 
@@ -51,6 +52,7 @@ class EngineHost:
         self.plan: DefaultsChoice | None = None
         # What the engine probe chose for this machine (None: nothing probed, see load).
         self.probe: ProbeOutcome | None = None
+        self._style: ReasoningStyle | None = None
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -125,6 +127,13 @@ class EngineHost:
         assert self._fingerprint is not None
         return self._fingerprint
 
+    @property
+    def reasoning_style(self) -> ReasoningStyle:
+        """How the loaded model's replies carry reasoning (its chat template, rendered)."""
+        if self._style is None:
+            self._style = detect_style(self.load().render)
+        return self._style
+
     def kv(self) -> Tiers:
         """The tiers; a llama-server's slot files are known once its engine is open."""
         if self.settings.engine == "llama-server":
@@ -141,6 +150,7 @@ class EngineHost:
             if self._engine is not self._lent:
                 self._engine.close()
             self._engine = None
+            self._style = None
 
     def lend_for(self, path: Path | None) -> None:
         """A lent engine serves its own model file only: set it aside while another model

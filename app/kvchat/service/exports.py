@@ -54,23 +54,37 @@ def _flag(message: Message) -> str:
     return ""
 
 
-def to_markdown(session: Session, messages: list[Message]) -> str:
+def quoted(text: str) -> str:
+    """``text`` as a Markdown block quote (every line, blank ones too, so it stays one)."""
+    return "\n".join(f"> {line}" if line else ">" for line in markdown_block(text).split("\n"))
+
+
+def to_markdown(session: Session, messages: list[Message], reasoning: bool = True) -> str:
+    """The transcript; a reply's reasoning (``reasoning``: kept) is a quoted section headed
+    "Reasoning" before its answer."""
     title = " ".join(session.title.split())
     lines = [f"# {title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
     if session.system_prompt:
         lines += ["## System", "", markdown_block(session.system_prompt), ""]
     for m in messages:
         flag = f" _({_flag(m)})_" if _flag(m) else ""
-        lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", "", markdown_block(m.content), ""]
+        lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", ""]
+        if reasoning and m.reasoning:
+            lines += ["> **Reasoning**", ">", quoted(m.reasoning), ""]
+        lines += [markdown_block(m.content), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_json(session: Session, messages: list[Message]) -> str:
+def to_json(session: Session, messages: list[Message], reasoning: bool = True) -> str:
+    """OpenAI-style messages (a reply's reasoning as ``reasoning_content``) and kvchat's
+    own fields."""
     chat: list[dict[str, object]] = []
     if session.system_prompt:
         chat.append({"role": "system", "content": session.system_prompt})
     for m in messages:
         item: dict[str, object] = {"role": m.role, "content": m.content}
+        if reasoning and m.reasoning:
+            item["reasoning_content"] = m.reasoning
         if m.partial:
             item["partial"] = True
         chat.append(item)
@@ -114,6 +128,8 @@ pre{background:#f6f8fa;border:1px solid #ddd;border-radius:.4rem;padding:.6rem .
 overflow-x:auto}pre code{background:none;padding:0}
 table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2rem .5rem}
 blockquote{margin:.5rem 0;padding-left:.8rem;border-left:3px solid #ccc;color:#555}
+details.reasoning{color:#555;border-left:3px solid #ccc;padding-left:.8rem;margin:.3rem 0}
+details.reasoning summary{cursor:pointer;font-style:italic}
 """
 
 
@@ -129,9 +145,10 @@ def markdown_html(text: str, *, typed: bool = False) -> str:
     return str(parser.render(text))
 
 
-def to_html(session: Session, messages: list[Message]) -> str:
+def to_html(session: Session, messages: list[Message], reasoning: bool = True) -> str:
     """One file, no scripts, no external resources; every piece of text is escaped and the
-    messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script)."""
+    messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script).
+    A reply's reasoning is a collapsed ``<details>`` block before its answer."""
     esc = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -150,6 +167,11 @@ def to_html(session: Session, messages: list[Message]) -> str:
         flag = f' <span class="partial">({_flag(m)})</span>' if _flag(m) else ""
         role = esc(ROLE_NAMES.get(m.role, m.role))
         body = markdown_html(m.content, typed=m.role == "user")
+        if reasoning and m.reasoning:
+            thought = markdown_html(m.reasoning)
+            body = (
+                f'<details class="reasoning"><summary>Reasoning</summary>{thought}</details>' + body
+            )
         parts.append(
             f'<div class="msg {esc(m.role)}" dir="auto"><span class="role">{role}{flag}</span>'
             f'<div class="body">{body}</div></div>'
@@ -158,9 +180,12 @@ def to_html(session: Session, messages: list[Message]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def export_session(session: Session, messages: list[Message], fmt: ExportFormat) -> str:
+def export_session(
+    session: Session, messages: list[Message], fmt: ExportFormat, reasoning: bool = True
+) -> str:
+    """The session in ``fmt``; ``reasoning`` False leaves thinking models' reasoning out."""
     if fmt == "md":
-        return to_markdown(session, messages)
+        return to_markdown(session, messages, reasoning)
     if fmt == "json":
-        return to_json(session, messages)
-    return to_html(session, messages)
+        return to_json(session, messages, reasoning)
+    return to_html(session, messages, reasoning)

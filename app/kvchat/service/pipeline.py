@@ -21,6 +21,7 @@ from kvchat.service.checks import os_error_line
 from kvchat.service.context_window import fit_window, plan_shift, system_head
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
+from kvchat.service.reasoning import THINK_OPEN, ReasoningStyle, join_reasoning, split_reasoning
 from kvchat.service.reports import (
     MessageRefused,
     TokenCallback,
@@ -112,7 +113,8 @@ class TurnPipeline:
         if not history:
             return None
         session = self.store.get_session(session_id)
-        chat = self.head(session) + [m.as_chat() for m in history]
+        thinks = self.host.reasoning_style.thinks
+        chat = self.head(session) + [m.as_chat(thinks) for m in history]
         return self.host.engine.chat_tokens(chat)
 
     def make_hot(
@@ -253,9 +255,12 @@ class TurnPipeline:
                 raise KvchatError("nothing to continue: the session does not end with a reply")
             last = history[-1]
             engine = self.host.load()
+            style = self.host.reasoning_style
             self.book.remember(session_id)
-            base = engine.chat_tokens(self.head(session) + [m.as_chat() for m in history[:-1]])
-            prompt = base + engine.tokenize(last.content)
+            earlier = [m.as_chat(style.thinks) for m in history[:-1]]
+            base = engine.chat_tokens(self.head(session) + earlier)
+            written = _as_written(last.reasoning, last.content, style)
+            prompt = base + engine.tokenize(written)
             if len(prompt) + 1 >= engine.n_ctx:
                 raise KvchatError(
                     f"the context is full ({len(prompt):,} of {engine.n_ctx:,} tokens): "
@@ -266,15 +271,17 @@ class TurnPipeline:
             more = stream_reply(
                 engine, read.prefill, params, stats, options.cancel, options.on_token
             )
+            reasoning, answer = split_reasoning(written + more, style)
             report = TurnReport.of_run(session_id, more, read.restore, read.prefill, stats)
             if more:
                 try:
                     message = self.store.update_message(
                         last.id,
-                        last.content + more,
+                        answer,
                         report.partial,
                         token_count=last.token_count + stats.generated,
                         finish_reason=report.finish_reason,
+                        reasoning=reasoning,
                     )
                 except KvchatError as exc:
                     report.reply_error = f"the continued reply could not be saved: {exc}"
@@ -300,7 +307,8 @@ class TurnPipeline:
         tiers = self.host.tiers
         tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
-        chat = [m.as_chat() for m in self.store.messages(session_id)]
+        thinks = self.host.reasoning_style.thinks
+        chat = [m.as_chat(thinks) for m in self.store.messages(session_id)]
         prompt = engine.chat_tokens(self.head(session) + chat + [{"role": "user", "content": text}])
         prefill = engine.prefill(prompt)
         params = GenerationParams(temperature=0.0, max_tokens=1)
@@ -323,9 +331,10 @@ class TurnPipeline:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.host.load()
+        style = self.host.reasoning_style
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
-        chat = [m.as_chat() for m in history]
+        chat = [m.as_chat(style.thinks) for m in history]
         reserve = min(params.max_tokens, engine.n_ctx // 4)
         head = self.head(session)
         prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
@@ -335,13 +344,14 @@ class TurnPipeline:
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.
         saver = (
-            StreamSaver(self.store, session_id, self.stream_save_every_s)
+            StreamSaver(self.store, session_id, self.stream_save_every_s, style)
             if replaces is None
             else None
         )
-        reply = stream_reply(
+        written = stream_reply(
             engine, read.prefill, params, stats, options.cancel, options.on_token, saver
         )
+        reasoning, reply = split_reasoning(written, style)
         report = TurnReport.of_run(
             session_id,
             reply,
@@ -352,9 +362,10 @@ class TurnPipeline:
             shifted_tokens=read.shift.tokens,
             shifted_messages=read.shift.messages,
             window_note=read.shift.note,
+            reasoning=reasoning,
         )
         # From here on the reply exists: whatever fails is reported, never raised.
-        self._store_reply(report, session_id, reply, stats, replaces, saver)
+        self._store_reply(report, session_id, stats, replaces, saver)
         self._finish(report, session, prompt, dropped)
         return report
 
@@ -379,15 +390,16 @@ class TurnPipeline:
         self,
         report: TurnReport,
         session_id: str,
-        reply: str,
         stats: GenerationStats,
         replaces: int | None,
         saver: StreamSaver | None,
     ) -> None:
-        """Commit the reply: a new version of ``replaces``, the final text of the streamed
-        message, or a new message; a failure is written into ``report``."""
+        """Commit the reply (its answer, and its reasoning apart): a new version of
+        ``replaces``, the final text of the streamed message, or a new message; a failure
+        is written into ``report``."""
+        reply, reasoning = report.reply, report.reasoning
         streamed = saver.message_id if saver is not None else None
-        if not reply.strip():
+        if not reply.strip() and not reasoning:
             if streamed is not None:
                 try:
                     self.store.delete_message(streamed)
@@ -403,6 +415,7 @@ class TurnPipeline:
                     token_count=stats.generated,
                     partial=report.partial,
                     finish_reason=ended,
+                    reasoning=reasoning,
                 )
             elif streamed is not None:  # the final commit replaces the streamed text
                 message = self.store.update_message(
@@ -411,6 +424,7 @@ class TurnPipeline:
                     report.partial,
                     token_count=stats.generated,
                     finish_reason=ended,
+                    reasoning=reasoning,
                 )
             else:
                 message = self.store.add_message(
@@ -420,6 +434,7 @@ class TurnPipeline:
                     token_count=stats.generated,
                     partial=report.partial,
                     finish_reason=ended,
+                    reasoning=reasoning,
                 )
         except KvchatError as exc:
             report.reply_error = f"the reply could not be saved: {exc}"
@@ -490,3 +505,11 @@ class TurnPipeline:
                 f"re-read the kept window ({len(prompt):,} tokens)"
             )
         return WindowShift(tokens=n_discard, messages=plan.messages)
+
+
+def _as_written(reasoning: str, answer: str, style: ReasoningStyle) -> str:
+    """A stored reply as the model wrote it, to continue it: a reply cut while reasoning
+    is continued inside its reasoning (its think block left open)."""
+    if reasoning and not answer and style.kind == "think":
+        return ("" if style.opens_inside else THINK_OPEN) + "\n" + reasoning
+    return join_reasoning(reasoning, answer, style)

@@ -54,7 +54,10 @@ def generation_params(
     """Sampling for one turn: the call's overrides over the session's over the settings'.
 
     An unset seed is a new random one, so "no seed" means a different reply each time.
+    ``grammar`` (an override only): a GBNF grammar the reply must follow.
     """
+    overrides = dict(overrides)
+    grammar = overrides.pop("grammar", None)
     for name, value in overrides.items():
         problem = None if value is None else sampling_problem(name, value)
         if problem:
@@ -72,6 +75,7 @@ def generation_params(
         top_p=float(values["top_p"]),
         max_tokens=int(values["max_tokens"]),
         seed=int(values["seed"]),
+        grammar=None if grammar is None else str(grammar),
     )
 
 
@@ -81,6 +85,10 @@ class TokenCounts:
     reused: int = 0
     decoded: int = 0
     generated: int = 0
+    # Tokens the context held after the reply that the next turn's prompt renders
+    # differently (a thinking model's template dropping the reasoning, say): the settle
+    # re-reads them while the user reads, or the next turn decodes them.
+    rerendered: int = 0
 
 
 @dataclass
@@ -107,6 +115,8 @@ class TurnReport:
     # With reply_error: characters of the reply the database holds all the same (its copy
     # saved while it streamed, marked partial), or None when it holds none of it.
     stored_part: int | None = None
+    # A thinking model's reasoning before the answer in ``reply`` ("" when none).
+    reasoning: str = ""
 
     @classmethod
     def of_run(
@@ -138,6 +148,7 @@ class TurnReport:
         return {
             "session": self.session_id,
             "reply": self.reply,
+            "reasoning": self.reasoning,
             "finish_reason": self.finish_reason,
             "message_id": self.message_id,
             "reply_error": self.reply_error,
@@ -146,6 +157,7 @@ class TurnReport:
                 "reused": self.tokens.reused,
                 "decoded": self.tokens.decoded,
                 "generated": self.tokens.generated,
+                "rerendered": self.tokens.rerendered,
             },
             "restore": self.restore.to_json(),
             "timing": {
@@ -193,6 +205,10 @@ class TurnReport:
             )
         elif self.dropped_messages:
             parts.append(f"{self.dropped_messages} old messages left the window")
+        if self.reasoning:
+            parts.append(f"reasoned {len(self.reasoning):,} characters")
+        if self.tokens.rerendered and self.reasoning:
+            parts.append(f"template re-renders {self.tokens.rerendered:,} tokens")
         if self.window_note:
             parts.append(self.window_note)
         if self.snapshot.whole_reason:

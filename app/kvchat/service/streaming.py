@@ -6,6 +6,7 @@ import time
 
 from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
 from kvchat.errors import KvchatError
+from kvchat.service.reasoning import NO_REASONING, ReasoningStyle, split_reasoning
 from kvchat.service.reports import TokenCallback
 from kvchat.store import Store
 
@@ -41,10 +42,17 @@ class StreamSaver:
     """Stores a streaming reply as a partial message after its first second, then updates it
     every second (a convenience: a store that refuses is skipped, the final commit retries)."""
 
-    def __init__(self, store: Store, session_id: str, every_s: float = STREAM_SAVE_EVERY_S):
+    def __init__(
+        self,
+        store: Store,
+        session_id: str,
+        every_s: float = STREAM_SAVE_EVERY_S,
+        style: ReasoningStyle = NO_REASONING,
+    ):
         self.store = store
         self.session_id = session_id
         self.every_s = every_s
+        self.style = style  # the reasoning is stored apart from the answer as it streams
         self.message_id: int | None = None
         self.stored_chars = 0  # of the reply, as the database holds it now
         self._next = time.monotonic() + every_s
@@ -56,13 +64,21 @@ class StreamSaver:
         text = "".join(pieces)
         if not text.strip():
             return
+        reasoning, answer = split_reasoning(text, self.style)
         try:
             if self.message_id is None:
                 self.message_id = self.store.add_message(
-                    self.session_id, "assistant", text, token_count=generated, partial=True
+                    self.session_id,
+                    "assistant",
+                    answer,
+                    token_count=generated,
+                    partial=True,
+                    reasoning=reasoning,
                 ).id
             else:
-                self.store.update_message(self.message_id, text, True, token_count=generated)
-            self.stored_chars = len(text)
+                self.store.update_message(
+                    self.message_id, answer, True, token_count=generated, reasoning=reasoning
+                )
+            self.stored_chars = len(answer)
         except KvchatError:
             pass

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from kvchat.config import Settings
+from kvchat.engine import common_prefix
 from kvchat.errors import KvchatError
 from kvchat.kvcache.tiers import SnapshotWrite
 from kvchat.service.context_window import settle_target, system_head
@@ -89,8 +90,14 @@ class Upkeep:
                 target = self._settle_target(session, prompt, dropped)
             except KvchatError as exc:
                 report.window_note = f"the context was left as generated ({exc})"
+        keep = len(prompt)
+        if target is not None:
+            held = engine.tokens
+            same = common_prefix(held, target)
+            report.tokens.rerendered = len(held) - same
+            keep = min(keep, same)  # the template may render the prompt's tail otherwise
         self._pending = PendingUpkeep(
-            session.id, len(prompt), target, title=self._wants_title(report, session)
+            session.id, keep, target, title=self._wants_title(report, session)
         )
         if self.deferred:
             return
@@ -104,7 +111,8 @@ class Upkeep:
         engine = self.host.engine
         messages = self.store.messages(session.id)[dropped:]  # the window's messages
         head = system_head(session.system_prompt or self.settings.system_prompt)
-        chat = head + [m.as_chat() for m in messages]
+        thinks = self.host.reasoning_style.thinks
+        chat = head + [m.as_chat(thinks) for m in messages]
         return settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
 
     def _run(self) -> Housekeeping:

@@ -90,11 +90,12 @@ class ImportsSql(SqlBase):
                 )
                 conn.executemany(
                     "INSERT INTO messages"
-                    " (session_id, role, content, created, token_count, partial)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    " (session_id, role, content, created, token_count, partial, reasoning)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [
-                        (session_id, role, content, when or created, tokens, int(partial))
-                        for role, content, when, tokens, partial in item["messages"]
+                        # (role, content, when, tokens, partial[, reasoning])
+                        (session_id, m[0], m[1], m[2] or created, m[3], int(m[4]), _reasoning(m))
+                        for m in item["messages"]
                     ],
                 )
                 if key:
@@ -109,3 +110,8 @@ class ImportsSql(SqlBase):
                 (json.dumps([session_id for session_id, _ in results]), file_key),
             )
         return results
+
+
+def _reasoning(message: Any) -> str:
+    """An imported message's reasoning: its sixth field, when the format has one."""
+    return str(message[5] or "") if len(message) > 5 else ""

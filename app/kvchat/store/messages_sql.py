@@ -28,6 +28,7 @@ class MessagesSql(SqlBase):
             token_count=row["token_count"] or 0,
             partial=bool(row["partial"]),
             finish_reason=row.get("finish_reason"),
+            reasoning=row.get("reasoning") or "",
         )
 
     def add_message(
@@ -39,6 +40,7 @@ class MessagesSql(SqlBase):
         token_count: int = 0,
         partial: bool = False,
         finish_reason: str | None = None,
+        reasoning: str = "",
     ) -> Message:
         """Append a message and commit it (durable once this returns)."""
         stamp = now()
@@ -48,8 +50,17 @@ class MessagesSql(SqlBase):
                 raise self._found_damage(problem)
             cursor = conn.execute(
                 "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
-                " finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (session_id, role, content, stamp, token_count, int(partial), finish_reason),
+                " finish_reason, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session_id,
+                    role,
+                    content,
+                    stamp,
+                    token_count,
+                    int(partial),
+                    finish_reason,
+                    reasoning,
+                ),
             )
             conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
             message_id = cursor.lastrowid
@@ -137,10 +148,11 @@ class MessagesSql(SqlBase):
         *,
         token_count: int | None = None,
         finish_reason: str | None = None,
+        reasoning: str | None = None,
     ) -> Message:
         """Replace a message's text and partial mark (a reply saved as it streams, then
         finished or continued), committed; the search index follows by its triggers.
-        ``token_count`` and ``finish_reason`` change only when given."""
+        ``token_count``, ``finish_reason`` and ``reasoning`` change only when given."""
         stamp = now()
         with self._tx() as conn:
             owner = conn.execute(
@@ -151,8 +163,9 @@ class MessagesSql(SqlBase):
                 raise self._found_damage(problem)
             cursor = conn.execute(
                 "UPDATE messages SET content=?, partial=?, token_count=COALESCE(?, token_count),"
-                " finish_reason=COALESCE(?, finish_reason) WHERE id=?",
-                (content, int(partial), token_count, finish_reason, message_id),
+                " finish_reason=COALESCE(?, finish_reason), reasoning=COALESCE(?, reasoning)"
+                " WHERE id=?",
+                (content, int(partial), token_count, finish_reason, reasoning, message_id),
             )
             if cursor.rowcount == 0:
                 raise KvchatError(f"no message with id {message_id}")

@@ -379,6 +379,15 @@ def m015_server_slot_checks(db: sqlite_utils.Database) -> None:
             db["server_slots"].add_column(name, kind)
 
 
+def m016_message_reasoning(db: sqlite_utils.Database) -> None:
+    """A thinking model's reasoning, kept apart from the answer, on the message and on each
+    of its versions ("" where there was none; not in the search index: the answer is what
+    a search finds)."""
+    for table in ("messages", "reply_versions"):
+        if "reasoning" not in set(db[table].columns_dict):
+            db.execute(f"ALTER TABLE {table} ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -394,6 +403,7 @@ MIGRATIONS: list[Migration] = [
     m013_session_counts,
     m014_session_list_at_scale,
     m015_server_slot_checks,
+    m016_message_reasoning,
 ]
 
 

@@ -72,9 +72,17 @@ class Message:
     # Why a reply ended ("stop", "length", "cancelled", "context"); None: not known (your
     # messages, a reply still streaming, one stored before kvchat recorded it).
     finish_reason: str | None = None
+    # A thinking model's reasoning before the answer ("" when it had none), kept apart
+    # from the answer in ``content`` (see kvchat.service.reasoning).
+    reasoning: str = ""
 
-    def as_chat(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_chat(self, with_reasoning: bool = False) -> dict[str, str]:
+        """The message for a chat template; ``with_reasoning``: its reasoning too, as
+        ``reasoning_content`` (a thinking model's template decides what to keep of it)."""
+        chat = {"role": self.role, "content": self.content}
+        if with_reasoning and self.reasoning:
+            chat["reasoning_content"] = self.reasoning
+        return chat
 
 
 @dataclass(frozen=True)

@@ -235,8 +235,9 @@ class SessionsSql(SqlBase):
             last = upto_message if upto_message is not None else 2**62
             conn.execute(
                 "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
-                " finish_reason) SELECT ?, role, content, created, token_count, partial,"
-                " finish_reason FROM messages WHERE session_id=? AND id<=? ORDER BY id",
+                " finish_reason, reasoning) SELECT ?, role, content, created, token_count,"
+                " partial, finish_reason, reasoning FROM messages WHERE session_id=? AND id<=?"
+                " ORDER BY id",
                 (session_id, source_id, last),
             )
             if then is not None:

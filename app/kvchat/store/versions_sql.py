@@ -31,6 +31,7 @@ class VersionsSql(SqlBase):
         token_count: int = 0,
         partial: bool = False,
         finish_reason: str | None = None,
+        reasoning: str = "",
     ) -> Message:
         """Make ``content`` the reply's new current version, keeping the earlier ones, in one
         transaction (a kill leaves the old reply current, or the new one: never neither)."""
@@ -39,8 +40,17 @@ class VersionsSql(SqlBase):
             count = _ensure_versions(conn, message_id)
             conn.execute(
                 "INSERT INTO reply_versions (message_id, n, content, token_count, partial, created,"
-                " finish_reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (message_id, count + 1, content, token_count, int(partial), stamp, finish_reason),
+                " finish_reason, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    message_id,
+                    count + 1,
+                    content,
+                    token_count,
+                    int(partial),
+                    stamp,
+                    finish_reason,
+                    reasoning,
+                ),
             )
             _make_current(conn, message_id, count + 1, stamp)
         return self.get_message(message_id)
@@ -97,8 +107,8 @@ def _ensure_versions(conn: sqlite3.Connection, message_id: int) -> int:
         return int(count)
     cursor = conn.execute(
         "INSERT INTO reply_versions (message_id, n, content, token_count, partial, created,"
-        " finish_reason) SELECT id, 1, content, token_count, partial, created, finish_reason"
-        " FROM messages WHERE id=?",
+        " finish_reason, reasoning) SELECT id, 1, content, token_count, partial, created,"
+        " finish_reason, reasoning FROM messages WHERE id=?",
         (message_id,),
     )
     if cursor.rowcount == 0:
@@ -110,8 +120,9 @@ def _make_current(conn: sqlite3.Connection, message_id: int, n: int, stamp: str)
     """Copy version ``n`` into the message row (the search index follows by its triggers)."""
     conn.execute(
         "UPDATE messages SET version=?, content=v.content, token_count=v.token_count,"
-        " partial=v.partial, finish_reason=v.finish_reason FROM (SELECT content, token_count,"
-        " partial, finish_reason FROM reply_versions WHERE message_id=? AND n=?) AS v"
+        " partial=v.partial, finish_reason=v.finish_reason, reasoning=v.reasoning FROM"
+        " (SELECT content, token_count, partial, finish_reason, reasoning FROM reply_versions"
+        " WHERE message_id=? AND n=?) AS v"
         " WHERE messages.id=?",
         (n, message_id, n, message_id),
     )
@@ -125,8 +136,9 @@ def sync_current_version(conn: sqlite3.Connection, message_id: int) -> None:
     """After a message row's text changed (a continued reply): its current version too."""
     conn.execute(
         "UPDATE reply_versions SET content=m.content, token_count=m.token_count,"
-        " partial=m.partial, finish_reason=m.finish_reason FROM (SELECT content, token_count,"
-        " partial, finish_reason, version FROM messages WHERE id=?) AS m"
+        " partial=m.partial, finish_reason=m.finish_reason, reasoning=m.reasoning FROM"
+        " (SELECT content, token_count, partial, finish_reason, reasoning, version FROM messages"
+        " WHERE id=?) AS m"
         " WHERE message_id=? AND n=m.version",
         (message_id, message_id),
     )

@@ -1,0 +1,201 @@
+"""Thinking models (issue 23): a reply's reasoning is kept apart from its answer, exported in
+every format, and the next turn decodes only the new message although the template
+renders the previous reply without its reasoning.
+
+The model is the bundled one with chat templates written here that behave as the thinking
+families' do (the real ones are the models' own files): one that keeps a reply's reasoning
+only after the last question (as Qwen3's), one whose generation prompt opens the think
+block (as the DeepSeek-R1 distills'), and a harmony one (as gpt-oss's). The reply's
+reasoning is forced with a grammar, so the real engine generates it token by token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvchat.config import load_settings
+from kvchat.service.chat import ChatService
+from kvchat.service.reasoning import (
+    NO_REASONING,
+    ReasoningStream,
+    ReasoningStyle,
+    detect_style,
+    split_reasoning,
+)
+
+# After the last question only (Qwen3's rule), ChatML markup the bundled model knows.
+KEEP_AFTER_LAST_QUESTION = """\
+{%- set ns = namespace(last=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|im_start|>assistant
+{% if loop.index0 > ns.last and m.reasoning_content is defined and m.reasoning_content -%}
+<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif -%}
+{{ m.content }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+<|im_start|>assistant
+"""
+
+# The generation prompt opens the think block; earlier replies keep only what follows it.
+OPENS_THINKING = """\
+{%- for m in messages -%}
+<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1] | trim }}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor -%}
+<|im_start|>assistant
+<think>
+"""
+
+HARMONY = """\
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- else -%}
+<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- endif -%}
+{%- endfor -%}
+<|start|>assistant"""
+
+REASONING = "Two and two make four."
+ANSWER = "Four."
+
+
+def forced(text: str) -> str:
+    """A grammar whose only sentence is ``text``."""
+    return "root ::= " + json.dumps(text)
+
+
+def service_on(home: Path, template: str, tmp_path: Path) -> ChatService:
+    path = tmp_path / "template.jinja"
+    path.write_text(template, encoding="utf-8")
+    settings = load_settings(
+        chat_template=str(path), n_ctx=2048, temperature=0.0, max_tokens=96, n_threads=1
+    )
+    return ChatService(settings, home=home)
+
+
+# --- the parts, without the model ---------------------------------------------------------
+
+
+def test_think_tags_split_reasoning_from_the_answer() -> None:
+    tags = ReasoningStyle("think")
+    assert split_reasoning("<think>\nR1\nR2\n</think>\n\nThe answer", tags) == (
+        "R1\nR2",
+        "The answer",
+    )
+    assert split_reasoning("No thinking here.", tags) == ("", "No thinking here.")
+    assert split_reasoning("<think>\nstill going", tags) == ("still going", "")  # cut short
+    inside = ReasoningStyle("think", opens_inside=True)
+    assert split_reasoning("R\n</think>\n\nA", inside) == ("R", "A")
+    assert split_reasoning("R only", inside) == ("R only", "")
+    assert split_reasoning("<think>x</think>y", NO_REASONING) == ("", "<think>x</think>y")
+
+
+def test_harmony_channels_split_analysis_from_final() -> None:
+    harmony = ReasoningStyle("harmony")
+    text = (
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Answer.<|return|>"
+    )
+    assert split_reasoning(text, harmony) == ("Think.", "Answer.")
+    assert split_reasoning("<|channel|>final<|message|>Only.", harmony) == ("", "Only.")
+
+
+def test_a_stream_never_shows_half_a_marker_as_answer() -> None:
+    stream = ReasoningStream(ReasoningStyle("think"))
+    shown_reasoning, shown_answer = "", ""
+    for piece in ["<th", "ink>\nI re", "ason</th", "ink>\n\nOK", " then."]:
+        reasoning, answer = stream.feed(piece)
+        shown_reasoning += reasoning
+        shown_answer += answer
+        assert "<" not in shown_answer
+    assert (shown_reasoning.strip(), shown_answer) == ("I reason", "OK then.")
+    assert stream.answer == "OK then." and not stream.in_reasoning
+
+
+def test_the_style_is_read_from_what_the_template_renders() -> None:
+    from jinja2 import Environment
+
+    def renderer(template: str):
+        compiled = Environment().from_string(template)
+        return lambda messages: compiled.render(messages=messages)
+
+    assert detect_style(renderer(KEEP_AFTER_LAST_QUESTION)) == ReasoningStyle("think")
+    assert detect_style(renderer(OPENS_THINKING)) == ReasoningStyle("think", opens_inside=True)
+    assert detect_style(renderer(HARMONY)) == ReasoningStyle("harmony")
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert detect_style(renderer(plain)) == NO_REASONING
+
+
+# --- turns with the real engine ------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("template", "written"),
+    [
+        (KEEP_AFTER_LAST_QUESTION, f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"),
+        (OPENS_THINKING, f"{REASONING}\n</think>\n\n{ANSWER}"),
+        (
+            HARMONY,
+            f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant"
+            f"<|channel|>final<|message|>{ANSWER}",
+        ),
+    ],
+    ids=["keep-after-last-question", "opens-thinking", "harmony"],
+)
+def test_reasoning_is_stored_apart_and_the_next_turn_decodes_only_the_new_message(
+    kvhome: Path, tmp_path: Path, template: str, written: str
+) -> None:
+    service = service_on(kvhome, template, tmp_path)
+    try:
+        session = service.new_session().id
+        first = service.send(session, "What is two and two?", grammar=forced(written))
+        assert (first.reasoning, first.reply) == (REASONING, ANSWER)
+        stored = service.messages(session)[-1]
+        assert (stored.reasoning, stored.content) == (REASONING, ANSWER)
+        assert first.to_json()["reasoning"] == REASONING
+        # The template renders the reply without its reasoning next turn: the context
+        # held it as generated, so those tokens are re-rendered (and settled now).
+        assert first.tokens.rerendered > 10
+        fork = service.fork(session).id
+        second = service.send(session, "And three and three?")
+        assert second.tokens.decoded < 64, second.summary()
+        fresh = service.send(fork, "And three and three?", no_restore=True)
+        assert fresh.tokens.reused == 0
+        assert second.reply == fresh.reply  # greedy: the settled KV is a full prefill's
+    finally:
+        service.close()
+
+
+@pytest.mark.e2e
+def test_reasoning_goes_into_every_export_and_can_be_left_out(kvhome: Path, tmp_path: Path) -> None:
+    service = service_on(kvhome, KEEP_AFTER_LAST_QUESTION, tmp_path)
+    try:
+        session = service.new_session().id
+        written = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
+        service.send(session, "What is two and two?", grammar=forced(written))
+        as_json = json.loads(service.export(session, "json"))
+        reply = as_json["messages"][-1]
+        assert (reply["content"], reply["reasoning_content"]) == (ANSWER, REASONING)
+        markdown = service.export(session, "md")
+        assert f"> **Reasoning**\n>\n> {REASONING}\n\n{ANSWER}" in markdown
+        page = service.export(session, "html")
+        assert '<details class="reasoning"><summary>Reasoning</summary>' in page
+        assert REASONING in page and "<think>" not in page
+        for fmt in ("json", "md", "html"):
+            assert REASONING not in service.export(session, fmt, reasoning=False)
+    finally:
+        service.close()
