@@ -111,6 +111,8 @@ class GenerationParams:
     min_p: float = 0.05
     max_tokens: int = 512
     seed: int = 0
+    # A GBNF grammar the reply must follow (llama.cpp's grammar sampler; None: free text).
+    grammar: str | None = None
 
 
 @dataclass

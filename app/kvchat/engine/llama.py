@@ -23,6 +23,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import _internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from llama_cpp.llama_grammar import LlamaGrammar
 
 from kvchat.engine.api import (
     CancelCheck,
@@ -518,6 +519,13 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
 
     def _sampler(self, params: GenerationParams) -> internals.LlamaSampler:
         sampler = internals.LlamaSampler()
+        if params.grammar is not None:  # first: the others pick among what it allows
+            try:
+                grammar = LlamaGrammar.from_string(params.grammar, verbose=False)
+            except ValueError as exc:
+                sampler.close()
+                raise KvchatError(f"the grammar cannot be read: {exc}") from None
+            sampler.add_grammar(self.llm._model, grammar)
         if params.temperature <= 0:
             sampler.add_greedy()
         else:
