@@ -68,17 +68,35 @@ def server(ctx: click.Context, **flags: Any) -> None:
 @model_options
 @click.pass_context
 def start_cmd(ctx: click.Context, **flags: Any) -> None:
-    """Run that llama-server here (the binary `kvchat server build` made)."""
-    from kvchat.engine.server_build import find_binary, prepare_slot_dir
+    """Run that llama-server here (the binary `kvchat server build` made), supervised.
 
+    When llama-server dies (a crash, a kill) it is started again after a pause that grows
+    with each restart in a row; the log says why it died and which slot file it had open.
+    kvchat on this machine checks each slot file's size and checksum before a restore.
+    """
+    from kvchat.engine.server_build import find_binary, prepare_slot_dir
+    from kvchat.engine.server_registry import LocalServer
+    from kvchat.engine.server_supervisor import Supervisor
+
+    threads = flags.get("n_threads")
     plan = _plan(ctx, flags)
     if find_binary() is None:
         raise KvchatError("no llama-server binary: run `kvchat server build` first")
-    prepare_slot_dir(plan.slot_dir)
+    slot_dir = prepare_slot_dir(plan.slot_dir).resolve()
     argv = plan.argv()
-    click.echo(f"kvchat: {shlex.join(argv)}", err=True)
-    click.echo(f"kvchat: chat with `kvchat --server {plan.url}`", err=True)
-    os.execv(argv[0], argv)
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    say = lambda line: click.echo(line, err=True)  # noqa: E731
+    say(f"kvchat: {shlex.join(argv)}")
+    say(f"kvchat: chat with `kvchat --server {plan.url}`")
+    entry = LocalServer(
+        port=plan.port,
+        slot_dir=str(slot_dir),
+        model_path=str(plan.model),
+        pid=os.getpid(),
+        url=plan.url,
+    )
+    raise SystemExit(Supervisor(argv, entry, say=say).run())
 
 
 @server.command(name="build")

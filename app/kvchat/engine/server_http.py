@@ -24,11 +24,17 @@ STREAM_TIMEOUT_S = 600.0
 
 
 class ServerError(KvchatError):
-    """llama-server could not be reached, refused a request, or broke off."""
+    """llama-server could not be reached, refused a request, or broke off.
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    ``dropped``: the request reached the server and the connection then ended without a
+    whole answer (the server died or was killed while working on it), as opposed to a
+    server that could not be reached at all or answered with an HTTP error.
+    """
+
+    def __init__(self, message: str, status: int | None = None, *, dropped: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.dropped = dropped
 
 
 def normalize_url(url: str) -> str:
@@ -76,11 +82,21 @@ class ServerClient:
         conn = self._connect(timeout)
         data = None if body is None else json.dumps(body).encode("utf-8")
         try:
-            conn.request(method, self._base + path, body=data, headers=self._headers)
-            response = conn.getresponse()
+            conn.connect()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise self._unreachable(exc) from None
+        try:
+            conn.request(method, self._base + path, body=data, headers=self._headers)
+            response = conn.getresponse()
+        except TimeoutError as exc:
+            conn.close()
+            raise self._unreachable(exc) from None
+        except (OSError, http.client.HTTPException) as exc:
+            # Connected, then the connection ended before an answer: the server went away
+            # while it had the request (a crash, a kill).
+            conn.close()
+            raise self._broken(exc) from None
         if response.status >= 400:
             try:
                 raw = response.read()
@@ -127,7 +143,9 @@ class ServerClient:
 
     def _broken(self, exc: BaseException) -> ServerError:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        return ServerError(f"llama-server at {self.url} broke off the connection: {why}")
+        return ServerError(
+            f"llama-server at {self.url} broke off the connection: {why}", dropped=True
+        )
 
     def _refused(self, status: int, raw: bytes) -> ServerError:
         if status == 401:

@@ -8,20 +8,32 @@ slot → nothing; else its file is restored into a free or the least recently us
 A server that changed (model file, size, build, context), a missing file or a short
 restore → a prefill with the reason, never wrong KV. Which slot holds which session is
 known to this process only; another process restores from the file.
+
+A slot file kvchat cannot vouch for is never handed to the server (issue 27: llama.cpp can
+crash on a damaged one, taking every user of the server down). Where the slot directory is
+readable here (a server started by ``kvchat server start`` on this machine, see
+:mod:`kvchat.engine.server_registry`), each file's size and checksum are recorded at the
+save and checked before a restore; a file that differs is deleted and the turn prefills,
+with the reason. Where it is not, the bytes the server reads back must be the bytes it
+wrote, and a file whose restore ended in a dropped connection is quarantined: never
+restored again, so one bad file costs one crash at most.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from kvchat.engine.api import common_prefix
 from kvchat.engine.server_http import ServerError
+from kvchat.engine.server_registry import local_server
 from kvchat.errors import KvchatError
 from kvchat.kvcache.cold.snapshot_store import RestoreResult
+from kvchat.kvcache.server_files import SlotDir
 from kvchat.kvcache.tiers import CacheGc, HotSession, SnapshotWrite
 from kvchat.store import Store
 from kvchat.store.locks import SessionLocks
@@ -67,10 +79,15 @@ class ServerSlots(HotSession):
         self.store = store
         self.engine = engine
         self.fingerprint = engine.identity()
-        # Per slot: the session it holds for this process, and what kvchat knows it holds.
+        # Per slot: the session it holds for this process, what kvchat knows it holds, and
+        # how many of those tokens hold a full prefill's KV.
         self._held: list[str | None] = [None] * engine.n_slots
         self._tokens: list[list[int]] = [[] for _ in range(engine.n_slots)]
+        self._exact: list[int] = [0] * engine.n_slots
         self._used: list[float] = [0.0] * engine.n_slots
+        # The server's slot directory, where it is readable here (None: a remote server).
+        local = local_server(engine.server_url, str(self.fingerprint.get("model_path") or ""))
+        self.slot_dir: SlotDir | None = SlotDir(Path(local.slot_dir)) if local else None
 
     # --- the engine and the hot session (as KVTiers) ------------------------------------
 
@@ -103,6 +120,7 @@ class ServerSlots(HotSession):
     def _remember_slot(self) -> None:
         """Keep what kvchat knows the current slot holds before switching away from it."""
         self._tokens[self.engine.slot] = self.engine.tokens
+        self._exact[self.engine.slot] = self.engine.exact
 
     def _pick_slot(self) -> int:
         """A free slot, else the least recently used one (its session was saved already)."""
@@ -132,12 +150,12 @@ class ServerSlots(HotSession):
             return RestoreResult("none", reason="full prefill requested (--no-restore)")
         slot = self._slot_of(session_id)
         if slot is not None:
-            engine.use_slot(slot, self._tokens[slot])
+            engine.use_slot(slot, self._tokens[slot], self._exact[slot])
             self._hot = session_id
             self._used[slot] = time.monotonic()
             return RestoreResult("hot", tokens=engine.n_tokens)
         slot = self._pick_slot()
-        engine.use_slot(slot, self._tokens[slot])
+        engine.use_slot(slot, self._tokens[slot], self._exact[slot])
         self._release(slot)
         row = self.store.get_server_slot(session_id)
         donor = None
@@ -153,6 +171,8 @@ class ServerSlots(HotSession):
             problem = f"its {row.n_tokens:,} tokens exceed the server's context ({engine.n_ctx:,})"
         if problem is None and not row.n_tokens:
             problem = "its saved KV holds no tokens"
+        if problem is None:
+            problem = self._unvouched(row)
         if problem is not None:
             self._count(server_misses=1)
             return RestoreResult("none", reason=f"{problem}: full prefill")
@@ -162,8 +182,27 @@ class ServerSlots(HotSession):
         except ServerError as exc:
             engine.clear()
             self._count(server_misses=1)
+            if exc.dropped:
+                # The server went down with this file in hand: never again.
+                self._quarantine(row, "a restore of it broke the server's connection")
+                return RestoreResult(
+                    "none",
+                    reason=f"the server broke off while restoring its slot file ({exc}); "
+                    "the file is quarantined (never restored again): full prefill",
+                )
             return RestoreResult("none", reason=f"the server could not restore it ({exc})")
         restored = int(result.get("n_restored", -1))
+        read = int(result.get("n_read", -1))
+        if row.n_bytes and read != row.n_bytes:
+            # Not the file the server wrote: never trust it, nor restore it again.
+            engine.clear()
+            self._count(server_misses=1)
+            self._quarantine(row, f"the server read {read:,} bytes of the {row.n_bytes:,} it wrote")
+            return RestoreResult(
+                "none",
+                reason=f"the server read {read:,} bytes of the {row.n_bytes:,} it saved "
+                "(quarantined): full prefill",
+            )
         if restored != row.n_tokens:
             # Never trust a slot whose tokens are not exactly the recorded ones.
             engine.clear()
@@ -172,7 +211,7 @@ class ServerSlots(HotSession):
                 "none",
                 reason=f"the server restored {restored:,} of {row.n_tokens:,} tokens: full prefill",
             )
-        engine.use_slot(slot, row.token_ids)
+        engine.use_slot(slot, row.token_ids, row.n_exact or 0)
         self.mark_hot(session_id)
         self._count(
             server_restores=1,
@@ -191,6 +230,35 @@ class ServerSlots(HotSession):
             donor=donor,
         )
 
+    def _unvouched(self, row: ServerSlotRow) -> str | None:
+        """Why kvchat will not hand the server this row's file, or None.
+
+        Quarantined, saved before kvchat counted its exact tokens, or (slot directory
+        readable here) not checksummed or not the file saved: such a file is deleted."""
+        if row.quarantined:
+            return f"its slot file is quarantined ({row.quarantined})"
+        if row.n_exact is None:
+            return "its slot file was saved before kvchat counted its exact tokens"
+        if self.slot_dir is None:
+            return None
+        if row.checksum is None:
+            return "its slot file was saved without a checksum"
+        problem = self.slot_dir.problem(row.filename, row.n_bytes, row.checksum)
+        if problem is not None:
+            self.slot_dir.remove(row.filename)
+            self.store.delete_server_slots(row.session_id)
+            return f"{problem}; deleted"
+        return None
+
+    def _quarantine(self, row: ServerSlotRow, reason: str) -> None:
+        """Never restore ``row``'s file again (deleted too, where the directory is here)."""
+        try:
+            self.store.quarantine_server_slot(row.session_id, row.filename, reason)
+        except StoreFull:
+            pass
+        if self.slot_dir is not None:
+            self.slot_dir.remove(row.filename)
+
     def _donor(self, prompt: list[int]) -> ServerSlotRow | None:
         """Another session's slot file sharing the longest prefix with ``prompt`` (a fork,
         an edit), if it beats what the slot in use holds by :data:`MIN_DONOR_GAIN` tokens."""
@@ -199,6 +267,8 @@ class ServerSlots(HotSession):
         held = common_prefix(self.engine.tokens, prompt)
         best, best_shared = None, held + MIN_DONOR_GAIN - 1
         for row in self.store.server_slot_rows():
+            if row.quarantined:
+                continue
             shared = common_prefix(row.token_ids, prompt)
             if shared > best_shared and row.fingerprint == self.fingerprint:
                 best, best_shared = row, shared
@@ -255,13 +325,16 @@ class ServerSlots(HotSession):
                     error=f"the server's slot held {saved:,} tokens, not the {len(tokens):,} "
                     "kvchat knows of: this KV was not recorded"
                 )
+            written = int(result.get("n_written", 0))
             row = ServerSlotRow(
                 session_id=session_id,
                 filename=filename,
                 token_ids=tokens[:saved],
                 fingerprint=self.fingerprint,
-                n_bytes=int(result.get("n_written", 0)),
+                n_bytes=written,
                 generation=generation,
+                checksum=self._checksum(filename, written),
+                n_exact=min(engine.exact, saved),
             )
             self.store.put_server_slot(row)
             self._count(server_bytes_written=row.n_bytes)
@@ -272,6 +345,21 @@ class ServerSlots(HotSession):
             bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000, written=row.n_bytes
         )
 
+    def _checksum(self, filename: str, written: int) -> str | None:
+        """The checksum of the file just saved, where the slot directory is here; None
+        otherwise. A file not found there, or not of the size written, means the directory
+        is not this server's after all: the rest of this process treats it as remote."""
+        if self.slot_dir is None:
+            return None
+        try:
+            found = self.slot_dir.check(filename)
+        except OSError:
+            found = None
+        if found is None or found.size != written:
+            self.slot_dir = None
+            return None
+        return found.checksum
+
     def forget(self, session_id: str) -> None:
         """Forget a session's slot file and slot (its text is not ours to touch)."""
         slot = self._slot_of(session_id)
@@ -280,6 +368,10 @@ class ServerSlots(HotSession):
             if slot == self.engine.slot:
                 self.engine.clear()
             self._tokens[slot] = []
+            self._exact[slot] = 0
+        row = self.store.get_server_slot(session_id)
+        if row is not None and self.slot_dir is not None:
+            self.slot_dir.remove(row.filename)
         self.store.delete_server_slots(session_id)
 
     # --- looking ---------------------------------------------------------------------------
@@ -324,6 +416,8 @@ class ServerSlots(HotSession):
                 "slots": self.engine.n_slots,
                 "slots_held": held,
                 "slot_files": len(rows),
+                "quarantined": sum(1 for r in rows if r.quarantined),
+                "slot_dir": str(self.slot_dir.path) if self.slot_dir is not None else None,
                 **self.fingerprint,
             },
         }

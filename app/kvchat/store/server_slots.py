@@ -2,7 +2,10 @@
 
 One row per session: the file name kvchat gave the slot save (on the server's
 ``--slot-save-path``), the exact token ids that file holds, and the fingerprint of the
-server that wrote it. The file itself is the server's; only this index is kvchat's.
+server that wrote it. The file itself is the server's; only this index is kvchat's. Also
+what vouches for the file (migration m015_server_slot_checks): its checksum where kvchat
+could read it, how many of its tokens hold a full prefill's KV, and why it is never to be
+restored again (quarantined) when a restore of it took the server down.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ class ServerSlotRow:
     generation: int = 0  # counts saves: the file name alternates, so a save never
     created: str = ""  # overwrites the file the row points to
     last_used: str = ""
+    # xxh3-64 of the file as saved (hex), when kvchat could read the server's slot directory.
+    checksum: str | None = None
+    # Leading tokens whose KV is a full prefill's (None: saved before kvchat counted them).
+    n_exact: int | None = None
+    # Why the file is never restored again (a restore of it broke the server), or None.
+    quarantined: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -48,13 +57,16 @@ class ServerSlotRow:
             generation=int(row["generation"] or 0),
             created=row["created"] or "",
             last_used=row["last_used"] or "",
+            checksum=row.get("checksum") or None,
+            n_exact=None if row.get("n_exact") is None else int(row["n_exact"]),
+            quarantined=row.get("quarantined") or None,
         )
 
 
 # token_ids read as bytes whatever a damaged row stored there (text would fail to decode).
 _SELECT = (
     "SELECT session_id, filename, CAST(token_ids AS BLOB) AS token_ids, fingerprint, n_bytes,"
-    " generation, created, last_used FROM server_slots"
+    " generation, created, last_used, checksum, n_exact, quarantined FROM server_slots"
 )
 
 
@@ -71,9 +83,9 @@ class ServerSlotsSql(SqlBase):
         with self._tx() as conn:
             conn.execute(
                 "INSERT OR REPLACE INTO server_slots (session_id, filename, n_tokens, token_ids,"
-                " fingerprint, n_bytes, generation, created, last_used)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE((SELECT created FROM server_slots"
-                " WHERE session_id=?), ?), ?)",
+                " fingerprint, n_bytes, generation, created, last_used, checksum, n_exact,"
+                " quarantined) VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE((SELECT created FROM"
+                " server_slots WHERE session_id=?), ?), ?, ?, ?, NULL)",
                 (
                     row.session_id,
                     row.filename,
@@ -85,7 +97,17 @@ class ServerSlotsSql(SqlBase):
                     row.session_id,
                     stamp,
                     stamp,
+                    row.checksum,
+                    row.n_exact,
                 ),
+            )
+
+    def quarantine_server_slot(self, session_id: str, filename: str, reason: str) -> None:
+        """Never restore this row's file again (only if the row still points to it)."""
+        with self._tx() as conn:
+            conn.execute(
+                "UPDATE server_slots SET quarantined=? WHERE session_id=? AND filename=?",
+                (reason, session_id, filename),
             )
 
     def touch_server_slot(self, session_id: str) -> None:
