@@ -200,10 +200,22 @@ def test_doctor_salvages_the_text_and_keeps_the_damaged_file(tmp_path: Path):
 
     path = tmp_path / "kvchat.db"
     session_id = _filled(path, n=400)
-    size = path.stat().st_size
+    # Garbage over two of the messages table's pages in the middle of it (found by SQLite's
+    # page map, not by the file's middle: which pages lie there depends on the schema).
+    db = sqlite3.connect(path)
+    pages = [
+        row[0]
+        for row in db.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'messages' AND pagetype = 'leaf'"
+            " ORDER BY pageno"
+        )
+    ]
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
     with open(path, "r+b") as fh:
-        fh.seek(size // 2)
-        fh.write(os.urandom(8192))
+        for page in pages[len(pages) // 2 : len(pages) // 2 + 2]:
+            fh.seek((page - 1) * page_size)
+            fh.write(os.urandom(page_size))
     damaged = path.read_bytes()
     assert not doctor.check(path).ok
     report = doctor.salvage(path)

@@ -95,9 +95,14 @@ class SqlBase:
     db: sqlite_utils.Database
     _lock: threading.RLock
     _damage: str | None = None
+    # Set once the check that gates writes is done (a big file's runs in the background).
+    _checked: threading.Event | None = None
 
     def _refuse_if_damaged(self) -> None:
-        """Raise :class:`DamagedDatabase` when a check found the file damaged."""
+        """Raise :class:`DamagedDatabase` when a check found the file damaged (waiting for
+        the check that gates writes, when it still runs)."""
+        if self._checked is not None:
+            self._checked.wait()
         if self._damage is not None:
             raise DamagedDatabase(damaged_message(self.path, self._damage))
 

@@ -25,7 +25,7 @@ from kvchat.store.connection import (
 from kvchat.store.imports_sql import ImportsSql
 from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
-from kvchat.store.migrations import migrate
+from kvchat.store.migrations import MIGRATIONS, migrate
 from kvchat.store.server_slots import ServerSlotsSql
 from kvchat.store.session_list_sql import SessionListSql
 from kvchat.store.session_models import SessionModelsSql
@@ -125,10 +125,13 @@ class Store(
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
     Opening checks the file on a read-only connection (SQLite's full ``integrity_check``
-    for a file up to :data:`FULL_CHECK_AT_OPEN_BYTES`, else ``quick_check`` and the full
-    check in the background) and runs the migrations while holding an exclusive lock on
-    ``<db>.lock``, so two processes opening a new home never race. A damaged file raises
-    :class:`DamagedDatabase` and is never written to: not even its WAL is checkpointed.
+    for a file up to :data:`FULL_CHECK_AT_OPEN_BYTES`) and runs the migrations while
+    holding an exclusive lock on ``<db>.lock``, so two processes opening a new home never
+    race. A bigger file (a history of thousands of conversations) opens at once: its
+    ``quick_check`` (which reads the whole file) and then the full check run in the
+    background, and every write waits for the quick check (before the migrations, when
+    some are due, it runs at open). A damaged file raises :class:`DamagedDatabase` and is
+    never written to: not even its WAL is checkpointed.
     """
 
     def __init__(self, path: Path, *, check: bool = True) -> None:
@@ -137,14 +140,24 @@ class Store(
         self._damage = None
         self._checker: threading.Thread | None = None
         self._check_conn: sqlite3.Connection | None = None
+        # Set once the file passed the check that gates writes (or found it damaged).
+        self._checked = threading.Event()
         ensure_private_dir(path.parent)
         background = False
         try:
             with file_lock(self.lock_path(path)):
                 created = [] if path.exists() else _create_database(path)
                 _keep_empty_aside(path)
-                if check:
+                if check and (self._small() or self._migrations_due()):
                     background = not self._check_read_only()
+                    self._checked.set()
+                elif check:
+                    background = True  # the quick check too: writes wait for it
+                else:
+                    self._checked.set()
+                # Whether the file passed the check that gates writes (so closing may fold
+                # its WAL in): False until a background quick check says so.
+                self._verified = self._checked.is_set()
                 conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
                 self.db = sqlite_utils.Database(conn)
                 try:
@@ -162,22 +175,41 @@ class Store(
             raise KvchatError(f"cannot open the database {path}: {exc.strerror or exc}") from None
         if background:
             self._checker = threading.Thread(
-                target=self._full_check, name="kvchat-integrity-check", daemon=True
+                target=self._background_check, name="kvchat-integrity-check", daemon=True
             )
             self._checker.start()
+        else:
+            self._checked.set()
 
     @staticmethod
     def lock_path(path: Path) -> Path:
         return path.with_name(path.name + ".lock")
 
-    def _check_read_only(self) -> bool:
-        """Check the file before it is opened for writing; True when the check was the full
-        one. Raises DamagedDatabase (the file and its WAL untouched) when it fails."""
+    def _small(self) -> bool:
+        """Whether the file (with its WAL) is small enough for the full check at open."""
         size = self.path.stat().st_size
         wal = self.path.with_name(self.path.name + "-wal")
         if wal.exists():
             size += wal.stat().st_size
-        full = size <= FULL_CHECK_AT_OPEN_BYTES
+        return size <= FULL_CHECK_AT_OPEN_BYTES
+
+    def _migrations_due(self) -> bool:
+        """Whether opening will migrate (write) the file: then it is checked first. A file
+        whose migrations table can't be read counts as due (the check says why)."""
+        try:
+            conn = check_connection(self.path)
+            try:
+                done = {row[0] for row in conn.execute("SELECT name FROM _migrations")}
+            finally:
+                conn.close()
+        except (sqlite3.DatabaseError, UnicodeDecodeError):
+            return True
+        return any(migration.__name__ not in done for migration in MIGRATIONS)
+
+    def _check_read_only(self) -> bool:
+        """Check the file before it is opened for writing; True when the check was the full
+        one. Raises DamagedDatabase (the file and its WAL untouched) when it fails."""
+        full = self._small()
         conn = check_connection(self.path)
         try:
             pragma = "integrity_check(5)" if full else "quick_check(5)"
@@ -190,25 +222,39 @@ class Store(
             raise DamagedDatabase(damaged_message(self.path, "; ".join(map(str, result[:3]))))
         return full
 
-    def _full_check(self) -> None:
-        """SQLite's full integrity_check on a read-only connection (a background thread):
-        damage it finds (an index that disagrees with its table, which quick_check does not
-        look at) stops every later write."""
+    def _background_check(self) -> None:
+        """The checks of a big file, on a read-only connection (a background thread): first
+        ``quick_check`` when it did not run at open (writes wait for it), then the full
+        ``integrity_check``. Damage either finds (the full one also sees an index that
+        disagrees with its table) stops every later write."""
         try:
-            conn = check_connection(self.path)
-            self._check_conn = conn
-            try:
-                result = [row[0] for row in conn.execute("PRAGMA integrity_check(5)").fetchall()]
-            finally:
-                self._check_conn = None
-                conn.close()
-            if result != ["ok"]:
-                self._found_damage("; ".join(map(str, result[:3])))
+            if not self._checked.is_set():
+                try:
+                    if not self._pragma_ok("quick_check(5)"):
+                        return
+                    self._verified = True
+                finally:
+                    self._checked.set()  # writes go on, or are refused for the damage
+            self._pragma_ok("integrity_check(5)")
         except sqlite3.DatabaseError as exc:
             if "interrupt" not in str(exc):
                 self._found_damage(str(exc))
         except UnicodeDecodeError:
             self._found_damage("SQLite's report of the damage is not even text")
+
+    def _pragma_ok(self, pragma: str) -> bool:
+        """Run a check pragma on a read-only connection; False (damage recorded) if it fails."""
+        conn = check_connection(self.path)
+        self._check_conn = conn
+        try:
+            result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+        finally:
+            self._check_conn = None
+            conn.close()
+        if result != ["ok"]:
+            self._found_damage("; ".join(map(str, result[:3])))
+            return False
+        return True
 
     def wait_for_check(self, timeout: float | None = None) -> str | None:
         """Wait for the background integrity check (if one runs); the damage it found."""
@@ -222,7 +268,7 @@ class Store(
             if conn is not None:
                 conn.interrupt()
             checker.join(5)
-        if self._damage is None:
+        if self._damage is None and self._verified:
             self.db.conn.close()
         else:
             _close_keeping_wal(self.db.conn, self.path)
