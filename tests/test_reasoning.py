@@ -199,3 +199,82 @@ def test_reasoning_goes_into_every_export_and_can_be_left_out(kvhome: Path, tmp_
             assert REASONING not in service.export(session, fmt, reasoning=False)
     finally:
         service.close()
+
+
+@pytest.mark.e2e
+def test_a_json_export_imports_back_with_its_reasoning(kvhome: Path, tmp_path: Path) -> None:
+    from kvchat.transfer import import_file
+
+    service = service_on(kvhome, KEEP_AFTER_LAST_QUESTION, tmp_path)
+    try:
+        session = service.new_session().id
+        written = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
+        service.send(session, "What is two and two?", grammar=forced(written))
+        exported = tmp_path / "session.json"
+        exported.write_text(service.export(session, "json"), encoding="utf-8")
+        imported = import_file(service, exported).sessions[0].session
+        before = [(m.role, m.content, m.reasoning) for m in service.messages(session)]
+        after = [(m.role, m.content, m.reasoning) for m in service.messages(imported)]
+        assert after == before and after[-1] == ("assistant", ANSWER, REASONING)
+    finally:
+        service.close()
+
+
+def test_other_apps_reasoning_is_imported_apart_from_the_answer(
+    kvhome: Path, tmp_path: Path
+) -> None:
+    """OpenAI-style ``reasoning_content``, a reply that starts with a think block, and a
+    ChatGPT export's thoughts: each lands in the reasoning, never in the answer."""
+    from kvchat.transfer import import_file
+
+    openai_style = tmp_path / "openai.json"
+    openai_style.write_text(
+        json.dumps(
+            [
+                {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+                {"role": "user", "content": "Q2"},
+                {"role": "assistant", "content": "<think>\nR2\n</think>\n\nA2"},
+            ]
+        ),
+        encoding="utf-8",
+    )
+
+    def node(key: str, parent: str | None, role: str, content: dict) -> dict:
+        message = {"author": {"role": role}, "content": content, "create_time": 1.7e9}
+        return {"id": key, "parent": parent, "children": [], "message": message}
+
+    chain = [
+        node("a", None, "user", {"content_type": "text", "parts": ["Q"]}),
+        node(
+            "b",
+            "a",
+            "assistant",
+            {"content_type": "thoughts", "thoughts": [{"summary": "Plan", "content": "Think."}]},
+        ),
+        node("c", "b", "assistant", {"content_type": "reasoning_recap", "content": "Thought"}),
+        node("d", "c", "assistant", {"content_type": "text", "parts": ["A"]}),
+    ]
+    for parent, child in zip(chain, chain[1:]):
+        parent["children"] = [child["id"]]
+    chatgpt = tmp_path / "conversations.json"
+    chatgpt.write_text(
+        json.dumps([{"title": "T", "mapping": {n["id"]: n for n in chain}, "current_node": "d"}]),
+        encoding="utf-8",
+    )
+    service = ChatService(load_settings(), home=kvhome)
+    try:
+        first = import_file(service, openai_style).sessions[0].session
+        assert [(m.content, m.reasoning) for m in service.messages(first)] == [
+            ("Q1", ""),
+            ("A1", "R1"),
+            ("Q2", ""),
+            ("A2", "R2"),
+        ]
+        second = import_file(service, chatgpt).sessions[0].session
+        assert [(m.content, m.reasoning) for m in service.messages(second)] == [
+            ("Q", ""),
+            ("A", "Plan\n\nThink."),
+        ]
+    finally:
+        service.close()

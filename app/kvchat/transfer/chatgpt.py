@@ -98,6 +98,27 @@ def _message_text(path: Path, message: dict[str, Any], where: str) -> tuple[str 
     return text, dropped
 
 
+def _thoughts(path: Path, message: dict[str, Any], where: str) -> str | None:
+    """A reasoning model's thoughts ("thoughts" content: each a summary and its text) as
+    one text; "" for its recap ("Thought for 5 seconds"); None for any other message."""
+    content = message.get("content")
+    kind = content.get("content_type") if isinstance(content, dict) else None
+    if kind == "reasoning_recap":
+        return ""
+    if kind != "thoughts" or not isinstance(content, dict):
+        return None
+    items = content.get("thoughts")
+    texts: list[str] = []
+    for number, item in enumerate(items if isinstance(items, list) else [], 1):
+        if not isinstance(item, dict):
+            continue
+        for key in ("summary", "content"):
+            text = item.get(key)
+            if isinstance(text, str) and text.strip():
+                texts.append(check_text(path, text, f"{where} thought {number}.{key}") or "")
+    return "\n\n".join(t.strip() for t in texts if t.strip())
+
+
 def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession | None:
     where = f"conversation {number}"
     if not isinstance(conversation, dict):
@@ -109,6 +130,7 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
     system: str | None = None
     messages: list[ImportedMessage] = []
     skipped = 0
+    thoughts: list[str] = []  # a reasoning model's, for the reply that follows them
     for node in nodes:
         message = node.get("message")
         if message is None:
@@ -122,6 +144,11 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
             raise BadFile(path, f"{node_where}: the message has no author role")
         if role not in _ROLES:
             raise BadFile(path, f"{node_where}: unknown role {role!r}")
+        if role == "assistant":
+            thought = _thoughts(path, message, node_where)
+            if thought is not None:
+                thoughts += [thought] if thought else []
+                continue
         text, dropped = (None, 0) if role == "tool" else _message_text(path, message, node_where)
         skipped += dropped  # images and other parts that are not text
         if not text:
@@ -133,7 +160,10 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
             else:
                 skipped += 1
             continue
-        messages.append(ImportedMessage(role, text, created=iso_time(message.get("create_time"))))
+        created = iso_time(message.get("create_time"))
+        reasoning = "\n\n".join(thoughts) if role == "assistant" else ""
+        thoughts = [] if role == "assistant" else thoughts
+        messages.append(ImportedMessage(role, text, created=created, reasoning=reasoning))
     if not messages:
         return None
     title = conversation.get("title")

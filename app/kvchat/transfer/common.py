@@ -16,6 +16,7 @@ import numpy as np
 
 from kvchat.errors import KvchatError
 from kvchat.limits import sampling_problem
+from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStyle, split_reasoning
 from kvchat.service.reports import SESSION_SETTINGS
 
 # A JSON file (or a bundle's messages.json) larger than this is refused before it is read.
@@ -43,6 +44,23 @@ class ImportedMessage(NamedTuple):
     partial: bool = False
     created: str | None = None  # ISO 8601, UTC, as the store writes it; None: the session's
     token_count: int = 0
+    reasoning: str = ""  # a thinking model's reasoning before the answer
+
+
+def reply_parts(
+    path: Path, role: str, content: str, reasoning: object, where: str
+) -> tuple[str, str]:
+    """(answer, reasoning) of an imported message: the file's own reasoning text when it
+    has one (``reasoning_content``), else a reply's leading ``<think>…</think>`` block."""
+    if role != "assistant":
+        return content, ""
+    if isinstance(reasoning, str):
+        text = check_text(path, reasoning, f"{where}.reasoning_content") or ""
+        return content, text.strip()
+    if content.lstrip().startswith(THINK_OPEN) and THINK_CLOSE in content:
+        thought, answer = split_reasoning(content, ReasoningStyle("think"))
+        return answer, thought
+    return content, ""
 
 
 @dataclass

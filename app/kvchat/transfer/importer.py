@@ -197,7 +197,8 @@ def _store_sessions(
                 "created": s.created,
                 "updated": s.updated,
                 "messages": [
-                    (m.role, m.content, m.created, m.token_count, m.partial) for m in s.messages
+                    (m.role, m.content, m.created, m.token_count, m.partial, m.reasoning)
+                    for m in s.messages
                 ],
                 "key": _session_key(result.format, s),
             }

@@ -18,6 +18,7 @@ from kvchat.transfer.common import (
     check_settings,
     check_text,
     iso_time,
+    reply_parts,
     require,
 )
 
@@ -66,7 +67,8 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
             count = entry.get("token_count")
             if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 1 << 31:
                 tokens = count
-        messages.append(ImportedMessage(role, content, partial, created, tokens))
+        answer, reasoning = reply_parts(path, role, content, item.get("reasoning_content"), where)
+        messages.append(ImportedMessage(role, answer, partial, created, tokens, reasoning))
     source_id = session.get("id")
     return [
         ImportedSession(

@@ -19,6 +19,7 @@ from kvchat.transfer.common import (
     ImportedSession,
     check_text,
     default_title,
+    reply_parts,
 )
 
 NAME = "OpenAI JSON"
@@ -97,7 +98,9 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
         if text is None:
             skipped += 1  # an assistant turn that only calls tools, or an image alone
             continue
-        messages.append(ImportedMessage(role, text))
+        thought = item.get("reasoning_content", item.get("reasoning"))
+        answer, reasoning = reply_parts(path, role, text, thought, where)
+        messages.append(ImportedMessage(role, answer, reasoning=reasoning))
     title = document.get("title") if isinstance(document, dict) else None
     if isinstance(title, str) and title.strip():
         title = check_text(path, title, "title")
