@@ -9,7 +9,8 @@ model file, else ChatML, with a note saying that it is a guess and how to pick o
 A template change never reuses KV wrongly: snapshots are keyed on token ids, so a prompt
 rendered by another template shares only the ids it really shares.
 
-Pure Python: no model library is imported here (the planner and ``kvchat config`` use it).
+Pure Python: no model library is imported here (the engines, the planner and ``kvchat config``
+use it).
 """
 
 from __future__ import annotations
