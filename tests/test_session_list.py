@@ -194,3 +194,27 @@ def test_search_ranks_only_the_newest_matches_of_a_common_word(store, monkeypatc
     monkeypatch.setattr(messages_sql, "RANKED_MATCHES", 5000)
     best = store.search("river", limit=3)
     assert [h.message.content.split()[-1] for h in best] == ["number0", "number1", "number2"]
+
+
+def test_a_long_session_reads_back_a_page_at_a_time(store):
+    session = store.create_session("Long")
+    ids = [store.add_message(session.id, "user", f"m{i}").id for i in range(23)]
+    other = store.create_session("Other")
+    store.add_message(other.id, "user", "elsewhere")
+    pages, before = [], None
+    while True:
+        page = store.messages_page(session.id, 10, before=before)
+        if not page:
+            break
+        pages.insert(0, [m.content for m in page])
+        before = page[0].id
+    assert [len(p) for p in pages] == [3, 10, 10]
+    assert [c for p in pages for c in p] == [f"m{i}" for i in range(23)]
+    assert [m.id for m in store.messages_page(session.id, 2, before=ids[5])] == ids[3:5]
+    assert store.messages_page(session.id, 0) == []
+    plan = store.db.execute(
+        "EXPLAIN QUERY PLAN SELECT * FROM messages WHERE session_id=? AND id<?"
+        " ORDER BY id DESC LIMIT 10",
+        ("x", 5),
+    ).fetchall()
+    assert "USING INDEX" in plan[0][3] and "TEMP B-TREE" not in " ".join(r[3] for r in plan)

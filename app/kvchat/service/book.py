@@ -333,3 +333,10 @@ class SessionBook:
         """Sessions made or changed after ``stamp`` and those deleted, by any process, with
         the stamp to ask from next (indexed reads of what changed, never the whole list)."""
         return self.store.sessions_changed_since(stamp)
+
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]:
+        """Up to ``limit`` of the session's messages just before message id ``before`` (the
+        last ones when None), in order: a long session opens at its end and pages back."""
+        return self.store.messages_page(session_id, limit, before=before)

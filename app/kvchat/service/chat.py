@@ -518,6 +518,12 @@ class ChatService:
         """What another process (or this one) made, changed or deleted after ``stamp``."""
         return self.sessions.sessions_changed_since(stamp)
 
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]:
+        """Up to ``limit`` messages before message id ``before`` (the last ones when None)."""
+        return self.sessions.messages_page(session_id, limit, before=before)
+
 
 @contextmanager
 def open_service(settings: Settings, home: Path | None = None) -> Iterator[ChatService]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.store.connection import SqlBase, now
+from kvchat.store.connection import SqlBase, _translate, now
 from kvchat.store.rows import Message, SearchHit
 from kvchat.store.sessions_sql import TRUE_ID, check_counts, counts_problem
 from kvchat.store.versions_sql import sync_current_version
@@ -101,6 +102,26 @@ class MessagesSql(SqlBase):
         if problem is not None:
             raise self._found_damage(problem)
         return [self._message(r) for r in found]
+
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]:
+        """Up to ``limit`` of the session's messages just before message id ``before`` (the
+        last ones when None), in order: one range read of the (session, id) index, so a
+        5,000-message session opens at its end and pages back. Raises DamagedDatabase when
+        the session's messages do not read as its row records them."""
+        try:
+            with self._lock:
+                problem = check_counts(self.db.conn, session_id)
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
+        if problem is not None:
+            raise self._found_damage(problem)
+        rows = self._rows(
+            "SELECT * FROM messages WHERE session_id=? AND id<? ORDER BY id DESC LIMIT ?",
+            (session_id, before if before is not None else 2**62, max(0, limit)),
+        )
+        return [self._message(r) for r in reversed(rows)]
 
     def delete_message(self, message_id: int) -> None:
         with self._tx() as conn:
