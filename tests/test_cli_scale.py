@@ -133,3 +133,34 @@ def test_export_all_says_what_it_needs(big_home, tmp_path, args, said):
     home, _ = big_home
     result = run_cli(home, *args, check=False)
     assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_import_on_a_terminal_draws_a_bar_and_takes_it_away(tmp_path):
+    export = tmp_path / "conversations.json"
+    write_chatgpt_export(export, 30, 2)
+    master, slave = os.openpty()
+    env = {**clean_env(), "KVCHAT_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvchat", "import", str(export)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+    )
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        err += data
+    out, _ = proc.communicate(timeout=120)
+    os.close(master)
+    text = err.decode()
+    assert proc.returncode == 0 and len(out.splitlines()) == 30
+    assert "█" in text and "conversations," in text and "messages" in text
+    assert text.endswith("\r\x1b[K")  # the bar is gone before the import's own lines
