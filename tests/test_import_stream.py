@@ -113,6 +113,7 @@ def test_a_large_export_imports_in_one_transaction_with_progress(service, tmp_pa
     assert len(service.store.search(RARE_WORD, limit=100)) == rare_hits(40, 26) == 1
     again = import_file(service, path)
     assert again.already and len(again.sessions) == 40
+    assert all(s.messages == 26 and not s.new for s in again.sessions)
 
 
 @pytest.mark.parametrize("cut", [0.3, 0.999])

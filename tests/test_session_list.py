@@ -212,6 +212,7 @@ def test_a_long_session_reads_back_a_page_at_a_time(store):
     assert [c for p in pages for c in p] == [f"m{i}" for i in range(23)]
     assert [m.id for m in store.messages_page(session.id, 2, before=ids[5])] == ids[3:5]
     assert store.messages_page(session.id, 0) == []
+    assert (store.message_count(session.id), store.message_count("nosuchid")) == (23, 0)
     plan = store.db.execute(
         "EXPLAIN QUERY PLAN SELECT * FROM messages WHERE session_id=? AND id<?"
         " ORDER BY id DESC LIMIT 10",

@@ -126,3 +126,9 @@ class SessionListSql(SqlBase):
                 if began:
                     conn.execute("COMMIT")
         return SessionChanges(now, self._summaries(rows), [r["id"] for r in deleted])
+
+    def message_count(self, session_id: str) -> int:
+        """How many messages the session's row records (0 when there is no such session):
+        one row, where ``len(messages(...))`` reads them all."""
+        rows = self._rows("SELECT n_messages FROM sessions WHERE id=?", (session_id,))
+        return int(rows[0]["n_messages"]) if rows else 0

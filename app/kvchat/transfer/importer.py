@@ -254,7 +254,7 @@ def _already(service: ChatService, result: FileImport, ids: list[str]) -> FileIm
             SessionImport(
                 session_id,
                 session.title,
-                len(service.store.messages(session_id)),
+                service.store.message_count(session_id),
                 new=False,
                 kv_tokens=row.n_tokens if row is not None else 0,
                 kv_reason="this file was imported before",
