@@ -12,8 +12,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from kvchat.service.chat import ChatService
 from kvchat.config import load_settings
+from kvchat.service.chat import ChatService
 
 ASKS = [
     ("Write two sentences about the sea.", 48),

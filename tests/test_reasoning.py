@@ -278,3 +278,23 @@ def test_other_apps_reasoning_is_imported_apart_from_the_answer(
         ]
     finally:
         service.close()
+
+
+@pytest.mark.e2e
+def test_kvchat_export_leaves_reasoning_out_when_asked(kvhome: Path, tmp_path: Path, cli) -> None:
+    chat = tmp_path / "chat.json"
+    chat.write_text(
+        json.dumps(
+            [
+                {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "The answer.", "reasoning_content": "Why."},
+            ]
+        ),
+        encoding="utf-8",
+    )
+    imported = cli(kvhome, "import", str(chat), "--json")
+    session = json.loads(imported.stdout)["sessions"][0]["session"]
+    kept = cli(kvhome, "export", session, "--format", "md").stdout
+    assert "> **Reasoning**\n>\n> Why.\n\nThe answer." in kept
+    left = cli(kvhome, "export", session, "--format", "md", "--no-reasoning").stdout
+    assert "Why." not in left and "The answer." in left

@@ -21,6 +21,7 @@ from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.service.exports import FORMATS
+from kvchat.service.reasoning import NO_REASONING, ReasoningStream
 from kvchat.text import check_text, fit_width, one_line
 from kvchat.units import human_bytes
 
@@ -131,13 +132,15 @@ def ask(
     settings = settings_from(ctx, **flags)
     settings.model_path()
     reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
+    printer = _ReplyPrinter()
     turn: dict[str, Any] = dict(
-        on_token=None if as_json else reading.then(_stream),
+        on_token=None if as_json else reading.then(printer.feed),
         no_restore=no_restore,
         **sampling,
     )
     with service(settings) as chat:
         chat.load_engine()
+        printer.style = chat.reasoning_style
         chat.prefill_progress = reading
         for notice in chat.startup_notices():
             click.echo(f"kvchat: {one_line(notice)}", err=True)
@@ -157,8 +160,7 @@ def ask(
     if as_json:
         click.echo(to_json(report.to_json()))
     else:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        printer.end()
     if report.reply_error:
         # The reply is shown above; say once, and last, what of it the database holds.
         if report.stored_part is not None:
@@ -225,6 +227,39 @@ class _ReadingLine:
         self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
         self.stream.flush()
         self.drawn = self.tty
+
+
+class _ReplyPrinter:
+    """A streaming reply: a thinking model's reasoning to stderr (dimmed on a terminal),
+    the answer to stdout, so ``kvchat ask Q > answer.txt`` keeps the answer alone."""
+
+    def __init__(self) -> None:
+        self.style = NO_REASONING
+        self._split: ReasoningStream | None = None
+        self._thought = False
+
+    def feed(self, piece: str) -> None:
+        if self._split is None:
+            self._split = ReasoningStream(self.style)
+        reasoning, answer = self._split.feed(piece)
+        if reasoning:
+            tty = sys.stderr.isatty()
+            sys.stderr.write(
+                ("\x1b[2m" if tty else "") + shown(reasoning) + ("\x1b[0m" if tty else "")
+            )
+            sys.stderr.flush()
+            self._thought = True
+        if answer:
+            if self._thought:
+                sys.stderr.write("\n")
+                self._thought = False
+            _stream(answer)
+
+    def end(self) -> None:
+        if self._thought:
+            sys.stderr.write("\n")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _stream(piece: str) -> None:
@@ -352,14 +387,25 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
     is_flag=True,
     help="Every session, one file each (named by its id) in the folder given by -o DIR.",
 )
+@click.option(
+    "--no-reasoning",
+    "no_reasoning",
+    is_flag=True,
+    help="Leave thinking models' reasoning out (it is kept apart from the answers).",
+)
 @click.pass_context
 def export(
-    ctx: click.Context, session_ref: str | None, fmt: str, output: Path | None, export_all: bool
+    ctx: click.Context,
+    session_ref: str | None,
+    fmt: str,
+    output: Path | None,
+    export_all: bool,
+    no_reasoning: bool,
 ) -> None:
     """Export a session as Markdown, JSON or HTML (to a terminal, without control sequences);
     or, with --all -o DIR, every session."""
     if export_all:
-        return _export_all(ctx, session_ref, fmt, output)
+        return _export_all(ctx, session_ref, fmt, output, not no_reasoning)
     if session_ref is None:
         raise KvchatError("name the session to export (see `kvchat list`), or use --all -o DIR")
     if fmt == "bundle":
@@ -369,7 +415,7 @@ def export(
         raise KvchatError(f"no session matches {session_ref!r} (no sessions yet)")
     with service(settings) as chat:
         session = chat.resolve(session_ref)
-        text = chat.export(session.id, fmt)  # type: ignore[arg-type]
+        text = chat.export(session.id, fmt, not no_reasoning)  # type: ignore[arg-type]
     if output is None or str(output) == "-":
         try:
             sys.stdout.write(shown(text))
@@ -389,7 +435,13 @@ EXPORT_PAGE = 200
 _EXTENSIONS = {"md": "md", "json": "json", "html": "html"}
 
 
-def _export_all(ctx: click.Context, session_ref: str | None, fmt: str, output: Path | None) -> None:
+def _export_all(
+    ctx: click.Context,
+    session_ref: str | None,
+    fmt: str,
+    output: Path | None,
+    reasoning: bool = True,
+) -> None:
     """``kvchat export --all -o DIR``: every session as DIR/<id>.<format>, a page of the
     list at a time. Files are named by session id, never by title; made 0600, replacing a
     file of that name but never following a link."""
@@ -413,7 +465,7 @@ def _export_all(ctx: click.Context, session_ref: str | None, fmt: str, output: P
                 page = chat.list_sessions_page(EXPORT_PAGE, after)
                 for summary in page.sessions:
                     session_id = summary.session.id
-                    text = chat.export(session_id, fmt)  # type: ignore[arg-type]
+                    text = chat.export(session_id, fmt, reasoning)  # type: ignore[arg-type]
                     _write_private(output / f"{session_id}.{_EXTENSIONS[fmt]}", text)
                     written += 1
                 after = page.next
