@@ -7,8 +7,9 @@ process: its rate and peak RSS), then measured:
 
 * first paint: process start → the first frame that shows the newest session's title
   (fresh processes, :func:`kvchat.bench.paint.first_paint`), and that process's RSS;
-* the app running (model loaded, nothing happening): CPU over ``idle_s`` seconds, read from
-  /proc, its RSS, and keystroke echo (key → the frame that shows it in the input);
+* the app running (model loaded, the store's background integrity check done, nothing
+  happening): CPU over ``idle_s`` seconds, read from /proc, its RSS, and keystroke echo
+  (key → the frame that shows it in the input);
 * search (the service's, as the dialog calls it) for a rare word and for a word in every
   message; ``kvchat list`` (one screen, and --all) in fresh processes.
 
@@ -52,6 +53,7 @@ class HomeFigures:
     sessions: int
     messages: int  # per session
     import_s: float = 0.0
+    import_cpu_s: float = 0.0  # the import's own CPU time (a shared machine's load aside)
     imported: int = 0  # messages
     import_peak_rss_mb: float = 0.0
     export_mb: float = 0.0
@@ -71,6 +73,10 @@ class HomeFigures:
         return self.imported / self.import_s if self.import_s else 0.0
 
     @property
+    def import_cpu_rate(self) -> float:
+        return self.imported / self.import_cpu_s if self.import_cpu_s else 0.0
+
+    @property
     def echo_p95_ms(self) -> float:
         from kvchat.bench.ui_report import _percentile
 
@@ -82,6 +88,7 @@ class HomeFigures:
         data["echo_keys"] = len(self.echo_ms)
         data["echo_p95_ms"] = self.echo_p95_ms
         data["import_rate"] = self.import_rate
+        data["import_cpu_rate"] = self.import_cpu_rate
         return _rounded(data)
 
 
@@ -182,6 +189,7 @@ def build_home(home: Path, sessions: int, messages: int, scratch: Path) -> HomeF
         raise RuntimeError(f"bench: the import failed: {proc.stderr[-2000:]}")
     done = json.loads(lines[-1])
     figures.import_s = done["seconds"]
+    figures.import_cpu_s = done["cpu_seconds"]
     figures.imported = done["messages"]
     figures.import_peak_rss_mb = done["rss_kb"] / 1024
     return figures
@@ -197,11 +205,12 @@ def _import_child() -> None:
     from kvchat.transfer import import_file
 
     with open_service(load_settings()) as service:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         result = import_file(service, Path(sys.argv[1]))
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     figures = {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "messages": sum(s.messages for s in result.sessions),
         "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
@@ -212,7 +221,8 @@ def _import_child() -> None:
 
 
 def measure_list(home: Path, figures: HomeFigures, runs: int) -> None:
-    """``kvchat list`` (one screen) and ``kvchat list --all``, median wall times."""
+    """``kvchat list`` (one screen) and ``kvchat list --all``, median wall times (the
+    run itself interleaves these over its homes)."""
     figures.list_ms = statistics.median(
         _kvchat(home, "list", "--limit", str(LIST_SCREEN)) * 1000 for _ in range(runs)
     )
@@ -300,8 +310,11 @@ def _app_child() -> None:
     async def drive() -> None:
         async with app.run_test(size=SIZE):
             await _wait(lambda: app.main.ready, 900)
-            print(json.dumps({"ready": True}), flush=True)
             loop = asyncio.get_running_loop()
+            service = app.service
+            if service is not None:  # a big file's integrity check runs after the open
+                await loop.run_in_executor(None, service.store.wait_for_check)
+            print(json.dumps({"ready": True}), flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)  # the idle window ends
             frames = _Frames(app)
             prompt = app.main.prompt
@@ -337,8 +350,9 @@ def run_scale_bench(
     app: bool = True,
     progress: Say | None = None,
 ) -> ScaleReport:
-    """Measure the baseline home (one conversation), then a home of each size in ``sessions`` (× ``messages``).
-    ``app=False`` leaves out the running app (idle CPU, RSS, echo: a model load each)."""
+    """Measure the baseline home (one conversation) and a home of each size in
+    ``sessions`` (× ``messages``); ``app=False`` leaves out the running app (idle CPU,
+    RSS, echo: a model load each)."""
     say = progress or (lambda _line: None)
     report = ScaleReport(idle_s=idle_s)
     report.machine = {
@@ -348,25 +362,44 @@ def run_scale_bench(
     }
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-scale-") as scratch:
         root = Path(scratch)
+        homes: list[tuple[Path, HomeFigures]] = []
         for n in [BASELINE, *sessions]:
             home = root / f"home-{n}"
             say(f"scale: {n:,} sessions × {messages} messages: importing…")
             figures = build_home(home, n, messages, root)
             say(
                 f"scale: imported {figures.imported:,} messages in {figures.import_s:.1f} s"
-                f" ({figures.import_rate:,.0f}/s, peak RSS {figures.import_peak_rss_mb:.0f} MB)"
+                f" ({figures.import_rate:,.0f}/s; {figures.import_cpu_rate:,.0f}/s of CPU time;"
+                f" peak RSS {figures.import_peak_rss_mb:.0f} MB)"
             )
-            paint = first_paint(home, runs, shows=NEWEST_TITLE)
-            figures.first_paint_ms = paint["total_ms"]
-            figures.paint_rss_mb = paint["rss_mb"]
-            say(f"scale: first paint {figures.first_paint_ms:,.0f} ms")
+            homes.append((home, figures))
+        # Each run measures every home in turn, so a change of the machine's load meets
+        # them all alike and the ratios to the baseline hold.
+        paints: dict[int, list[dict[str, float]]] = {id(f): [] for _, f in homes}
+        lists: dict[int, list[float]] = {id(f): [] for _, f in homes}
+        alls: dict[int, list[float]] = {id(f): [] for _, f in homes}
+        for run in range(runs):
+            say(f"scale: first paint and kvchat list, run {run + 1} of {runs}…")
+            for home, figures in homes:
+                paints[id(figures)].append(first_paint(home, 1, shows=NEWEST_TITLE))
+                lists[id(figures)].append(_kvchat(home, "list", "--limit", str(LIST_SCREEN)))
+                alls[id(figures)].append(_kvchat(home, "list", "--all"))
+        for home, figures in homes:
+            figures.first_paint_ms = statistics.median(p["total_ms"] for p in paints[id(figures)])
+            figures.paint_rss_mb = statistics.median(p["rss_mb"] for p in paints[id(figures)])
+            figures.list_ms = statistics.median(lists[id(figures)]) * 1000
+            figures.list_all_ms = statistics.median(alls[id(figures)]) * 1000
+            say(
+                f"scale: {figures.sessions:,} sessions: first paint"
+                f" {figures.first_paint_ms:,.0f} ms, kvchat list {figures.list_ms:,.0f} ms"
+            )
+            measure_search(settings, home, figures, max(runs, 5))
             if app:
                 measure_app(home, figures, idle_s, keys)
                 say(
-                    f"scale: idle CPU {figures.idle_cpu:.1%} of a core, RSS {figures.rss_mb:.0f} MB"
+                    f"scale: {figures.sessions:,} sessions: idle CPU {figures.idle_cpu:.1%} of"
+                    f" a core, RSS {figures.rss_mb:.0f} MB, echo p95 {figures.echo_p95_ms:.0f} ms"
                 )
-            measure_search(settings, home, figures, max(runs, 5))
-            measure_list(home, figures, runs)
             report.homes.append(figures)
     return report
 
@@ -377,7 +410,7 @@ def format_scale_report(report: ScaleReport) -> str:
         f"{machine.get('cpu_cores')} cores, load {machine.get('load')} at the start;"
         f" model {machine.get('model')}",
         "",
-        f"{'sessions':>9} {'messages':>9} {'import/s':>9} {'imp RSS':>8} {'paint':>8}"
+        f"{'sessions':>9} {'messages':>9} {'import/s':>9} {'(CPU)':>8} {'imp RSS':>8} {'paint':>8}"
         f" {'×base':>7} {'paintRSS':>9} {'idle CPU':>9} {'RSS':>7} {'+RSS':>6}"
         f" {'echo p95':>9} {'search':>13} {'list':>7} {'list all':>9}",
     ]
@@ -386,7 +419,7 @@ def format_scale_report(report: ScaleReport) -> str:
         search = f"{h.search_ms.get('rare', 0):.0f}/{h.search_ms.get('common', 0):.0f} ms"
         lines.append(
             f"{h.sessions:>9,} {h.sessions * h.messages:>9,}"
-            f" {h.import_rate:>9,.0f} {h.import_peak_rss_mb:>6.0f}MB"
+            f" {h.import_rate:>9,.0f} {h.import_cpu_rate:>8,.0f} {h.import_peak_rss_mb:>6.0f}MB"
             f" {h.first_paint_ms:>6,.0f}ms {vs['first_paint_x']:>6.2f}×"
             f" {h.paint_rss_mb:>7.0f}MB {h.idle_cpu:>9.1%} {h.rss_mb:>5.0f}MB"
             f" {vs['rss_growth_mb']:>+5.0f}"
@@ -394,7 +427,8 @@ def format_scale_report(report: ScaleReport) -> str:
         )
     lines += [
         "",
-        "paint: process start → the newest session's title drawn (median of runs);"
+        "import/s: messages a second imported (CPU: per second of the import's own CPU time);"
+        " paint: process start → the newest session's title drawn (median of runs);"
         " paintRSS: that process's peak RSS (no model); idle CPU, RSS, echo: the app running"
         f" with its model, over {report.idle_s:.0f} s; search: a rare word / a word in every"
         f" message; list: `kvchat list --limit {LIST_SCREEN}` / `--all`.",

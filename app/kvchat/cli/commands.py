@@ -74,6 +74,12 @@ def main(ctx: click.Context, **flags: Any) -> None:
 @click.option("--top-p", "top_p", type=float, help=f"Nucleus sampling, {RANGE_TEXT['top_p']}.")
 @click.option("--seed", type=int, help="Sampling seed (0 or more).")
 @click.option("--no-restore", is_flag=True, help="Ignore saved KV: full prefill (the baseline).")
+@click.option(
+    "--think/--no-think",
+    "think",
+    default=None,
+    help="Turn a thinking model's reasoning on or off for this session (where its template can).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @model_options
 @click.pass_context
@@ -89,6 +95,7 @@ def ask(
     top_p: float | None,
     seed: int | None,
     no_restore: bool,
+    think: bool | None,
     as_json: bool,
     **flags: Any,
 ) -> None:
@@ -144,10 +151,14 @@ def ask(
         chat.prefill_progress = reading
         for notice in chat.startup_notices():
             click.echo(f"kvchat: {one_line(notice)}", err=True)
+        if think is not None and chat.thinking_switch().keyword is None:
+            click.echo("kvchat: this model's chat template has no thinking switch", err=True)
         if session_ref is not None:
             session = chat.resolve(session_ref)
             if system is not None:
                 chat.configure(session.id, system_prompt=system)
+            if think is not None:
+                _set_think(chat, session, think)
             if continue_reply:
                 report = chat.continue_reply(session.id, **turn)
             else:
@@ -155,7 +166,7 @@ def ask(
                 report = chat.send(session.id, message, **turn)
         else:
             assert message is not None
-            report = chat.start(message, system_prompt=system, **turn)
+            report = chat.start(message, system_prompt=system, think=think, **turn)
     reading.clear()
     if as_json:
         click.echo(to_json(report.to_json()))
@@ -227,6 +238,11 @@ class _ReadingLine:
         self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
         self.stream.flush()
         self.drawn = self.tty
+
+
+def _set_think(chat: Any, session: Any, think: bool) -> None:
+    """Keep ``--think``/``--no-think`` as the session's switch."""
+    chat.configure(session.id, settings={**session.settings, "think": think})
 
 
 class _ReplyPrinter:
@@ -551,8 +567,9 @@ def bench(
             ) from None
         if not counts or min(counts) < 1:
             raise KvchatError("--sessions takes counts of 1 or more")
+        say = lambda line: click.echo(line, err=True)  # noqa: E731  (stderr: JSON stays clean)
         scale = run_scale_bench(
-            settings, counts, messages, idle_s=idle_s, runs=max(1, repeat), progress=progress
+            settings, counts, messages, idle_s=idle_s, runs=max(1, repeat), progress=say
         )
         click.echo(json.dumps(scale.to_json(), indent=2) if as_json else format_scale_report(scale))
         return
