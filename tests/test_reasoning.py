@@ -298,3 +298,34 @@ def test_kvchat_export_leaves_reasoning_out_when_asked(kvhome: Path, tmp_path: P
     assert "> **Reasoning**\n>\n> Why.\n\nThe answer." in kept
     left = cli(kvhome, "export", session, "--format", "md", "--no-reasoning").stdout
     assert "Why." not in left and "The answer." in left
+
+
+# Qwen3's switch: with thinking off, the generation prompt holds an empty think block.
+SWITCHED = (
+    KEEP_AFTER_LAST_QUESTION
+    + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+@pytest.mark.e2e
+def test_a_session_turns_thinking_off_through_the_templates_own_switch(
+    kvhome: Path, tmp_path: Path, cli
+) -> None:
+    service = service_on(kvhome, SWITCHED, tmp_path)
+    try:
+        assert service.thinking_switch().keyword == "enable_thinking"
+        quiet = service.new_session().id
+        service.configure(quiet, settings={"think": False})
+        off = service.send(quiet, "Hi", max_tokens=2)
+        engine = service.engine
+        prompt = engine.tokens[: off.tokens.prompt]
+        assert "<think>\n\n</think>" in engine.llm.detokenize(prompt).decode()
+        thinking = service.new_session().id
+        service.configure(thinking, settings={"think": True})
+        on = service.send(thinking, "Hi", max_tokens=2)
+        assert "</think>" not in engine.llm.detokenize(engine.tokens[: on.tokens.prompt]).decode()
+        assert on.tokens.prompt < off.tokens.prompt
+    finally:
+        service.close()
+    plain = cli(kvhome, "ask", "Hi", "--no-think", "--max-tokens", "2", "--temperature", "0")
+    assert "no thinking switch" in plain.stderr  # the bundled model's own template has none

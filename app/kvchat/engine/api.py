@@ -169,6 +169,9 @@ class Engine(Protocol):
     batch_align: int
     # The model file's GGUF metadata ({} where the engine does not read the file).
     metadata: dict[str, str]
+    # Keyword arguments the chat template is rendered with (``enable_thinking``, ...);
+    # an engine whose template is not kvchat's to render (a llama-server's) ignores them.
+    template_options: dict[str, object]
 
     def kv_spec(self) -> KvSpec | None:
         """Per-layer KV widths and sliding-window layers (for the chunk parser), or None."""
@@ -303,6 +306,7 @@ class EngineDefaults:
     llama-server, a test's engine) to :class:`Engine`'s members about cutting the context."""
 
     batch_align: int = 1
+    template_options: dict[str, object] = {}  # replaced whole, never changed in place
 
     @property
     def metadata(self) -> dict[str, str]:

@@ -113,6 +113,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self.ctx = self.llm._ctx.ctx
         self.n_ctx: int = llama_cpp.llama_n_ctx(self.ctx)
         self.metadata: dict[str, str] = dict(self.llm.metadata)
+        self.template_options: dict[str, object] = {}
         self._vocab = self.llm._model.vocab
         try:
             self.template: ChosenTemplate = choose_template(
@@ -236,7 +237,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The chat template over ``messages``, ending with the assistant's turn opening."""
         try:
-            return self._formatter(messages=list(messages)).prompt
+            return self._formatter(messages=list(messages), **self.template_options).prompt
         except Exception as exc:  # jinja2's errors, and the template's raise_exception
             raise KvchatError(f"the model's chat template refused these messages: {exc}") from exc
 

@@ -15,7 +15,7 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat, export_session
-from kvchat.service.reports import SESSION_SETTINGS
+from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import (
     Message,
@@ -153,9 +153,11 @@ class SessionBook:
         if system_prompt is not None:
             check_text(system_prompt, "the system prompt")
         if settings is not None:
-            unknown = set(settings) - set(SESSION_SETTINGS)
+            unknown = set(settings) - set(SESSION_SETTINGS) - set(SESSION_SWITCHES)
             if unknown:
                 raise KvchatError(f"unknown session settings: {', '.join(sorted(unknown))}")
+            if not isinstance(settings.get("think", False), bool | None):
+                raise KvchatError("the think setting is true or false")
         return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
 
     def delete(self, session_id: str) -> None:

@@ -35,7 +35,7 @@ from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat
 from kvchat.service.model_choices import ModelChoice, ModelChoices, SessionModel
 from kvchat.service.pipeline import POST_WAIT_S, PrefillProgress, TurnOptions, TurnPipeline
-from kvchat.service.reasoning import ReasoningStyle
+from kvchat.service.reasoning import ReasoningStyle, ThinkingSwitch
 from kvchat.service.reports import (
     SESSION_SETTINGS,
     Housekeeping,
@@ -274,9 +274,11 @@ class ChatService:
         on_token: TokenCallback | None = None,
         cancel: CancelCheck | None = None,
         no_restore: bool = False,
+        think: bool | None = None,
         **overrides: Any,
     ) -> TurnReport:
-        """A new session whose first turn is ``text`` (``kvchat ask`` without ``--session``).
+        """A new session whose first turn is ``text`` (``kvchat ask`` without ``--session``);
+        ``think``: the session's thinking switch (None: the model's default).
 
         The session exists only if it got a reply: when the turn fails, or the model says
         nothing, the new session is deleted again (a KvchatError says so), so no empty
@@ -288,6 +290,8 @@ class ChatService:
         text = self.turns.checked_message(text, system_prompt, params.max_tokens)
         session = self.sessions.new_session(system_prompt=system_prompt)
         try:
+            if think is not None:
+                self.sessions.configure(session.id, settings={"think": think})
             report = self.send(
                 session.id,
                 text,
@@ -454,6 +458,10 @@ class ChatService:
     def export(self, session_id: str, fmt: ExportFormat, reasoning: bool = True) -> str:
         """The session as Markdown, JSON or HTML (``reasoning`` False: without reasoning)."""
         return self.sessions.export(session_id, fmt, reasoning)
+
+    def thinking_switch(self) -> ThinkingSwitch:
+        """How the loaded model's template turns thinking on or off (loads the model)."""
+        return self.host.thinking_switch
 
     @property
     def reasoning_style(self) -> ReasoningStyle:

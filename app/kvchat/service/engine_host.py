@@ -17,7 +17,13 @@ from kvchat.kvcache.server_tiers import ServerSlots
 from kvchat.kvcache.tiers import KVTiers, Tiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
 from kvchat.service.checks import check_engine_config, same_file
-from kvchat.service.reasoning import ReasoningStyle, detect_style
+from kvchat.service.reasoning import (
+    NO_SWITCH,
+    ReasoningStyle,
+    ThinkingSwitch,
+    detect_style,
+    find_switch,
+)
 from kvchat.store import Store
 
 
@@ -53,6 +59,7 @@ class EngineHost:
         # What the engine probe chose for this machine (None: nothing probed, see load).
         self.probe: ProbeOutcome | None = None
         self._style: ReasoningStyle | None = None
+        self._switch: ThinkingSwitch | None = None
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -134,6 +141,32 @@ class EngineHost:
             self._style = detect_style(self.load().render)
         return self._style
 
+    @property
+    def thinking_switch(self) -> ThinkingSwitch:
+        """The chat-template keyword that turns the model's thinking on or off (found by
+        rendering; none for a template without one, or a llama-server's own template)."""
+        if self._switch is None:
+            engine = self.load()
+            if engine.capabilities.server_slots:
+                self._switch = NO_SWITCH
+            else:
+                self._switch = find_switch(lambda options: self._render_with(engine, options))
+        return self._switch
+
+    @staticmethod
+    def _render_with(engine: Engine, options: dict[str, object]) -> str:
+        kept = engine.template_options
+        engine.template_options = options
+        try:
+            return engine.render([{"role": "user", "content": "Q"}])
+        finally:
+            engine.template_options = kept
+
+    def use_template_options(self, think: bool | None) -> None:
+        """Render the next prompts with the session's thinking choice (None: the
+        template's default)."""
+        self.load().template_options = self.thinking_switch.options(think)
+
     def kv(self) -> Tiers:
         """The tiers; a llama-server's slot files are known once its engine is open."""
         if self.settings.engine == "llama-server":
@@ -151,6 +184,7 @@ class EngineHost:
                 self._engine.close()
             self._engine = None
             self._style = None
+            self._switch = None
 
     def lend_for(self, path: Path | None) -> None:
         """A lent engine serves its own model file only: set it aside while another model

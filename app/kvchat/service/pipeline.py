@@ -29,6 +29,7 @@ from kvchat.service.reports import (
     UnansweredMessage,
     WindowShift,
     generation_params,
+    session_think,
 )
 from kvchat.service.streaming import STREAM_SAVE_EVERY_S, StreamSaver, stream_reply
 from kvchat.service.turn_lock import turn_lock
@@ -255,6 +256,7 @@ class TurnPipeline:
                 raise KvchatError("nothing to continue: the session does not end with a reply")
             last = history[-1]
             engine = self.host.load()
+            self.host.use_template_options(session_think(session.settings))
             style = self.host.reasoning_style
             self.book.remember(session_id)
             earlier = [m.as_chat(style.thinks) for m in history[:-1]]
@@ -304,6 +306,7 @@ class TurnPipeline:
         session = self.store.get_session(session_id)
         engine = self.host.load()
         self.upkeep.abandon()
+        self.host.use_template_options(session_think(session.settings))
         tiers = self.host.tiers
         tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
@@ -331,6 +334,7 @@ class TurnPipeline:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.host.load()
+        self.host.use_template_options(session_think(session.settings))
         style = self.host.reasoning_style
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]

@@ -169,3 +169,42 @@ def detect_style(render: Callable[[list[dict[str, str]]], str]) -> ReasoningStyl
     if THINK_CLOSE in history or THINK_OPEN in opening:
         return ReasoningStyle("think")
     return NO_REASONING
+
+
+# The chat-template keywords that turn a model's thinking on or off, as (keyword, value
+# for on, value for off): Qwen3 and SmolLM3 take enable_thinking; gpt-oss reasons always,
+# at an effort.
+SWITCHES: tuple[tuple[str, object, object], ...] = (
+    ("enable_thinking", True, False),
+    ("reasoning_effort", "high", "low"),
+)
+
+
+@dataclass(frozen=True)
+class ThinkingSwitch:
+    """How a template turns thinking on or off (``keyword`` None: it cannot)."""
+
+    keyword: str | None = None
+    on: object = None
+    off: object = None
+
+    def options(self, think: bool | None) -> dict[str, object]:
+        """The template's keyword arguments for ``think`` (None: the template's default)."""
+        if self.keyword is None or think is None:
+            return {}
+        return {self.keyword: self.on if think else self.off}
+
+
+NO_SWITCH = ThinkingSwitch()
+
+
+def find_switch(render: Callable[[dict[str, object]], str]) -> ThinkingSwitch:
+    """The keyword the template answers to: ``render(options)`` renders a question with
+    those keyword arguments; a keyword whose two values render differently is the one."""
+    try:
+        for keyword, on, off in SWITCHES:
+            if render({keyword: on}) != render({keyword: off}):
+                return ThinkingSwitch(keyword, on, off)
+    except Exception:  # a template's own error: no switch
+        return NO_SWITCH
+    return NO_SWITCH

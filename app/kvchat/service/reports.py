@@ -46,6 +46,15 @@ class MessageRefused(KvchatError):
 
 # Sampling settings a session may override.
 SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
+# A session's switches for its chat template: "think" (true, false; unset: the model's
+# default) turns a thinking model's reasoning on or off where its template can.
+SESSION_SWITCHES = ("think",)
+
+
+def session_think(settings: Mapping[str, Any]) -> bool | None:
+    """The session's thinking choice (None: the template's default)."""
+    value = settings.get("think")
+    return value if isinstance(value, bool) else None
 
 
 def generation_params(

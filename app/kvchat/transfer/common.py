@@ -17,7 +17,7 @@ import numpy as np
 from kvchat.errors import KvchatError
 from kvchat.limits import sampling_problem
 from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStyle, split_reasoning
-from kvchat.service.reports import SESSION_SETTINGS
+from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
 
 # A JSON file (or a bundle's messages.json) larger than this is refused before it is read.
 MAX_JSON_BYTES = 256 << 20
@@ -222,8 +222,9 @@ _SETTING_TYPES: dict[str, Callable[[object], bool]] = {
     "top_p": _number(),
     "max_tokens": _number(integer=True, high=1 << 20),
     "seed": lambda v: v is None or _number(integer=True, high=2**63 - 1)(v),
+    "think": lambda v: v is None or isinstance(v, bool),
 }
-assert set(_SETTING_TYPES) == set(SESSION_SETTINGS)
+assert set(_SETTING_TYPES) == set(SESSION_SETTINGS) | set(SESSION_SWITCHES)
 
 
 def check_settings(path: Path, settings: object, where: str) -> dict[str, Any]:
