@@ -16,7 +16,7 @@ from kvchat.config import load_settings
 from kvchat.service.chat import ChatService, open_service
 from kvchat.transfer import BadFile, import_file
 from kvchat.transfer.common import MAX_JSON_DEPTH, json_depth
-from tests.test_transfer import llm_logs_db
+from tests.helpers import llm_logs_db
 
 
 @pytest.fixture

@@ -12,19 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import load_settings
-from kvchat.service.chat import ChatService
+from tests.helpers import greedy_service as service
 
 pytestmark = pytest.mark.e2e
 
 FIRST = "Name three colours of the rainbow."
 SECOND = "Which of them is the warmest?"
 THIRD = "And the coldest?"
-
-
-def service(home: Path) -> ChatService:
-    settings = load_settings(n_ctx=1024, temperature=0.0, max_tokens=24, n_threads=1)
-    return ChatService(settings, home=home)
 
 
 def test_a_message_during_the_reply_skips_the_settle_and_the_next_turn_reads_the_rest(

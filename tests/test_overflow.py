@@ -17,10 +17,11 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import bundled_model_path
 from kvchat.engine import EngineConfig
 from kvchat.engine.llama import SEQ_ID, LlamaEngine
 from kvchat.service.chat import ChatService
+from tests.helpers import greedy_service
 
 N_CTX = 256
 MAX_TOKENS = 24
@@ -44,8 +45,7 @@ def message(i: int) -> str:
 
 
 def service(home: Path) -> ChatService:
-    settings = load_settings(n_ctx=N_CTX, temperature=0.0, max_tokens=MAX_TOKENS, n_threads=1)
-    return ChatService(settings, home=home)
+    return greedy_service(home, n_ctx=N_CTX, max_tokens=MAX_TOKENS)
 
 
 def would_overflow(svc: ChatService, session_id: str, text: str) -> bool:

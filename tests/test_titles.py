@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import bundled_model_path
 from kvchat.engine.api import EngineConfig
-from kvchat.service.chat import ChatService
 from kvchat.text import TITLE_WORDS, model_title, short_title
+from tests.helpers import greedy_service
 
 FIRST = "# Plan **a trip** to Japan in spring"
-
-
-def _service(home: Path, **settings) -> ChatService:
-    values = dict(n_ctx=1024, temperature=0.0, max_tokens=24, n_threads=1)
-    return ChatService(load_settings(**{**values, **settings}), home=home)
 
 
 def test_titles_leave_markdown_out() -> None:
@@ -55,7 +50,7 @@ def test_generating_aside_leaves_the_conversation_as_it_was() -> None:
 def test_the_model_names_a_session_and_the_next_turn_reads_only_the_new_message(
     kvhome: Path,
 ) -> None:
-    service = _service(kvhome)
+    service = greedy_service(kvhome)
     try:
         first = service.start(FIRST)
         title = service.store.get_session(first.session_id).title
@@ -72,7 +67,7 @@ def test_the_model_names_a_session_and_the_next_turn_reads_only_the_new_message(
 
 @pytest.mark.e2e
 def test_a_title_the_user_set_is_kept_and_the_setting_turns_naming_off(kvhome: Path) -> None:
-    service = _service(kvhome)
+    service = greedy_service(kvhome)
     service.defer_housekeeping = True  # as the app does: naming waits for an idle moment
     try:
         report = service.start("Tell me about cats.")
@@ -81,7 +76,7 @@ def test_a_title_the_user_set_is_kept_and_the_setting_turns_naming_off(kvhome: P
         assert service.store.get_session(report.session_id).title == "My cats"
     finally:
         service.close()
-    off = _service(kvhome, auto_title=False)
+    off = greedy_service(kvhome, auto_title=False)
     try:
         report = off.start(FIRST)
         assert off.store.get_session(report.session_id).title == short_title(FIRST)

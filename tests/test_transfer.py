@@ -21,6 +21,7 @@ from kvchat.errors import KvchatError
 from kvchat.service.chat import ChatService, open_service
 from kvchat.transfer import BadFile, common, import_file, write_bundle
 from tests.conftest import FAST
+from tests.helpers import llm_logs_db
 
 N_CTX = ["--n-ctx", "1024"]
 
@@ -204,53 +205,6 @@ def test_a_reexported_archive_imports_only_the_new_conversations(service, tmp_pa
     again = import_file(service, later).sessions
     assert [(s.session == one.session, s.new) for s in again] == [(True, False), (False, True)]
     assert len(service.list_sessions()) == 2
-
-
-def llm_logs_db(path: Path) -> Path:
-    """A logs.db written by llm itself: two logged conversations through its Response API (llm
-    0.36's thread/message tables), plus rows in the older conversations/responses tables as
-    llm wrote them before (its migrations create both)."""
-    import llm
-    import sqlite_utils
-    from llm.migrations import migrate
-
-    class Echo(llm.Model):
-        model_id = "echo"
-        can_stream = False
-
-        def execute(self, prompt, stream, response, conversation):
-            yield f"echo: {prompt.prompt}"
-
-    db = sqlite_utils.Database(path)
-    migrate(db)
-    model = Echo()
-    conversation = model.conversation()
-    for text in ("Hello there", "Second question"):
-        response = conversation.prompt(text, system="Be terse.")
-        response.text()
-        response.log_to_db(db)
-    single = model.prompt("Lone prompt")
-    single.text()
-    single.log_to_db(db)
-    db["conversations"].insert({"id": "01old", "name": "Old chat", "model": "gpt-4o-mini"})
-    db["responses"].insert_all(
-        {
-            "id": f"01old-{n}",
-            "model": "gpt-4o-mini",
-            "prompt": prompt,
-            "system": "You are a calculator.",
-            "prompt_json": None,
-            "options_json": "{}",
-            "response": reply,
-            "response_json": None,
-            "conversation_id": "01old",
-            "duration_ms": 5,
-            "datetime_utc": f"2024-05-01T10:0{n}:00.000000",
-        }
-        for n, (prompt, reply) in enumerate((("2+2?", "4"), ("3+3?", "6")))
-    )
-    db.close()
-    return path
 
 
 def test_a_real_llm_logs_db_imports_read_only(service, tmp_path):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import load_settings
 from kvchat.errors import KvchatError
-from kvchat.service.chat import ChatService
+from tests.helpers import greedy_service
 
 pytestmark = pytest.mark.e2e
 
@@ -27,13 +26,8 @@ def note(i: int, words: int = 120) -> str:
     return f"Note {i}: {body}. Reply with one short sentence."
 
 
-def service(home: Path) -> ChatService:
-    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=24, n_threads=1)
-    return ChatService(settings, home=home)
-
-
 def test_switching_back_to_an_earlier_reply_reuses_the_shared_prefix(kvhome: Path) -> None:
-    svc = service(kvhome)
+    svc = greedy_service(kvhome, n_ctx=2048)
     try:
         sid = svc.start(note(0)).session_id
         svc.send(sid, note(1))
