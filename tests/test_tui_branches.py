@@ -6,20 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Label
 
 from kvchat.service.chat import ChatService
 from kvchat.tui.main import MainScreen
-from kvchat.tui.widgets.sidebar import SessionItem
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
 from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
 
 
+def sidebar_lines(main: MainScreen) -> list[str]:
+    """The sidebar's lines as drawn on screen, top to bottom."""
+    sessions = main.sessions
+    height = sessions.scrollable_content_region.height
+    return [sessions.render_line(y).text.strip() for y in range(height)]
+
+
 def titles(main: MainScreen) -> list[str]:
-    """The sidebar's title lines, top to bottom, as shown."""
+    """The sidebar's title lines, top to bottom, as shown (not its date headers, not the
+    lines of figures under each title)."""
     return [
-        str(item.query_one(".session-title", Label).content)
-        for item in main.sessions.query(SessionItem)
+        line
+        for line in sidebar_lines(main)
+        if line and " tok · " not in line and line not in ("Today", "Yesterday")
     ]
 
 

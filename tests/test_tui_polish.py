@@ -37,7 +37,8 @@ from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.screens.search import SearchScreen, hit_content
 from kvchat.tui.widgets.conversation import MessageView
 from kvchat.tui.widgets.prompt import PromptInput
-from kvchat.tui.widgets.sidebar import SessionItem
+from kvchat.tui.widgets.sidebar import row_lines
+from tests.test_tui_branches import sidebar_lines
 from tests.test_tui_snapshots import REPLY, StandInService, _settled, _wait
 
 SIZE = (100, 30)
@@ -353,9 +354,17 @@ async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(
 
 def _info(app: KvchatApp, session_id: str) -> tuple[str, str]:
     """A session's sidebar figure ("3,812 tok") and badge."""
-    item = next(i for i in app.main.sessions.query(SessionItem) if i.session_id == session_id)
-    info = str(item.query_one(".session-info", Label).content)
-    return info.split(" · ")[0], str(item.query_one(".kv-badge", Label).content)
+    row = app.main.sessions.row(session_id)
+    assert row is not None
+    title, lines = row_lines(row)[0], sidebar_lines(app.main)
+    # Its title line (cut with "…" in a narrow sidebar), then the line under it.
+    at = next(
+        i
+        for i, line in enumerate(lines)
+        if line == title or (line.endswith("…") and title.startswith(line[:-1]))
+    )
+    below = lines[at + 1]
+    return below.split(" · ")[0], below.split()[-1]
 
 
 async def test_sidebar_tokens_match_the_gauge_and_an_empty_session_is_not_hot(

@@ -56,11 +56,20 @@ class StandInService(ChatService):
 
     # Its own record of the hot session (the real one lives in the service's KV tiers).
     hot_session_id: str | None = None
+    fake: FakeEngine | None = None
 
     def load_engine(self) -> Any:
-        if self._engine is None:
-            self._engine = FakeEngine()  # type: ignore[assignment]
-        return self._engine
+        if self.fake is None:
+            self.fake = FakeEngine()
+        return self.fake
+
+    @property
+    def engine(self) -> Any:
+        return self.load_engine()
+
+    @property
+    def context_tokens(self) -> int:
+        return self.fake.n_tokens if self.fake is not None else 0
 
     def kv_location(self, session_id: str) -> str:
         if session_id == self.hot_session_id:

@@ -16,10 +16,9 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from kvchat.config import Settings
+from kvchat.text import visible
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.phrases import visible
 from kvchat.tui.widgets.conversation import MessageView
-from kvchat.tui.widgets.sidebar import SessionItem
 from tests import test_tui_snapshots as stand_in
 from tests.test_tui_snapshots import StandInService, _settled, _wait
 
@@ -111,7 +110,7 @@ async def test_control_sequences_never_reach_the_terminal(service: StandInServic
     app = KvchatApp(service.settings, service, cursor_blink=False)
     async with app.run_test(size=SIZE) as pilot:
         await _settled(pilot)
-        item = app.main.sessions.query_one(SessionItem)
+        item = app.main.sessions
         title = rendered(item)
         assert "Evil title here" in title, title
         message = rendered(app.main.conversation.views[0])

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message as TextualMessage
 
 from kvchat.errors import KvchatError
+from kvchat.text import visible
 from kvchat.tui.backend import Backend
 from kvchat.tui.main.opener import SessionOpener
 from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, idle_or_say
 from kvchat.tui.main.signals import OpenRequested, TurnRequested
-from kvchat.tui.phrases import shorten, visible
+from kvchat.tui.phrases import shorten
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.status import StatusBar

@@ -34,6 +34,7 @@ from kvchat.tui.main.model_switch import ModelSwitch
 from kvchat.tui.main.opener import LOADING_PLACEHOLDER, SessionOpener
 from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, ready_or_say
 from kvchat.tui.main.session_actions import SessionActions
+from kvchat.tui.main.session_feed import SessionFeed
 from kvchat.tui.main.signals import (
     OpenRequested,
     SessionHot,
@@ -45,7 +46,7 @@ from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
-from kvchat.tui.widgets.sidebar import SessionItem, SessionList, session_rows, with_context
+from kvchat.tui.widgets.sidebar import SessionList
 from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class MainScreen(Screen[None]):
         self.prompt.cursor_blink = cursor_blink
         self.status = StatusBar(id="status")
         app, state, post = self.app, self.state, self.post_message
+        self.feed = SessionFeed(backend, state, sessions=self.sessions, status=self.status)
         self.opener = SessionOpener(
             app,
             backend,
@@ -235,15 +237,19 @@ class MainScreen(Screen[None]):
         await self.opener.open(session_id, highlight, focus_prompt)
 
     async def refresh_sessions(self) -> None:
-        """Read the sessions list on the store thread and show it."""
-        backend, state = self.backend, self.state
-        rows = await backend.on_store(session_rows, backend.chat)
-        rows = with_context(rows, state.open_and_hot, self.status.used)
-        await self.sessions.show(rows, state.session_id)
+        """Show what changed in the sessions list (see SessionFeed); the first time, its
+        first page, then the others in the background."""
+        await self.feed.refresh()
+        if not self.feed.complete:
+            self.load_more_sessions()
 
     @work(group="sidebar", exclusive=True, exit_on_error=False)
     async def request_refresh(self) -> None:
         await self.refresh_sessions()
+
+    @work(group="sidebar-pages", exclusive=True, exit_on_error=False)
+    async def load_more_sessions(self) -> None:
+        await self.feed.load_rest()
 
     def submit(self, text: str) -> None:
         """Enter in the input (see TurnRunner.submit)."""
@@ -269,12 +275,15 @@ class MainScreen(Screen[None]):
         if self.state.ready and self.state.turn is None:
             # Housekeeping a user's action made yield (and no turn dropped) runs again.
             self.start_housekeeping()
-        if self.session_watch.due:
             self.check_for_changes()
 
     @work(group="watch", exclusive=True, exit_on_error=False)
     async def check_for_changes(self) -> None:
-        await self.session_watch.check()
+        """What other processes did: one row read (the list's change stamp) while nothing
+        changed; else the changes, and the open session again if it is among them."""
+        await self.feed.poll()
+        if self.feed.take_touched(self.state.session_id) and self.session_watch.due:
+            await self.session_watch.check()
 
     @work(group="model-note", exclusive=True, exit_on_error=False)
     async def note_session_model(self, session_id: str) -> None:
@@ -328,13 +337,12 @@ class MainScreen(Screen[None]):
 
     # --- what the widgets report ----------------------------------------------------------
 
-    @on(SessionList.Selected)
-    def _session_selected(self, event: SessionList.Selected) -> None:
-        if isinstance(event.item, SessionItem):
-            self.open_session(event.item.session_id, focus_prompt=True)
-            if self.size.width < NARROW_COLUMNS:
-                self.sidebar_wanted = None  # picked: a narrow window gives the chat room back
-                self._show_sidebar()
+    @on(SessionList.Picked)
+    def _session_picked(self, event: SessionList.Picked) -> None:
+        self.open_session(event.session_id, focus_prompt=True)
+        if self.size.width < NARROW_COLUMNS:
+            self.sidebar_wanted = None  # picked: a narrow window gives the chat room back
+            self._show_sidebar()
 
     @on(PromptInput.Submitted)
     def _submitted(self, event: PromptInput.Submitted) -> None:

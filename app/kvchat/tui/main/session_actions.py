@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message as TextualMessage
 
 from kvchat.errors import KvchatError
+from kvchat.text import visible
 from kvchat.tui.backend import Backend
 from kvchat.tui.main.opener import SessionOpener
 from kvchat.tui.main.screen_state import ScreenState, idle_or_say
 from kvchat.tui.main.signals import OpenRequested
-from kvchat.tui.phrases import shorten, slug, visible
+from kvchat.tui.phrases import shorten, slug
 from kvchat.tui.widgets.conversation import Conversation
 from kvchat.tui.widgets.sidebar import SessionList
 from kvchat.tui.widgets.status import StatusBar

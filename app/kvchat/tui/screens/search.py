@@ -15,7 +15,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
-from kvchat.tui.phrases import shorten, visible
+from kvchat.text import visible
+from kvchat.tui.phrases import shorten
 
 if TYPE_CHECKING:
     from kvchat.service.chat import SearchHit

@@ -18,7 +18,7 @@ from textual.message import Message as TextualMessage
 from textual.widget import Widget
 from textual.widgets import Label
 
-from kvchat.tui.phrases import visible
+from kvchat.text import visible
 
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt

@@ -1,197 +1,284 @@
-"""The sessions sidebar: title, last updated, tokens and where each session's KV lives.
+"""The sessions sidebar: title, tokens, last updated and where each session's KV lives.
 
-Forks and edits are shown as a tree under the session they were made from (Space on a
-row folds or unfolds its branches); the open session's ancestors are never folded.
+A line-API widget: it draws only the lines on screen, whatever the number of sessions
+(no widget per session), and a change to one session redraws that row alone. Sessions
+are grouped by date (Today, Yesterday, Previous 7 days, then by month), each followed by
+its branches (Space folds or unfolds them); ``/`` filters the titles as you type (Esc
+clears the filter). Enter or a click opens the highlighted session.
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import ClassVar
 
-from textual.app import ComposeResult
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal
-from textual.widgets import Label, ListItem, ListView
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
-from kvchat.tui.phrases import KV_LABELS, ago, visible
-
-if TYPE_CHECKING:
-    from kvchat.service.chat import ChatService, SessionSummary
+from kvchat.text import visible
+from kvchat.tui.phrases import KV_LABELS, ago
+from kvchat.tui.session_rows import SessionRow, branch_tree, date_group
 
 
 @dataclass(frozen=True)
-class SessionRow:
-    summary: SessionSummary
-    kv: str  # hot / ram / disk / none
-    context: int | None = None  # tokens in the live context (the open, hot session only)
-    depth: int = 0  # how deep in its branch tree (0: a root)
-    branches: int = 0  # its direct branches (forks and edits made from it)
-    hidden: int = 0  # the branches folded away under it (all descendants), when folded
+class ListLine:
+    """One entry of the list as laid out: a date header (one line), a session (two lines)
+    or the filter being typed (one line, on top)."""
+
+    kind: str  # "header", "session" or "filter"
+    text: str  # the header's label or the filter's text ("" for a session)
+    row: SessionRow | None = None
 
     @property
-    def id(self) -> str:
-        return self.summary.session.id
-
-    @property
-    def tokens(self) -> int:
-        """The session's size in tokens, the figure the context gauge shows for it: the live
-        context when it is open, else its saved KV, else its messages' count."""
-        if self.context is not None:
-            return self.context
-        return self.summary.snapshot_tokens or self.summary.tokens
-
-    @property
-    def badge(self) -> str:
-        """Where its KV lives; ``none`` for a session with nothing in it, even the hot one."""
-        if self.summary.messages == 0 or (self.kv == "hot" and self.tokens == 0):
-            return "none"
-        return self.kv
-
-    @property
-    def parent_id(self) -> str | None:
-        return self.summary.session.parent_id
-
-    @property
-    def marker(self) -> str:
-        """What goes before the title: indentation and "└" for a branch, "▾" for an
-        unfolded parent, "▸ +N" for a folded one (N: the branches it hides)."""
-        out = "  " * (self.depth - 1) + "└ " if self.depth else ""
-        if self.hidden:
-            out += f"▸ +{self.hidden} "
-        elif self.branches:
-            out += "▾ "
-        return out
+    def height(self) -> int:
+        return 2 if self.kind == "session" else 1
 
 
-def branch_tree(rows: list[SessionRow], folded: set[str], current: str | None) -> list[SessionRow]:
-    """``rows`` (most recently updated first) as a tree: each root in that order followed
-    by its descendants depth-first (siblings in the same order). A row whose parent is not
-    listed is a root. The descendants of a folded row are left out (its ``hidden`` counts
-    them), except that the open session's ancestors are never folded."""
-    by_id = {r.id: r for r in rows}
-    children: dict[str, list[SessionRow]] = {}
-    for r in rows:
-        parent_id = r.parent_id
-        if parent_id is not None and parent_id in by_id and parent_id != r.id:
-            children.setdefault(parent_id, []).append(r)
-    keep_open: set[str] = set()
-    parent = by_id[current].parent_id if current is not None and current in by_id else None
-    while parent is not None and parent in by_id and parent not in keep_open:
-        keep_open.add(parent)
-        parent = by_id[parent].parent_id
-    seen: set[str] = set()
-
-    def fold_away(row_id: str) -> int:
-        """Leave out every descendant of ``row_id``; returns how many there were."""
-        total, stack = 0, list(children.get(row_id, []))
-        while stack:
-            kid = stack.pop()
-            if kid.id in seen:
-                continue
-            seen.add(kid.id)
-            total += 1
-            stack.extend(children.get(kid.id, []))
-        return total
-
-    out: list[SessionRow] = []
-    # Roots first; then any row left out by a cycle of parents (not made by kvchat).
-    roots = [r for r in rows if r.parent_id not in by_id or r.parent_id == r.id]
-    for root in [*roots, *rows]:
-        stack = [(root, 0)]
-        while stack:
-            row, depth = stack.pop()
-            if row.id in seen:
-                continue
-            seen.add(row.id)
-            kids = children.get(row.id, [])
-            fold = bool(kids) and row.id in folded and row.id not in keep_open
-            hidden = fold_away(row.id) if fold else 0
-            out.append(replace(row, depth=depth, branches=len(kids), hidden=hidden))
-            if not fold:
-                stack.extend((kid, depth + 1) for kid in reversed(kids))
-    return out
+def row_lines(row: SessionRow) -> tuple[str, str, str]:
+    """What a session's row says: its title line, its info line and its KV badge."""
+    title = row.marker + visible(row.summary.session.title)
+    # The figure first: a narrow sidebar cuts the time, not the number.
+    info = f"{row.tokens:,} tok · {ago(row.summary.session.updated)}"
+    badge = KV_LABELS.get(row.badge, row.badge)
+    return title, info, badge
 
 
-def session_rows(service: ChatService) -> list[SessionRow]:
-    """On the store thread: every session, most recently updated first, with where its KV is."""
-    return [SessionRow(s, service.kv_location(s.session.id)) for s in service.list_sessions()]
+def _fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` cells, with an ellipsis when cut."""
+    if width <= 0:
+        return ""
+    if cell_len(text) <= width:
+        return text
+    return set_cell_size(text, width - 1) + "…"
 
 
-def with_context(rows: list[SessionRow], hot: str | None, used: int) -> list[SessionRow]:
-    """The open, hot session's row (``hot``) with the context gauge's figure: one number for
-    both."""
-    if hot is None:
-        return rows
-    return [replace(r, context=used) if r.id == hot else r for r in rows]
+class SessionList(ScrollView, can_focus=True):
+    """Sessions, most recently updated first under date headers, each followed by its
+    branches (see the module docstring)."""
 
-
-class SessionItem(ListItem):
-    def __init__(self, row: SessionRow) -> None:
-        super().__init__()
-        self.row = row
-        # Held, not queried: an item removed while it mounts has no children to find.
-        self._title_label = Label(classes="session-title", markup=False)
-        self._info_label = Label(classes="session-info")
-        self._badge_label = Label(classes="kv-badge")
-
-    @property
-    def session_id(self) -> str:
-        return self.row.id
-
-    def compose(self) -> ComposeResult:
-        yield self._title_label
-        with Horizontal(classes="session-meta"):
-            yield self._info_label
-            yield self._badge_label
-
-    def on_mount(self) -> None:
-        self.update_row(self.row)
-
-    def update_row(self, row: SessionRow) -> None:
-        """Show ``row`` (same session) without rebuilding the item."""
-        self.row = row
-        s = row.summary
-        self._title_label.update(row.marker + visible(s.session.title))
-        # The figure first: a narrow sidebar cuts the time, not the number.
-        info = f"{row.tokens:,} tok · {ago(s.session.updated)}"
-        self._info_label.update(info)
-        badge = self._badge_label
-        kind = row.badge
-        badge.update(KV_LABELS.get(kind, kind))
-        for kv in KV_LABELS:
-            badge.set_class(kv == kind, f"kv-{kv}")
-
-
-class SessionList(ListView):
-    """Sessions, most recently updated first, each followed by its branches; selecting
-    one opens it, Space folds or unfolds the branches under the highlighted one."""
-
+    COMPONENT_CLASSES: ClassVar[set[str]] = {
+        "session-list--cursor",
+        "session-list--title",
+        "session-list--info",
+        "session-list--header",
+        "session-list--filter",
+        "session-list--kv-hot",
+        "session-list--kv-ram",
+        "session-list--kv-disk",
+        "session-list--kv-none",
+    }
     BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up", "cursor(-1)", "Previous session", show=False),
+        Binding("down", "cursor(1)", "Next session", show=False),
+        Binding("pageup", "page(-1)", "Page up", show=False),
+        Binding("pagedown", "page(1)", "Page down", show=False),
+        Binding("home", "edge(-1)", "First session", show=False),
+        Binding("end", "edge(1)", "Last session", show=False),
+        Binding("enter", "select", "Open the session", show=False),
         Binding("space", "toggle_branches", "Fold / unfold branches", show=False),
+        Binding("slash", "filter", "Filter the titles", show=False),
     ]
+
+    @dataclass
+    class Picked(Message):
+        """Enter or a click on a session: open it."""
+
+        session_id: str
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.rows: list[SessionRow] = []  # the rows shown, in order (folded ones left out)
+        self.rows: list[SessionRow] = []  # the sessions shown, in order (folded ones left out)
         self.folded: set[str] = set()  # sessions whose branches are folded away
+        self.filter_text: str | None = None  # None: not filtering
         self._all: list[SessionRow] = []
         self._current: str | None = None
-        self._lock = asyncio.Lock()
+        self._lines: list[ListLine] = []
+        self._starts: list[int] = []  # the first line of each entry of _lines
+        self._entry_of: dict[str, int] = {}  # session id -> entry index
+        self._cursor: int | None = None  # the highlighted entry (a session)
+
+    # --- what the screen calls ------------------------------------------------------------
 
     async def show(self, rows: list[SessionRow], current: str | None) -> None:
-        """Replace the items, keeping the open session highlighted."""
+        """Show ``rows`` (every session, most recently updated first), keeping the open
+        session ``current`` highlighted. Rows that did not change are not redrawn."""
         self._all, self._current = rows, current
-        await self._layout(current)
+        self._layout(current)
+
+    def highlight(self, session_id: str | None) -> None:
+        """Highlight ``session_id`` (unfolding its ancestors if it is folded away)."""
+        entry = self._entry_of.get(session_id) if session_id is not None else None
+        if entry is not None:
+            self._move_cursor(entry)
+            return
+        self._move_cursor(None)
+        if session_id is not None and self.filter_text is None:
+            if any(r.id == session_id for r in self._all):
+                # Opened while folded away (a search hit): unfold its ancestors now.
+                self._current = session_id
+                self._layout(session_id)
+
+    def row(self, session_id: str) -> SessionRow | None:
+        entry = self._entry_of.get(session_id)
+        return self._lines[entry].row if entry is not None else None
+
+    @property
+    def newest(self) -> str | None:
+        """The most recently updated session, folded away or not."""
+        return self._all[0].id if self._all else None
+
+    @property
+    def index(self) -> int | None:
+        """The highlighted session's position in :attr:`rows`."""
+        entry = self._cursor
+        if entry is None:
+            return None
+        row = self._lines[entry].row
+        if row is None:
+            return None
+        return next((i for i, r in enumerate(self.rows) if r.id == row.id), None)
+
+    @index.setter
+    def index(self, value: int | None) -> None:
+        if value is None or not 0 <= value < len(self.rows):
+            self._move_cursor(None)
+        else:
+            self._move_cursor(self._entry_of[self.rows[value].id])
+
+    @property
+    def line_count(self) -> int:
+        """Lines of the whole list (what scrolling covers); only those on screen are drawn."""
+        return self._starts[-1] + self._lines[-1].height if self._lines else 0
+
+    # --- layout -----------------------------------------------------------------------------
+
+    def _layout(self, highlighted: str | None) -> None:
+        """Arrange the rows (tree, folds, filter, date groups); redraw only what changed."""
+        if self.filter_text is None:
+            rows = branch_tree(self._all, self.folded, self._current)
+        else:
+            needle = self.filter_text.casefold()
+            rows = [r for r in self._all if needle in visible(r.summary.session.title).casefold()]
+        lines: list[ListLine] = []
+        if self.filter_text is not None:
+            lines.append(ListLine("filter", self.filter_text))
+        group = None
+        for row in rows:
+            if row.depth == 0:
+                label = date_group(row.summary.session.updated)
+                if label != group:
+                    group = label
+                    lines.append(ListLine("header", label))
+            lines.append(ListLine("session", "", row))
+        old = self._lines
+        self.rows = rows
+        if [(x.kind, x.text, x.row.id if x.row else None) for x in old] == [
+            (x.kind, x.text, x.row.id if x.row else None) for x in lines
+        ]:
+            # The same entries in the same order: redraw the rows that changed, only.
+            for entry, (before, now) in enumerate(zip(old, lines)):
+                if before.row != now.row:
+                    self._lines[entry] = now
+                    self.refresh_lines(self._starts[entry], now.height)
+        else:
+            self._lines = lines
+            starts, line = [], 0
+            for entry_line in lines:
+                starts.append(line)
+                line += entry_line.height
+            self._starts = starts
+            self._entry_of = {x.row.id: i for i, x in enumerate(lines) if x.row is not None}
+            self._cursor = None
+            self.virtual_size = Size(0, line)
+            self.refresh()
+        if highlighted in self._entry_of:
+            self._move_cursor(self._entry_of[highlighted])
+        elif self._cursor is not None and self._cursor >= len(self._lines):
+            self._move_cursor(None)
+
+    def _entry_at(self, line: int) -> int | None:
+        """The entry drawn at virtual line ``line``."""
+        if not self._starts or line < 0 or line >= self.line_count:
+            return None
+        return bisect_right(self._starts, line) - 1
+
+    # --- the cursor -----------------------------------------------------------------------------
+
+    def _move_cursor(self, entry: int | None, scroll: bool = True) -> None:
+        before = self._cursor
+        self._cursor = entry
+        for changed in {before, entry}:
+            if changed is not None and changed < len(self._lines):
+                self.refresh_lines(self._starts[changed], self._lines[changed].height)
+        if entry is not None and scroll and self.is_mounted:
+            start, height = self._starts[entry], self._lines[entry].height
+            if entry > 0 and self._lines[entry - 1].kind == "header":
+                start, height = start - 1, height + 1  # its date header with it
+            self.scroll_to_region(
+                Region(0, start, 1, height), animate=False, force=True, immediate=True
+            )
+
+    def _sessions(self) -> list[int]:
+        return [i for i, x in enumerate(self._lines) if x.kind == "session"]
+
+    def action_cursor(self, step: int) -> None:
+        entries = self._sessions()
+        if not entries:
+            return
+        if self._cursor is None or self._cursor not in entries:
+            self._move_cursor(entries[0] if step > 0 else entries[-1])
+            return
+        at = entries.index(self._cursor) + step
+        self._move_cursor(entries[max(0, min(len(entries) - 1, at))])
+
+    def action_page(self, direction: int) -> None:
+        rows_per_page = max(1, self.scrollable_content_region.height // 2)
+        self.action_cursor(direction * rows_per_page)
+
+    def action_edge(self, direction: int) -> None:
+        entries = self._sessions()
+        if entries:
+            self._move_cursor(entries[0] if direction < 0 else entries[-1])
+
+    def action_select(self) -> None:
+        entry = self._cursor
+        row = self._lines[entry].row if entry is not None else None
+        if row is not None:
+            self.post_message(self.Picked(row.id))
+
+    async def _on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        entry = self._entry_at(offset.y + self.scroll_offset.y)
+        if entry is not None and self._lines[entry].kind == "session":
+            self._move_cursor(entry, scroll=False)
+            self.action_select()
+
+    def on_focus(self) -> None:
+        self.refresh()
+
+    def on_blur(self) -> None:
+        self.refresh()
+
+    # --- folds and the filter -----------------------------------------------------------------
 
     def action_toggle_branches(self) -> None:
         """Fold or unfold the branches under the highlighted session (on a branch without
         branches of its own: those of its parent). The open session stays visible."""
-        row = self.rows[self.index] if self.index is not None and self.rows else None
+        index = self.index
+        row = self.rows[index] if index is not None and self.rows else None
         if row is not None and not row.branches:
             row = next((r for r in self.rows if r.id == row.parent_id), None)
-        if row is None:
+        if row is None or self.filter_text is not None:
             self.app.bell()
             return
         if row.id in self.folded:
@@ -203,37 +290,80 @@ class SessionList(ListView):
                 self.folded.discard(row.id)
                 self.notify("The open session's branch stays unfolded", timeout=3)
                 return
-        # In a worker: the key returns at once, the items change on the next turn.
-        self.run_worker(self._layout(row.id), group="fold", exit_on_error=False)
+        self._layout(row.id)
 
-    async def _layout(self, highlighted: str | None) -> None:
-        async with self._lock:
-            rows = branch_tree(self._all, self.folded, self._current)
-            items = list(self.query(SessionItem))
-            if [i.session_id for i in items] == [r.id for r in rows]:
-                for item, row in zip(items, rows):
-                    item.update_row(row)  # same sessions, same order: no flicker
-            else:
-                await self.clear()
-                await self.extend(SessionItem(row) for row in rows)
-            self.rows = rows
-            self.highlight(highlighted)
+    def action_filter(self) -> None:
+        """``/``: filter the titles as you type (Esc clears the filter)."""
+        if self.filter_text is None:
+            self.filter_text = ""
+            self._layout(self._highlighted_id())
 
-    def highlight(self, session_id: str | None) -> None:
-        for i, row in enumerate(self.rows):
-            if row.id == session_id:
-                self.index = i
-                return
-        self.index = None
-        if session_id is not None and any(r.id == session_id for r in self._all):
-            # Opened while folded away (a search hit): unfold its ancestors now.
-            self._current = session_id
-            self.run_worker(self._layout(session_id), group="fold", exit_on_error=False)
+    def _highlighted_id(self) -> str | None:
+        entry = self._cursor
+        row = self._lines[entry].row if entry is not None else None
+        return row.id if row is not None else None
 
-    @property
-    def newest(self) -> str | None:
-        """The most recently updated session, folded away or not."""
-        return self._all[0].id if self._all else None
+    def _set_filter(self, text: str | None) -> None:
+        self.filter_text = text
+        # Leaving the filter keeps the session picked in it highlighted (else the open one).
+        keep = (self._highlighted_id() or self._current) if text is None else None
+        self._layout(keep)
+        if text and self._cursor is None:
+            self.action_edge(-1)  # the best match first
 
-    def row(self, session_id: str) -> SessionRow | None:
-        return next((r for r in self.rows if r.id == session_id), None)
+    async def _on_key(self, event: events.Key) -> None:
+        if self.filter_text is None:
+            return
+        if event.key == "escape":
+            self._set_filter(None)
+        elif event.key == "backspace":
+            self._set_filter(self.filter_text[:-1])
+        elif event.is_printable and event.character and event.key != "space":
+            self._set_filter(self.filter_text + event.character)
+        elif event.key == "space":
+            self._set_filter(self.filter_text + " ")
+        else:
+            return
+        event.stop()
+        event.prevent_default()
+
+    # --- drawing ----------------------------------------------------------------------------
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        line = y + self.scroll_offset.y
+        entry = self._entry_at(line)
+        if entry is None:
+            return Strip.blank(width, base)
+        item = self._lines[entry]
+        if item.kind == "header":
+            style = base + self.get_component_rich_style("session-list--header", partial=True)
+            return self._strip([(f" {item.text}", style)], width, base)
+        if item.kind == "filter":
+            style = base + self.get_component_rich_style("session-list--filter", partial=True)
+            return self._strip([(f" / {item.text}▏", style)], width, base)
+        assert item.row is not None
+        if entry == self._cursor:
+            base = base + self.get_component_rich_style("session-list--cursor", partial=True)
+        title, info, badge = row_lines(item.row)
+        inner = width - 2
+        if line == self._starts[entry]:
+            style = base + self.get_component_rich_style("session-list--title", partial=True)
+            return self._strip([(" " + _fit(title, inner), style)], width, base)
+        kind = item.row.badge
+        badge_style = base + self.get_component_rich_style(
+            f"session-list--kv-{kind if kind in KV_LABELS else 'none'}", partial=True
+        )
+        badge_text = f" {badge} "
+        info_style = base + self.get_component_rich_style("session-list--info", partial=True)
+        room = max(0, inner - cell_len(badge_text) - 1)
+        info_text = _fit(info, room)
+        gap = " " * max(1, inner - cell_len(info_text) - cell_len(badge_text) + 1)
+        return self._strip(
+            [(" " + info_text, info_style), (gap, base), (badge_text, badge_style)], width, base
+        )
+
+    @staticmethod
+    def _strip(parts: list[tuple[str, Style]], width: int, base: Style) -> Strip:
+        return Strip([Segment(text, style) for text, style in parts]).crop_extend(0, width, base)

@@ -1,0 +1,226 @@
+"""A long history stays light (issue 26): the sessions sidebar draws only the rows on screen,
+groups them by date, filters titles as you type, and shows what another process changed
+within the watch's two seconds, redrawing only the row that changed.
+
+The real app and the real model; the sessions are stored without the model
+(``ChatService.add_message``), once per module, and copied into each test's home.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from kvchat.service.chat import ChatService
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.main import MainScreen
+from kvchat.tui.widgets.sidebar import SessionList
+from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
+from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
+from tests.test_tui_branches import sidebar_lines
+
+MANY = 1000
+FEW = 100
+
+
+def build_home(home: Path, sessions: int) -> None:
+    """``sessions`` sessions of one message each, "Session 0000" the oldest."""
+    service = ChatService(make_settings(), home=home)
+    try:
+        for i in range(sessions):
+            session = service.new_session(f"Session {i:04d}")
+            service.add_message(session.id, "user", f"question {i}", token_count=3)
+    finally:
+        service.close()
+
+
+@pytest.fixture(scope="module")
+def homes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Ready-made data directories with FEW and MANY sessions (built once for the module)."""
+    built = {}
+    for count in (FEW, MANY):
+        home = tmp_path_factory.mktemp(f"home{count}")
+        build_home(home, count)
+        built[count] = home
+    return built
+
+
+def use_home(source: Path, kvhome: Path) -> None:
+    shutil.copytree(source, kvhome, dirs_exist_ok=True)
+
+
+def on_screen(main: MainScreen, text: str) -> bool:
+    return any(text in line for line in sidebar_lines(main))
+
+
+async def test_a_thousand_sessions_draw_only_what_is_on_screen_and_all_are_reachable(
+    homes: dict[int, Path], kvhome: Path
+) -> None:
+    use_home(homes[MANY], kvhome)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        sessions = main.sessions
+        await wait_until(lambda: len(sessions.rows) == MANY)  # every page read
+        # No widget per session: the whole screen holds far fewer widgets than sessions.
+        widgets = len(list(main.query("*")))
+        assert widgets < 100, widgets
+        # Two lines a session and the date header: the list scrolls over all of them.
+        assert sessions.line_count == 2 * MANY + 1
+        assert on_screen(main, "Session 0999") and not on_screen(main, "Session 0000")
+
+        # End in the list: the oldest session is drawn and highlighted; Enter opens it.
+        await pilot.press("ctrl+l", "end")
+        await wait_until(lambda: on_screen(main, "Session 0000"))
+        index = sessions.index
+        assert index is not None and sessions.rows[index].summary.session.title == "Session 0000"
+        await pilot.press("enter")
+        oldest = sessions.rows[index].id
+        await wait_until(lambda: main.session_id == oldest and main.hot_id == oldest)
+        assert [v.text for v in main.conversation.views] == ["question 0"]
+        # PgUp and Home go back up.
+        await pilot.press("ctrl+l", "pageup")
+        assert (sessions.index or 0) < index
+        await pilot.press("home")
+        await wait_until(lambda: on_screen(main, "Session 0999"))
+
+
+async def test_slash_filters_the_titles_as_you_type(homes: dict[int, Path], kvhome: Path) -> None:
+    use_home(homes[FEW], kvhome)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        sessions = main.sessions
+        await wait_until(lambda: len(sessions.rows) == FEW)
+        await pilot.press("ctrl+l", "slash", "0", "0", "4")
+        titles = [r.summary.session.title for r in sessions.rows]
+        expected = [f"Session 004{d}" for d in range(9, -1, -1)] + ["Session 0004"]
+        assert titles == expected, titles
+        assert on_screen(main, "/ 004") and on_screen(main, "Session 0040")
+        await pilot.press("2")
+        assert [r.summary.session.title for r in sessions.rows] == ["Session 0042"]
+        assert not on_screen(main, "Session 0041")
+        await pilot.press("backspace")
+        assert len(sessions.rows) == 11
+        # Enter opens the match; the filter stays until Esc.
+        await pilot.press("enter")
+        await wait_until(lambda: main.session_id == sessions.rows[0].id)
+        await pilot.press("ctrl+l", "escape")
+        assert sessions.filter_text is None and len(sessions.rows) == FEW
+        assert not on_screen(main, "/ ")
+
+
+async def test_sessions_are_grouped_by_date(kvhome: Path) -> None:
+    service = ChatService(make_settings())
+    now = datetime.now(UTC)
+    dates = {
+        "Fresh": now,
+        "From yesterday": now - timedelta(days=1),
+        "Earlier this week": now - timedelta(days=4),
+        "Long ago": datetime(2024, 3, 15, 12, tzinfo=UTC),
+    }
+    for title, when in dates.items():
+        session = service.new_session(title)
+        service.add_message(session.id, "user", "hi", token_count=1)
+        with service.store.db.conn:
+            service.store.db.execute(
+                "UPDATE sessions SET updated = ? WHERE id = ?", (when.isoformat(), session.id)
+            )
+    service.close()
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        await wait_until(lambda: len(main.sessions.rows) == 4)
+        await pilot.pause()
+        lines = [line for line in sidebar_lines(main) if line and " tok · " not in line]
+        # Near midnight "yesterday" (24 h ago) may still be today's date, and so on.
+        expected = ["Today", "Fresh", "Yesterday", "From yesterday", "Previous 7 days"]
+        if now.astimezone().hour >= 1:
+            assert lines[:5] == expected, lines
+        assert lines[-2:] == ["March 2024", "Long ago"], lines
+
+
+async def test_a_session_made_elsewhere_appears_and_a_change_redraws_one_row(
+    homes: dict[int, Path], kvhome: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_home(homes[FEW], kvhome)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        sessions = main.sessions
+        await wait_until(lambda: len(sessions.rows) == FEW)
+        await pilot.pause()
+        redrawn: list[tuple[int, int]] = []
+        original = SessionList.refresh_lines
+
+        def record(list_: SessionList, y_start: int, line_count: int = 1) -> None:
+            redrawn.append((y_start, line_count))
+            original(list_, y_start, line_count)
+
+        # Another process (here another service on the same data) renames the newest
+        # session (a rename counts as an update: it stays on top).
+        target = sessions.rows[0]
+        other = ChatService(make_settings())
+        try:
+            monkeypatch.setattr(sessions, "refresh_lines", record.__get__(sessions))
+            lines_before = sessions.line_count
+            started = time.monotonic()
+            other.rename(target.id, "Renamed elsewhere")
+            await wait_until(lambda: on_screen(main, "Renamed elsewhere"), timeout=10)
+            assert time.monotonic() - started < 4  # the watch looks every 2 s
+            # Its two lines only (the same sessions in the same order: nothing else moved).
+            assert sessions.line_count == lines_before
+            assert set(redrawn) == {(1, 2)}, redrawn  # under the "Today" header
+
+            # A new session from elsewhere shows up on top within the same two seconds.
+            made = other.new_session("Made in the shell")
+            other.add_message(made.id, "user", "hello", token_count=1)
+            await wait_until(lambda: sessions.rows[0].id == made.id, timeout=10)
+            assert on_screen(main, "Made in the shell")
+            # Deleted elsewhere: gone from the list.
+            other.delete(made.id)
+            await wait_until(lambda: all(r.id != made.id for r in sessions.rows), timeout=10)
+        finally:
+            other.close()
+
+
+async def first_paint(home: Path, kvhome: Path) -> tuple[float, int]:
+    """Seconds from start until the sidebar draws the newest session, and the objects the
+    process holds then (a proxy for memory that does not depend on the machine's load)."""
+    shutil.rmtree(kvhome, ignore_errors=True)
+    use_home(home, kvhome)
+    app = KvchatApp(make_settings(), cursor_blink=False)
+    started = time.perf_counter()
+    async with app.run_test(size=SIZE) as pilot:
+        main = app.main
+        while not any("Session" in line for line in sidebar_lines(main)):
+            await pilot.pause(0.01)
+        painted = time.perf_counter() - started
+        await ready(app)
+        await wait_until(lambda: main.feed.complete)
+        gc.collect()
+        objects = len(gc.get_objects())
+        await pilot.press("ctrl+q")
+    return painted, objects
+
+
+async def test_first_paint_and_memory_hardly_grow_from_100_to_1000_sessions(
+    homes: dict[int, Path], kvhome: Path
+) -> None:
+    few, many = [], []
+    for _ in range(2):  # the best of two: the machine is shared
+        few.append(await first_paint(homes[FEW], kvhome))
+        many.append(await first_paint(homes[MANY], kvhome))
+    paint_few, paint_many = min(p for p, _ in few), min(p for p, _ in many)
+    objects_few, objects_many = min(o for _, o in few), min(o for _, o in many)
+    print(
+        f"first paint {paint_few * 1000:.0f} ms / {paint_many * 1000:.0f} ms, "
+        f"objects {objects_few:,} / {objects_many:,} ({FEW} / {MANY} sessions)"
+    )
+    assert paint_many < 1.5 * paint_few + 0.1, (paint_few, paint_many)
+    assert objects_many < 1.5 * objects_few, (objects_few, objects_many)
