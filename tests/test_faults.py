@@ -9,6 +9,7 @@ by the thousand (``KVCHAT_STRESS_CASES`` / ``KVCHAT_STRESS_KILLS`` set how many)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -172,14 +173,16 @@ def _kill_campaign(
         twin, "ask", "--session", session, "And finally?", "--json", "--no-restore", *FAST
     )
     assert resumed.json["reply"] == baseline.json["reply"]
-    restore = resumed.json["restore"]
-    assert restore["from"] == "disk" or restore["reason"], restore
+    # And the turn after it (killed by nobody) resumes from the snapshot that one wrote.
+    after = run_cli(home, "ask", "--session", session, "One more?", "--json", *FAST).json
+    assert after["restore"]["from"] == "disk", after["restore"]
+    assert after["tokens"]["decoded"] < 32, after["tokens"]
     return outcomes
 
 
 def test_kills_during_turns_forks_and_gc(tmp_path: Path):
     outcomes = _kill_campaign(tmp_path, n_turns=14, n_forks=4, n_gcs=4, seed=9)
-    assert len(outcomes) >= 20
+    assert len(outcomes) == 22
     # Kill points scale with a measured turn; under heavy load more runs end first.
     assert sum(o.exited is None for o in outcomes) >= len(outcomes) // 4
 
@@ -410,15 +413,21 @@ def small_disk(tmp_path: Path) -> Callable[[int], Path]:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def _fill(directory: Path, leave: int) -> None:
-    """Fill the filesystem of ``directory`` until ``leave`` bytes are free."""
+def _free(directory: Path) -> int:
     stat = os.statvfs(directory)
-    free = stat.f_bavail * stat.f_frsize
+    return stat.f_bavail * stat.f_frsize
+
+
+def _fill(directory: Path, leave: int) -> None:
+    """Fill the filesystem of ``directory`` until ``leave`` bytes are free (at most a few
+    blocks more), and check that it did."""
     with open(directory / "filler", "wb") as fh:
         try:
-            fh.write(b"\0" * max(0, free - leave))
-        except OSError:
-            pass
+            fh.write(b"\0" * max(0, _free(directory) - leave))
+            fh.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc  # full a little early: what was asked
+    assert _free(directory) <= leave + 64 * 1024, f"the disk did not fill: {_free(directory)}"
 
 
 def test_a_full_disk_gives_one_clear_line_and_keeps_the_reply(small_disk, tmp_path: Path):
@@ -427,19 +436,27 @@ def test_a_full_disk_gives_one_clear_line_and_keeps_the_reply(small_disk, tmp_pa
     first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
     session = first["session"]
     _fill(disk, leave=256 * 1024)  # room for the database's messages, not for KV
-    outcomes = []
+    said_full, kept = [], []
     for i in range(6):
         result = run_cli(
             home, "ask", "--session", session, f"Next {i}?", "--json", *FAST, check=False
         )
         assert_clean(result)
-        outcomes.append(result.returncode)
         if result.returncode == 0:
             reply = json.loads(result.stdout)
-            assert reply["reply"], "a reply was generated but not shown"
+            assert reply["reply"] and reply["message_id"], "a reply was generated but not kept"
+            kept.append(reply["reply"])
             if reply["snapshot"]["error"]:
-                assert "full" in reply["snapshot"]["error"] or "space" in reply["snapshot"]["error"]
-    db_state(home)
+                assert "disk is full" in reply["snapshot"]["error"], reply["snapshot"]["error"]
+                said_full.append(i)
+        else:
+            assert "disk is full" in result.stderr, result.stderr
+            said_full.append(i)
+    # The KV of a turn (~2 MB) cannot fit in 256 KiB: the turns said so, and kept replies.
+    assert said_full, "no turn reported the full disk"
+    assert kept, "no reply was kept on the nearly full disk"
+    messages, _ = db_state(home)
+    assert set(kept) <= {c for (_, r, c) in messages if r == "assistant"}
     assert_files_consistent(home)
     # Completely full: every command still answers in one line.
     _fill(disk, leave=0)
@@ -534,4 +551,8 @@ def test_a_damaged_database_is_refused_then_salvaged_by_doctor(one_turn_home, co
     assert [s["id"] for s in listed] == [session]
     resumed = cli(home, "ask", "--session", session, "Hello again?", "--json", *FAST).json
     assert resumed["reply"]
-    assert resumed["restore"]["from"] == "disk" or resumed["restore"]["reason"]
+    # Salvage keeps the text, not the KV index: one full prefill, then resumes as before.
+    assert resumed["restore"]["from"] == "none"
+    assert resumed["restore"]["reason"] == "no snapshot saved for this session yet"
+    again = cli(home, "ask", "--session", session, "Still here?", "--json", *FAST).json
+    assert again["restore"]["from"] == "disk" and again["tokens"]["decoded"] < 32

@@ -106,3 +106,32 @@ def test_a_service_closed_with_the_settle_pending_saves_the_valid_prefix(kvhome:
         assert baseline.reply == third.reply
     finally:
         svc.close()
+
+
+@pytest.mark.e2e
+def test_deleting_a_session_removes_its_kv_and_keeps_what_a_branch_shares(kvhome: Path) -> None:
+    svc = service(kvhome)
+    try:
+        parent = svc.start("Tell me about rivers.").session_id
+        first_reply = svc.messages(parent)[-1].id
+        svc.send(parent, "And what about lakes and the fish that live in them?")
+        branch = svc.fork(parent, at_message=first_reply).id
+        svc.send(branch, "And seas?")  # borrows the shared prefix, writes its own chunks
+        cold = svc.local_tiers.cold
+        parent_row, branch_row = svc.store.get_snapshot(parent), svc.store.get_snapshot(branch)
+        assert parent_row is not None and branch_row is not None
+        shared = set(parent_row.chunk_keys) & set(branch_row.chunk_keys)
+        assert shared and set(parent_row.chunk_keys) - shared, "no prefix shared or no own chunks"
+        parent_files, branch_files = set(cold.files(parent_row)), set(cold.files(branch_row))
+        svc.delete(parent)
+        assert svc.store.get_snapshot(parent) is None
+        assert not any(p.exists() for p in parent_files - branch_files)  # its own chunks: gone
+        assert all(p.exists() for p in branch_files)  # what the branch uses: kept
+    finally:
+        svc.close()
+    again = service(kvhome)
+    try:
+        turn = again.send(branch, "And oceans?")
+        assert turn.restore.source == "disk" and turn.tokens.decoded < 32
+    finally:
+        again.close()

@@ -75,15 +75,24 @@ def test_full_text_search_finds_messages_across_sessions(tmp_path: Path):
 
 
 def test_delete_session_removes_its_messages_and_snapshot_row(tmp_path: Path):
+    from kvchat.store import SnapshotRow
+
     store = Store(tmp_path / "kv.db")
     doomed = store.create_session("Doomed")
     kept = store.create_session("Kept")
     store.add_message(doomed.id, "user", "bye")
     store.add_message(kept.id, "user", "stay")
+    for session in (doomed, kept):
+        store.put_snapshot(
+            SnapshotRow(session.id, f"{session.id}.kvs", 3, [1, 2, 3], {"m": 1}, 64, "c")
+        )
     store.delete_session(doomed.id)
     assert [s.session.id for s in store.list_sessions()] == [kept.id]
     assert store.search("bye") == []
     assert [m.content for m in store.messages(kept.id)] == ["stay"]
+    assert store.get_snapshot(doomed.id) is None
+    kept_row = store.get_snapshot(kept.id)
+    assert kept_row is not None and kept_row.path == f"{kept.id}.kvs"
 
 
 # --- the snapshot shelf: KV kept per setting (issue 11 item 3) --------------------------------
