@@ -74,7 +74,7 @@ def test_the_reader_holds_one_element_and_a_read_ahead_not_the_file():
         (b'[{"a": 1}] trailing', "Extra data"),
         (b'[{"a": NaN}]', "NaN is not a JSON value"),
         (b'[{"a": "\xff"}]', "invalid byte at offset 8"),
-        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b"[" * 5000 + b"]" * 5000, "levels deep"),
     ],
 )
 def test_a_broken_list_says_where_on_one_line(data, where):
@@ -156,3 +156,49 @@ def test_other_json_still_reads_whole_and_keeps_its_limit(service, tmp_path, mon
     other.write_text(json.dumps([{"role": "user", "content": "hello again"}]))
     with pytest.raises(BadFile, match="JSON limit"):
         import_file(service, other)
+
+
+def _fts_trigger(service: ChatService) -> str | None:
+    row = service.store.db.execute(
+        "SELECT sql FROM sqlite_master WHERE type='trigger' AND name='messages_ai'"
+    ).fetchone()
+    return row[0] if row else None
+
+
+def test_an_import_indexes_its_messages_for_search_and_puts_the_trigger_back(service, tmp_path):
+    before = _fts_trigger(service)
+    assert before is not None
+    session = service.new_session("Made here")
+    service.add_message(session.id, "user", "a zebra before the import")
+    path = tmp_path / "conversations.json"
+    write_chatgpt_export(path, 40, 26)
+    import_file(service, path)
+    assert _fts_trigger(service) == before  # as it was
+    # Every imported message is in the index once, and nothing else moved in it.
+    hits = service.store.search(RARE_WORD, limit=100)
+    assert len(hits) == rare_hits(40, 26) + 1
+    db = service.store.db
+    indexed = db.execute(
+        "SELECT COUNT(*) FROM messages_fts WHERE messages_fts MATCH 'river'"
+    ).fetchone()[0]
+    stored = db.execute("SELECT COUNT(*) FROM messages WHERE content LIKE '%river%'").fetchone()
+    assert indexed == stored[0] > 1000
+    # FTS5's own check of the index against the messages (raises when they differ).
+    db.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('integrity-check', 1)")
+    service.add_message(session.id, "user", "a zebra after the import")  # the trigger works
+    assert len(service.store.search(RARE_WORD, limit=100)) == rare_hits(40, 26) + 2
+
+
+def test_a_failed_import_leaves_the_search_trigger_in_place(service, tmp_path):
+    before = _fts_trigger(service)
+    path = tmp_path / "conversations.json"
+    write_chatgpt_export(path, 30, 4)
+    document = json.loads(path.read_text())
+    document[20]["mapping"]["n1"]["message"]["author"]["role"] = "narrator"
+    path.write_text(json.dumps(document))
+    with pytest.raises(BadFile):
+        import_file(service, path)
+    assert _fts_trigger(service) == before
+    session = service.new_session("After")
+    service.add_message(session.id, "user", "zebra")
+    assert len(service.store.search(RARE_WORD)) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,6 +69,7 @@ class ImportsSql(SqlBase):
             taken = live(file_key)
             if taken:
                 raise KvchatError(f"this file was already imported as {', '.join(taken)}")
+            index_after = _index_at_the_end(conn)
             for item in sessions:
                 key = item.get("key")
                 earlier = live(key) if key else []
@@ -109,7 +111,39 @@ class ImportsSql(SqlBase):
                 "UPDATE meta SET value=? WHERE key=?",
                 (json.dumps([session_id for session_id, _ in results]), file_key),
             )
+            if index_after is not None:
+                first_new, trigger = index_after
+                conn.execute(
+                    "INSERT INTO messages_fts (rowid, content)"
+                    " SELECT id, content FROM messages WHERE id > ?",
+                    (first_new,),
+                )
+                conn.execute(trigger)
         return results
+
+
+# The search index's insert trigger (sqlite-utils' enable_fts in migration 2), and what it does.
+FTS_INSERT_TRIGGER = "messages_ai"
+_FTS_INSERT = 'INSERT INTO "messages_fts" (rowid, "content") VALUES (new.rowid, new."content")'
+
+
+def _index_at_the_end(conn: sqlite3.Connection) -> tuple[int, str] | None:
+    """Let an import index its messages for search in one statement at its end (FTS5 takes
+    a batch about twice as fast as a row at a time): drop the insert trigger, inside the
+    import's transaction, and return the last message id before the import and the
+    trigger's SQL, to index what came after it and put the trigger back as it was (a
+    failed import rolls the drop back with the rest). None, changing nothing, when the
+    trigger is not the one kvchat made."""
+    assert conn.in_transaction  # the drop must roll back with the import
+    row = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = ?",
+        (FTS_INSERT_TRIGGER,),
+    ).fetchone()
+    if row is None or _FTS_INSERT not in row[0]:
+        return None
+    first_new = conn.execute("SELECT COALESCE(MAX(id), 0) FROM messages").fetchone()[0]
+    conn.execute(f'DROP TRIGGER "{FTS_INSERT_TRIGGER}"')
+    return int(first_new), str(row[0])
 
 
 def _reasoning(message: Any) -> str:

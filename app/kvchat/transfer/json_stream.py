@@ -121,8 +121,8 @@ class ArrayReader:
                 raise self._bad(exc.pos, exc.msg) from None
             except ValueError as exc:  # NaN, Infinity
                 raise BadFile(self.path, f"not valid JSON ({exc})") from None
-            except RecursionError:
-                raise BadFile(self.path, "JSON nested too deeply") from None
+            except RecursionError:  # the scanner's own guard: no reader walks deeper
+                raise BadFile(self.path, "JSON nests too many levels deep: refused") from None
             if end >= len(self.buf) and not self.eof:
                 self._more()  # a bare number may go on in the next read
                 continue
