@@ -1,6 +1,7 @@
 """A long history stays light (issue 26): the sessions sidebar draws only the rows on screen,
 groups them by date, filters titles as you type, and shows what another process changed
-within the watch's two seconds, redrawing only the row that changed.
+within the watch's two seconds, redrawing only the row that changed; a long session opens
+on its last page and every message is reachable by scrolling up, PgUp and Home.
 
 The real app and the real model; the sessions are stored without the model
 (``ChatService.add_message``), once per module, and copied into each test's home.
@@ -15,10 +16,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from textual.widgets import Label
 
 from kvchat.service.chat import ChatService
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.main import MainScreen
+from kvchat.tui.widgets.conversation import EARLIER_PAGE, MAX_VIEWS, SHOWN, MessageView
 from kvchat.tui.widgets.sidebar import SessionList
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
 from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
@@ -224,3 +227,45 @@ async def test_first_paint_and_memory_hardly_grow_from_100_to_1000_sessions(
     )
     assert paint_many < 1.5 * paint_few + 0.1, (paint_few, paint_many)
     assert objects_many < 1.5 * objects_few, (objects_few, objects_many)
+
+
+async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvhome: Path) -> None:
+    service = ChatService(make_settings())
+    session = service.new_session("Long")
+    for i in range(500):
+        role = "user" if i % 2 == 0 else "assistant"
+        service.add_message(session.id, role, f"message {i}", token_count=2)
+    service.remember_open(session.id)
+    service.close()
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        conversation = main.conversation
+        await wait_until(lambda: not conversation.pending)  # the first page, all mounted
+        views = conversation.views
+        assert len(views) == SHOWN and views[-1].number == 500 and conversation.first == 440
+        assert "440 earlier messages" in str(conversation.query_one("#earlier", Label).content)
+
+        # PgUp on the messages: at the top of the window the page before comes in, and the
+        # message that was on top stays on screen (the place is kept).
+        views[-1].focus()
+        await pilot.pause()
+        top = views[0]
+        for _ in range(60):
+            await pilot.press("pageup")
+            if conversation.first < 440:
+                break
+        await wait_until(lambda: conversation.first == 440 - EARLIER_PAGE)
+        await pilot.pause()
+        assert conversation.views[0].number == 441 - EARLIER_PAGE
+        assert conversation.region.overlaps(top.region), (conversation.region, top.region)
+
+        # Home: message #1, focused; End: the latest again. Never more than MAX_VIEWS.
+        await pilot.press("home")
+        await wait_until(
+            lambda: isinstance(app.focused, MessageView) and app.focused.number == 1, timeout=30
+        )
+        assert isinstance(app.focused, MessageView) and app.focused.text == "message 0"
+        assert conversation.first == 0 and len(conversation.views) <= MAX_VIEWS
+        await pilot.press("end")
+        await wait_until(lambda: conversation.later == 0 and conversation.views[-1].number == 500)

@@ -12,7 +12,7 @@ of the screen (its group and exclusivity are set here), so one handler reports f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from textual import events, on, work
 from textual.app import ComposeResult
@@ -296,17 +296,25 @@ class MainScreen(Screen[None]):
     @on(Worker.StateChanged)
     def _worker_changed(self, event: Worker.StateChanged) -> None:
         """One place for failures of background work: a notice, never a crash."""
-        if event.state != WorkerState.ERROR or self.backend.closing:
+        if event.state == WorkerState.ERROR:
+            self._worker_failed(event.worker)
+
+    @on(Conversation.PagingFailed)
+    def _paging_failed(self, event: Conversation.PagingFailed) -> None:
+        self._worker_failed(event.worker)
+
+    def _worker_failed(self, worker: Worker[Any]) -> None:
+        if self.backend.closing:
             return
-        error = event.worker.error
+        error = worker.error
         assert error is not None
         self.backend.worker_errors.append(error)
         if isinstance(error, KvchatError):
             self.notify(str(error), severity="error", markup=False)
         else:
-            self.log.error(f"{event.worker.name} failed", error)
+            self.log.error(f"{worker.name} failed", error)
             self.notify(
-                f"Unexpected error in {event.worker.name}: {error!r}",
+                f"Unexpected error in {worker.name}: {error!r}",
                 title="kvchat bug",
                 severity="error",
                 markup=False,

@@ -1,76 +1,32 @@
-"""The conversation: one focusable MessageView (role line + Markdown) per message.
+"""The conversation: a window of the session's messages, one MessageView each.
 
-Textual's Markdown widget (and the parser and syntax highlighter behind it) is imported
-on first use, not with the app: the first frame needs none of it.
+A session of any length opens on its latest messages; scrolling up past the first one
+shown (the mouse, PgUp, ↑) mounts the page before it, keeping the place on screen, and
+Home goes to the very first message; the newest views are let go meanwhile, so a window
+of at most ``MAX_VIEWS`` messages is mounted, whatever the session's length.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from textual import events
-from textual.app import ComposeResult
-from textual.binding import Binding
+from textual import events, on
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TextualMessage
 from textual.widget import Widget
 from textual.widgets import Label
+from textual.worker import Worker, WorkerState
 
-from kvchat.text import visible
+from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, markdown_widget
 
 if TYPE_CHECKING:
-    from markdown_it import MarkdownIt
-    from markdown_it.rules_core import StateCore
-    from textual.widgets import Markdown
-    from textual.widgets._markdown import MarkdownStream
-
     from kvchat.service.chat import Message
 
-# Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
-# and no character references (``&amp;`` stays as typed); formatting still renders.
-PLAIN_TEXT_RULES = ("html_inline", "html_block", "entity")
+__all__ = ["ROLE_NAMES", "Conversation", "ConversationPage", "MessageView"]
 
-
-def message_parser() -> MarkdownIt:
-    """The Markdown parser of every message (Textual's default, less the rules above)."""
-    from markdown_it import MarkdownIt
-
-    return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
-
-
-def user_parser() -> MarkdownIt:
-    """The parser of your own messages: :func:`message_parser`, and every line break you
-    typed is kept (each soft break becomes a hard one, so lists, headings and tables that
-    follow a line still render, and no backslash is added to the text)."""
-    parser = message_parser()
-    parser.core.ruler.push("typed_line_breaks", _typed_line_breaks)
-    return parser
-
-
-def _typed_line_breaks(state: StateCore) -> None:
-    for token in state.tokens:
-        for child in token.children or ():
-            if child.type == "softbreak":
-                child.type, child.tag = "hardbreak", "br"
-
-
-def markdown_widget() -> type[Markdown]:
-    """Textual's Markdown widget class, imported on first use (see the module docstring)."""
-    from textual.widgets import Markdown
-
-    return Markdown
-
-
-def body_widget() -> type[Markdown]:
-    """A message's Markdown widget class (built as composed), imported on first use."""
-    from kvchat.tui.widgets.body import MessageBody
-
-    return MessageBody
-
-
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
 SHOWN = 60
 # Opening a session mounts first only the latest messages that fill the screen (at least
@@ -81,11 +37,12 @@ FILL_BATCH = 4
 # so that it costs the same in a session of any length.
 BEFORE_HIT = 2
 HIT_WINDOW = 12
-
-# A message of yours longer than this many lines (a long paste) shows folded to its first
-# FOLD_LINES; Enter on it (or a click on the note) shows it all.
-FOLD_LINES = 20
-FOLD_AFTER = 24
+# Scrolling up to the first message shown (within NEAR_TOP lines of the top) mounts this
+# many before it; at most MAX_VIEWS are mounted, the newest let go beyond (they come back
+# with ↓ past the last one shown, End, or a new turn, as after a jump).
+EARLIER_PAGE = 30
+NEAR_TOP = 3
+MAX_VIEWS = 150
 
 WELCOME = """\
 # Welcome to kvchat
@@ -98,280 +55,6 @@ The status bar shows where that memory came from on every turn.
 
 **F1** lists every key · **Ctrl+P** finds any action by name.
 """
-
-
-class MessageView(Vertical, can_focus=True):
-    """One message, headed by its role and its number in the session (``#3``: what
-    ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
-    or a code block with ``b``, see its details with ``i``, branch a new session from it
-    with ``f``, or edit it (your messages) with ``e``."""
-
-    BINDINGS = [
-        Binding("c", "copy", "Copy message", show=False),
-        Binding("b", "copy_code", "Copy code block", show=False),
-        Binding("i", "details", "Message details", show=False),
-        Binding("f", "branch", "Branch from here", show=False),
-        Binding("e", "edit", "Edit message", show=False),
-        Binding("up", "move(-1)", "Previous message", show=False),
-        Binding("down", "move(1)", "Next message", show=False),
-        Binding("left", "version(-1)", "Previous version of the reply", show=False),
-        Binding("right", "version(1)", "Next version of the reply", show=False),
-        Binding("enter", "toggle_fold", "Show all / fold a long message", show=False),
-    ]
-    OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
-
-    @dataclass
-    class CopyRequested(TextualMessage):
-        view: MessageView
-        code: bool
-
-    @dataclass
-    class BranchRequested(TextualMessage):
-        """``f``: a new session with the messages up to this one."""
-
-        view: MessageView
-
-    @dataclass
-    class EditRequested(TextualMessage):
-        """``e``: edit this message as a new branch."""
-
-        view: MessageView
-
-    @dataclass
-    class VersionRequested(TextualMessage):
-        """←/→ on a reply: show its previous (-1) or next (+1) version."""
-
-        view: MessageView
-        step: int
-
-    @dataclass
-    class DetailsRequested(TextualMessage):
-        """``i``: show this message's time and its turn's figures."""
-
-        view: MessageView
-
-    @dataclass
-    class TypedAhead(TextualMessage):
-        """A printable key that is not one of this widget's keys: it belongs in the input."""
-
-        character: str
-
-    def __init__(
-        self,
-        role: str,
-        text: str = "",
-        *,
-        message_id: int | None = None,
-        partial: bool = False,
-        streaming: bool = False,
-        number: int | None = None,
-        pending: bool = False,
-        finish_reason: str | None = None,
-    ) -> None:
-        classes = f"message -{role}" + (" -partial" if partial else "")
-        super().__init__(classes=classes + (" -pending" if pending else ""))
-        self.role = role
-        self.text = text
-        self.message_id = message_id
-        self.partial = partial
-        self.streaming = streaming
-        self.number = number  # 1-based position in the session's messages
-        self.stream: MarkdownStream | None = None
-        # Why the reply ended, as stored ("length": stopped at the token limit).
-        self.finish_reason = finish_reason
-        self.cut = False  # the session's last reply, stopped at the token limit: F12 goes on
-        self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
-        # Your message as Enter sent it, before it is stored (it left the input at once).
-        self.pending = pending
-        # A long message of yours shows its first FOLD_LINES lines until unfolded.
-        self.folded = self.foldable
-
-    @classmethod
-    def from_message(cls, message: Message, number: int | None = None) -> MessageView:
-        return cls(
-            message.role,
-            message.content,
-            message_id=message.id,
-            partial=message.partial,
-            number=number,
-            finish_reason=message.finish_reason,
-        )
-
-    def compose(self) -> ComposeResult:
-        yield Label(self._header(), classes="message-role", markup=False)
-        parser = user_parser if self.role == "user" else message_parser
-        yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
-        if self.foldable:
-            yield Label(self._fold_note(), classes="fold-note", markup=False)
-
-    @property
-    def foldable(self) -> bool:
-        """A message of yours long enough to fold (a long paste)."""
-        return self.role == "user" and self.text.count("\n") >= FOLD_AFTER
-
-    def _shown(self, text: str) -> str:
-        """The Markdown source shown for ``text``: as written, without control codes (the
-        first FOLD_LINES lines while folded)."""
-        text = visible(text)
-        if self.folded:
-            text = "\n".join(text.split("\n")[:FOLD_LINES])
-        return text
-
-    def _fold_note(self) -> str:
-        if self.folded:
-            more = self.text.count("\n") + 1 - FOLD_LINES
-            return f"⋯ {more:,} more lines · Enter shows them all"
-        return "Enter folds this message again"
-
-    async def action_toggle_fold(self) -> None:
-        """Enter on a long message of yours: show all of it, or fold it again."""
-        if not self.foldable:
-            return
-        self.folded = not self.folded
-        await self.body.update(self._shown(self.text))
-        for note in self.query(".fold-note").results(Label):
-            note.update(self._fold_note())
-
-    async def on_click(self, event: events.Click) -> None:
-        widget = event.widget
-        if widget is not None and widget.has_class("fold-note"):
-            await self.action_toggle_fold()
-
-    def _header(self) -> str:
-        name = ROLE_NAMES.get(self.role, self.role)
-        if self.number is not None:
-            name = f"{name} · #{self.number}"
-        if self.version[1] > 1:
-            name = f"{name} · reply {self.version[0]}/{self.version[1]} (←/→)"
-        if self.pending:
-            return f"{name} · sending…"
-        if self.streaming:
-            return f"{name} ▍"
-        if self.partial:
-            return f"{name} · partial (stopped)"
-        if self.cut:
-            return f"{name} · stopped at the token limit (F12 continues)"
-        if self.finish_reason == "length":
-            return f"{name} · stopped at the token limit"
-        return name
-
-    def _show_header(self) -> None:
-        for label in self.query(".message-role").results(Label):
-            label.update(self._header())
-
-    def set_version(self, position: int, count: int) -> None:
-        """Show which version of the reply this is, of how many."""
-        if (position, count) != self.version:
-            self.version = (position, count)
-            self._show_header()
-
-    async def show_version(self, message: Message, position: int, count: int) -> None:
-        """Show another version of this reply in place."""
-        self.message_id = message.id
-        self.partial = message.partial
-        self.text = message.content
-        self.finish_reason = message.finish_reason
-        self.cut = message.finish_reason == "length"  # only the last reply has versions
-        self.version = (position, count)
-        await self.body.update(self._shown(self.text))
-        self.set_class(self.partial, "-partial")
-        self._show_header()
-
-    def set_stored(self, message_id: int) -> None:
-        """Your pending message is stored (committed): show it as any other message."""
-        self.message_id = message_id
-        self.pending = False
-        self.remove_class("-pending")
-        self._show_header()
-
-    def set_cut(self, cut: bool) -> None:
-        """Mark (or unmark) the reply as stopped at the token limit, in its header."""
-        if cut != self.cut:
-            self.cut = cut
-            self._show_header()
-
-    @property
-    def body(self) -> Markdown:
-        return self.query_one(".message-body", markdown_widget())
-
-    def start_stream(self) -> MarkdownStream:
-        self.streaming = True
-        self._show_header()  # a continued reply shows it is streaming again
-        self.stream = markdown_widget().get_stream(self.body)
-        return self.stream
-
-    async def write(self, text: str) -> None:
-        """Append a buffered chunk of the reply being streamed."""
-        self.text += text
-        if self.stream is not None:
-            await self.stream.write(visible(text))
-
-    async def finish(
-        self,
-        *,
-        text: str,
-        message_id: int | None,
-        partial: bool,
-        finish_reason: str | None = None,
-    ) -> None:
-        """End the stream; ``text`` is the reply as the service committed it (and
-        ``finish_reason`` why it ended; None keeps what was known)."""
-        if self.stream is not None:
-            await self.stream.stop()
-            self.stream = None
-        self.streaming = False
-        self.message_id = message_id
-        self.partial = partial
-        if finish_reason is not None:
-            self.finish_reason = finish_reason
-        self.text = text
-        shown = self._shown(text)
-        if self.body.source != shown:  # e.g. a chunk raced the end of the stream
-            await self.body.update(shown)
-        self.set_class(partial, "-partial")
-        self._show_header()
-
-    def on_key(self, event: events.Key) -> None:
-        if event.is_printable and event.character and event.key not in self.OWN_KEYS:
-            event.stop()
-            event.prevent_default()
-            self.post_message(self.TypedAhead(event.character))
-
-    @property
-    def conversation(self) -> Conversation | None:
-        """The conversation showing this message (its page's parent), if any."""
-        page = self.parent
-        owner = page.parent if page is not None else None
-        return owner if isinstance(owner, Conversation) else None
-
-    def on_focus(self) -> None:
-        conversation = self.conversation
-        if conversation is not None:
-            conversation.cursor = self
-
-    def action_move(self, step: int) -> None:
-        conversation = self.conversation
-        if conversation is not None:
-            conversation.move(self, step)
-
-    def action_version(self, step: int) -> None:
-        if self.role == "assistant":
-            self.post_message(self.VersionRequested(self, step))
-
-    def action_details(self) -> None:
-        self.post_message(self.DetailsRequested(self))
-
-    def action_copy(self) -> None:
-        self.post_message(self.CopyRequested(self, code=False))
-
-    def action_copy_code(self) -> None:
-        self.post_message(self.CopyRequested(self, code=True))
-
-    def action_branch(self) -> None:
-        self.post_message(self.BranchRequested(self))
-
-    def action_edit(self) -> None:
-        self.post_message(self.EditRequested(self))
 
 
 class ConversationPage(Vertical):
@@ -402,6 +85,12 @@ class Conversation(VerticalScroll, can_focus=False):
     class LeaveRequested(TextualMessage):
         """↓ past the last message of the session: on to the input."""
 
+    @dataclass
+    class PagingFailed(TextualMessage):
+        """Mounting a page of messages failed (a bug): the screen reports it."""
+
+        worker: Worker[None]
+
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.first = 0  # messages of the session before the first one shown
@@ -411,21 +100,32 @@ class Conversation(VerticalScroll, can_focus=False):
         self.pending: list[MessageView] = []
         self._shows = 0  # counts show() calls: a fill stops when another show begins
         self._page: ConversationPage | None = None
+        self._messages: list[Message] = []  # the session's messages, as last shown
+        self._paging = False  # a page before the first one shown is being mounted
 
     async def show(
-        self, messages: list[Message], around: int | None = None, *, lazy: bool = False
+        self,
+        messages: list[Message],
+        around: int | None = None,
+        *,
+        lazy: bool = False,
+        from_start: bool = False,
     ) -> None:
-        """Show the last ``SHOWN`` messages, or a window around the message id ``around``.
+        """Show the last ``SHOWN`` messages, or a window around the message id ``around``,
+        or (``from_start``) the first ``SHOWN``.
 
         ``lazy`` (the latest messages only): mount now just those that fill the screen, and
         keep the others in :attr:`pending` for :meth:`fill`, so that a session is drawn in
         the time a few messages take to build, whatever its length.
         """
         self._shows += 1
+        self._messages = messages
         index = next((i for i, m in enumerate(messages) if m.id == around), None)
         if index is not None:
             start = max(0, index - BEFORE_HIT)
             end = min(len(messages), start + HIT_WINDOW)
+        elif from_start:
+            start, end = 0, min(len(messages), SHOWN)
         else:
             start, end = max(0, len(messages) - SHOWN), len(messages)
         self.first, self.later, self.cursor = start, len(messages) - end, None
@@ -434,18 +134,18 @@ class Conversation(VerticalScroll, can_focus=False):
         ]
         if views and not self.later and views[-1].finish_reason == "length":
             views[-1].cut = True  # the session's last reply: F12 continues it
-        now = self._left_for_later(views) if lazy and index is None else 0
+        now = self._left_for_later(views) if lazy and index is None and not from_start else 0
         self.pending = views[:now]
         widgets: list[Widget] = []
         if start:
-            plural = "s" if start != 1 else ""
-            note = f"{start:,} earlier message{plural} not shown (Ctrl+S exports them all)"
-            widgets.append(Label(note, id="earlier", classes="not-shown", markup=False))
+            widgets.append(
+                Label(_earlier_note(start), id="earlier", classes="not-shown", markup=False)
+            )
         widgets += views[now:]
         if self.later:
-            plural = "s" if self.later != 1 else ""
-            note = f"{self.later:,} later message{plural} not shown (↓ on the last one shows the latest)"
-            widgets.append(Label(note, id="later", classes="not-shown", markup=False))
+            widgets.append(
+                Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
+            )
         if not messages:
             widgets.append(markdown_widget()(WELCOME, id="welcome"))
         # One batch: the old messages stay on screen until the new ones are in place. The
@@ -460,6 +160,136 @@ class Conversation(VerticalScroll, can_focus=False):
             self.anchor()
         if old is not None:
             self.call_after_refresh(old.remove)
+
+    # --- the pages before and after the window ------------------------------------------------
+
+    def _near_top(self) -> bool:
+        return min(self.scroll_y, self.scroll_target_y) <= NEAR_TOP
+
+    def _page_in_earlier(self) -> None:
+        """At the top of the window with earlier messages left out: mount the page before."""
+        if self.first and not self.pending and not self._paging and self._near_top():
+            self._paging = True
+            self._run(self._mount_earlier())
+
+    async def _mount_earlier(self, focus_step: MessageView | None = None) -> None:
+        """Mount up to EARLIER_PAGE messages above the first shown one, keeping the place on
+        screen (the scroll moves down by what was added); then let the newest views go
+        beyond MAX_VIEWS. ``focus_step``: the view ↑ was pressed on (the one before it gets
+        the focus)."""
+        try:
+            page, views, shows = self._page, self.views, self._shows
+            if page is None or not views or not self.first:
+                return
+            anchor = views[0]
+            start = max(0, self.first - EARLIER_PAGE)
+            batch = [
+                MessageView.from_message(m, start + k + 1)
+                for k, m in enumerate(self._messages[start : self.first])
+            ]
+            before_y = anchor.virtual_region.y
+            self.anchor(False)
+            await page.mount_all(batch, before=anchor)
+            if shows != self._shows:
+                return
+            self.first = start
+            for note in page.query("#earlier").results(Label):
+                if start:
+                    note.update(_earlier_note(start))
+                else:
+                    await note.remove()
+            await self._let_newest_go()
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def keep_place() -> None:
+                added = anchor.virtual_region.y - before_y
+                if added > 0:
+                    self.scroll_to(y=self.scroll_y + added, animate=False, immediate=True)
+                if not done.done():
+                    done.set_result(None)
+
+            self.call_after_refresh(keep_place)
+            await done
+            if focus_step is not None:
+                self.move(focus_step, -1)
+        finally:
+            self._paging = False
+
+    async def _let_newest_go(self) -> None:
+        """Unmount the newest views beyond MAX_VIEWS (none while a reply streams or a
+        message is pending): they count as later messages."""
+        views, page = self.views, self._page
+        extra = len(views) - MAX_VIEWS
+        if extra <= 0 or page is None or any(v.streaming or v.pending for v in views):
+            return
+        gone = views[-extra:]
+        self.later += extra
+        if self.cursor in gone:
+            self.cursor = None
+        focused = self.screen.focused
+        if isinstance(focused, MessageView) and focused in gone:
+            # Scrolled out of sight and let go: the focus (and so the keys) moves to the
+            # first message on screen.
+            top = self.scroll_y
+            kept = views[:-extra]
+            shown = next((v for v in kept if v.virtual_region.bottom > top), kept[-1])
+            shown.focus(scroll_visible=False)
+        await page.remove_children(gone)
+        notes = list(page.query("#later").results(Label))
+        if notes:
+            notes[0].update(_later_note(self.later))
+        else:
+            await page.mount(
+                Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
+            )
+
+    async def _show_from_start(self) -> None:
+        """Home with earlier messages left out: the first messages, the first focused."""
+        await self.show(self._messages, from_start=True)
+        self.anchor(False)
+        self.scroll_home(animate=False, immediate=True)
+        views = self.views
+        if views:
+            views[0].focus(scroll_visible=False)
+
+    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        self.run_worker(work, group="conversation-pages", exit_on_error=False)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.state == WorkerState.ERROR:
+            self.post_message(self.PagingFailed(event.worker))
+
+    def action_scroll_home(self) -> None:
+        if self.first:
+            self._run(self._show_from_start())
+        else:
+            super().action_scroll_home()
+
+    def action_scroll_end(self) -> None:
+        if self.later:
+            self.post_message(self.LatestRequested())
+        else:
+            super().action_scroll_end()
+
+    def action_page_up(self) -> None:
+        super().action_page_up()
+        self._page_in_earlier()
+
+    def action_scroll_up(self) -> None:
+        super().action_scroll_up()
+        self._page_in_earlier()
+
+    def on_mouse_scroll_up(self, _event: events.MouseScrollUp) -> None:
+        self._page_in_earlier()
+
+    @on(MessageView.MoveRequested)
+    def _move_requested(self, event: MessageView.MoveRequested) -> None:
+        event.stop()
+        self.move(event.view, event.step)
+
+    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        if isinstance(event.widget, MessageView):
+            self.cursor = event.widget
 
     @property
     def page(self) -> ConversationPage | None:
@@ -546,6 +376,12 @@ class Conversation(VerticalScroll, can_focus=False):
         if view not in views:
             return
         index = views.index(view) + step
+        if index < 0 and self.first and not self.pending:
+            # ↑ on the first message shown: the page before it, then the one before it.
+            if not self._paging:
+                self._paging = True
+                self._run(self._mount_earlier(view))
+            return
         if index < 0:
             self.scroll_home(animate=False)
             return
@@ -556,3 +392,13 @@ class Conversation(VerticalScroll, can_focus=False):
         self.anchor(False)
         target.focus(scroll_visible=False)
         self.scroll_to_widget(target, animate=False, immediate=True)
+
+
+def _earlier_note(count: int) -> str:
+    plural = "s" if count != 1 else ""
+    return f"{count:,} earlier message{plural} · scroll up, PgUp or Home shows them"
+
+
+def _later_note(count: int) -> str:
+    plural = "s" if count != 1 else ""
+    return f"{count:,} later message{plural} not shown (↓ on the last one shows the latest)"

@@ -1,0 +1,343 @@
+"""One message of the conversation: its role line and its Markdown, and what a key on it
+asks for (copy, details, branch, edit, versions), as typed Messages to the screen.
+
+Textual's Markdown widget (and the parser and syntax highlighter behind it) is imported
+on first use, not with the app: the first frame needs none of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message as TextualMessage
+from textual.widgets import Label
+
+from kvchat.text import visible
+
+if TYPE_CHECKING:
+    from markdown_it import MarkdownIt
+    from markdown_it.rules_core import StateCore
+    from textual.widgets import Markdown
+    from textual.widgets._markdown import MarkdownStream
+
+    from kvchat.service.chat import Message
+
+# Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
+# and no character references (``&amp;`` stays as typed); formatting still renders.
+PLAIN_TEXT_RULES = ("html_inline", "html_block", "entity")
+
+
+def message_parser() -> MarkdownIt:
+    """The Markdown parser of every message (Textual's default, less the rules above)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
+
+
+def user_parser() -> MarkdownIt:
+    """The parser of your own messages: :func:`message_parser`, and every line break you
+    typed is kept (each soft break becomes a hard one, so lists, headings and tables that
+    follow a line still render, and no backslash is added to the text)."""
+    parser = message_parser()
+    parser.core.ruler.push("typed_line_breaks", _typed_line_breaks)
+    return parser
+
+
+def _typed_line_breaks(state: StateCore) -> None:
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type, child.tag = "hardbreak", "br"
+
+
+def markdown_widget() -> type[Markdown]:
+    """Textual's Markdown widget class, imported on first use (see the module docstring)."""
+    from textual.widgets import Markdown
+
+    return Markdown
+
+
+def body_widget() -> type[Markdown]:
+    """A message's Markdown widget class (built as composed), imported on first use."""
+    from kvchat.tui.widgets.body import MessageBody
+
+    return MessageBody
+
+
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+# A message of yours longer than this many lines (a long paste) shows folded to its first
+# FOLD_LINES; Enter on it (or a click on the note) shows it all.
+FOLD_LINES = 20
+FOLD_AFTER = 24
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message, headed by its role and its number in the session (``#3``: what
+    ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
+    or a code block with ``b``, see its details with ``i``, branch a new session from it
+    with ``f``, or edit it (your messages) with ``e``."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy message", show=False),
+        Binding("b", "copy_code", "Copy code block", show=False),
+        Binding("i", "details", "Message details", show=False),
+        Binding("f", "branch", "Branch from here", show=False),
+        Binding("e", "edit", "Edit message", show=False),
+        Binding("up", "move(-1)", "Previous message", show=False),
+        Binding("down", "move(1)", "Next message", show=False),
+        Binding("left", "version(-1)", "Previous version of the reply", show=False),
+        Binding("right", "version(1)", "Next version of the reply", show=False),
+        Binding("enter", "toggle_fold", "Show all / fold a long message", show=False),
+    ]
+    OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
+
+    @dataclass
+    class CopyRequested(TextualMessage):
+        view: MessageView
+        code: bool
+
+    @dataclass
+    class BranchRequested(TextualMessage):
+        """``f``: a new session with the messages up to this one."""
+
+        view: MessageView
+
+    @dataclass
+    class EditRequested(TextualMessage):
+        """``e``: edit this message as a new branch."""
+
+        view: MessageView
+
+    @dataclass
+    class VersionRequested(TextualMessage):
+        """←/→ on a reply: show its previous (-1) or next (+1) version."""
+
+        view: MessageView
+        step: int
+
+    @dataclass
+    class DetailsRequested(TextualMessage):
+        """``i``: show this message's time and its turn's figures."""
+
+        view: MessageView
+
+    @dataclass
+    class MoveRequested(TextualMessage):
+        """↑/↓ on a message: focus the one ``step`` places away (the conversation moves)."""
+
+        view: MessageView
+        step: int
+
+    @dataclass
+    class TypedAhead(TextualMessage):
+        """A printable key that is not one of this widget's keys: it belongs in the input."""
+
+        character: str
+
+    def __init__(
+        self,
+        role: str,
+        text: str = "",
+        *,
+        message_id: int | None = None,
+        partial: bool = False,
+        streaming: bool = False,
+        number: int | None = None,
+        pending: bool = False,
+        finish_reason: str | None = None,
+    ) -> None:
+        classes = f"message -{role}" + (" -partial" if partial else "")
+        super().__init__(classes=classes + (" -pending" if pending else ""))
+        self.role = role
+        self.text = text
+        self.message_id = message_id
+        self.partial = partial
+        self.streaming = streaming
+        self.number = number  # 1-based position in the session's messages
+        self.stream: MarkdownStream | None = None
+        # Why the reply ended, as stored ("length": stopped at the token limit).
+        self.finish_reason = finish_reason
+        self.cut = False  # the session's last reply, stopped at the token limit: F12 goes on
+        self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
+        # Your message as Enter sent it, before it is stored (it left the input at once).
+        self.pending = pending
+        # A long message of yours shows its first FOLD_LINES lines until unfolded.
+        self.folded = self.foldable
+
+    @classmethod
+    def from_message(cls, message: Message, number: int | None = None) -> MessageView:
+        return cls(
+            message.role,
+            message.content,
+            message_id=message.id,
+            partial=message.partial,
+            number=number,
+            finish_reason=message.finish_reason,
+        )
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._header(), classes="message-role", markup=False)
+        parser = user_parser if self.role == "user" else message_parser
+        yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
+        if self.foldable:
+            yield Label(self._fold_note(), classes="fold-note", markup=False)
+
+    @property
+    def foldable(self) -> bool:
+        """A message of yours long enough to fold (a long paste)."""
+        return self.role == "user" and self.text.count("\n") >= FOLD_AFTER
+
+    def _shown(self, text: str) -> str:
+        """The Markdown source shown for ``text``: as written, without control codes (the
+        first FOLD_LINES lines while folded)."""
+        text = visible(text)
+        if self.folded:
+            text = "\n".join(text.split("\n")[:FOLD_LINES])
+        return text
+
+    def _fold_note(self) -> str:
+        if self.folded:
+            more = self.text.count("\n") + 1 - FOLD_LINES
+            return f"⋯ {more:,} more lines · Enter shows them all"
+        return "Enter folds this message again"
+
+    async def action_toggle_fold(self) -> None:
+        """Enter on a long message of yours: show all of it, or fold it again."""
+        if not self.foldable:
+            return
+        self.folded = not self.folded
+        await self.body.update(self._shown(self.text))
+        for note in self.query(".fold-note").results(Label):
+            note.update(self._fold_note())
+
+    async def on_click(self, event: events.Click) -> None:
+        widget = event.widget
+        if widget is not None and widget.has_class("fold-note"):
+            await self.action_toggle_fold()
+
+    def _header(self) -> str:
+        name = ROLE_NAMES.get(self.role, self.role)
+        if self.number is not None:
+            name = f"{name} · #{self.number}"
+        if self.version[1] > 1:
+            name = f"{name} · reply {self.version[0]}/{self.version[1]} (←/→)"
+        if self.pending:
+            return f"{name} · sending…"
+        if self.streaming:
+            return f"{name} ▍"
+        if self.partial:
+            return f"{name} · partial (stopped)"
+        if self.cut:
+            return f"{name} · stopped at the token limit (F12 continues)"
+        if self.finish_reason == "length":
+            return f"{name} · stopped at the token limit"
+        return name
+
+    def _show_header(self) -> None:
+        for label in self.query(".message-role").results(Label):
+            label.update(self._header())
+
+    def set_version(self, position: int, count: int) -> None:
+        """Show which version of the reply this is, of how many."""
+        if (position, count) != self.version:
+            self.version = (position, count)
+            self._show_header()
+
+    async def show_version(self, message: Message, position: int, count: int) -> None:
+        """Show another version of this reply in place."""
+        self.message_id = message.id
+        self.partial = message.partial
+        self.text = message.content
+        self.finish_reason = message.finish_reason
+        self.cut = message.finish_reason == "length"  # only the last reply has versions
+        self.version = (position, count)
+        await self.body.update(self._shown(self.text))
+        self.set_class(self.partial, "-partial")
+        self._show_header()
+
+    def set_stored(self, message_id: int) -> None:
+        """Your pending message is stored (committed): show it as any other message."""
+        self.message_id = message_id
+        self.pending = False
+        self.remove_class("-pending")
+        self._show_header()
+
+    def set_cut(self, cut: bool) -> None:
+        """Mark (or unmark) the reply as stopped at the token limit, in its header."""
+        if cut != self.cut:
+            self.cut = cut
+            self._show_header()
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".message-body", markdown_widget())
+
+    def start_stream(self) -> MarkdownStream:
+        self.streaming = True
+        self._show_header()  # a continued reply shows it is streaming again
+        self.stream = markdown_widget().get_stream(self.body)
+        return self.stream
+
+    async def write(self, text: str) -> None:
+        """Append a buffered chunk of the reply being streamed."""
+        self.text += text
+        if self.stream is not None:
+            await self.stream.write(visible(text))
+
+    async def finish(
+        self,
+        *,
+        text: str,
+        message_id: int | None,
+        partial: bool,
+        finish_reason: str | None = None,
+    ) -> None:
+        """End the stream; ``text`` is the reply as the service committed it (and
+        ``finish_reason`` why it ended; None keeps what was known)."""
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
+        self.streaming = False
+        self.message_id = message_id
+        self.partial = partial
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        self.text = text
+        shown = self._shown(text)
+        if self.body.source != shown:  # e.g. a chunk raced the end of the stream
+            await self.body.update(shown)
+        self.set_class(partial, "-partial")
+        self._show_header()
+
+    def on_key(self, event: events.Key) -> None:
+        if event.is_printable and event.character and event.key not in self.OWN_KEYS:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.TypedAhead(event.character))
+
+    def action_move(self, step: int) -> None:
+        self.post_message(self.MoveRequested(self, step))
+
+    def action_version(self, step: int) -> None:
+        if self.role == "assistant":
+            self.post_message(self.VersionRequested(self, step))
+
+    def action_details(self) -> None:
+        self.post_message(self.DetailsRequested(self))
+
+    def action_copy(self) -> None:
+        self.post_message(self.CopyRequested(self, code=False))
+
+    def action_copy_code(self) -> None:
+        self.post_message(self.CopyRequested(self, code=True))
+
+    def action_branch(self) -> None:
+        self.post_message(self.BranchRequested(self))
+
+    def action_edit(self) -> None:
+        self.post_message(self.EditRequested(self))
