@@ -65,6 +65,22 @@ def test_full_collections_wait_for_the_user_to_be_idle(clock: Clock) -> None:
     assert collector.tick() and full_collections() == before + 2
 
 
+def test_an_idle_stretch_gets_one_collection_not_one_a_tick(clock: Clock) -> None:
+    collector = IdleCollector(busy=lambda: False, clock=clock)
+    collector.start()
+    collector.touch()
+    clock.now += IDLE_S
+    before = full_collections()
+    assert collector.tick()
+    for _ in range(int(OVERDUE_S * 3 / 0.5)):  # three minutes idle, ticked as the app does
+        clock.now += 0.5
+        assert not collector.tick()
+    assert full_collections() == before + 1
+    collector.touch()  # back: the next pause gets its collection
+    clock.now += IDLE_S
+    assert collector.tick()
+
+
 def test_an_overdue_collection_runs_even_while_busy_and_stop_restores_the_defaults(
     clock: Clock,
 ) -> None:

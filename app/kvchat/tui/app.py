@@ -32,6 +32,9 @@ ASSETS = resources.files("kvchat.assets")
 EXIT_FATAL = 2
 # How often the app looks for an idle moment to collect garbage in (see collector).
 COLLECT_CHECK_S = 0.5
+# The input's cursor stops blinking after this long idle (a blink redraws it twice a
+# second: an idle app draws nothing); a key makes it blink again.
+BLINK_REST_S = 10.0
 
 
 class KvchatApp(App[None]):
@@ -115,20 +118,28 @@ class KvchatApp(App[None]):
         self.fatal = True
         self.push_screen(ErrorScreen(title, detail, self.model_file(), self.settings.model))
 
-    # --- garbage collection while nobody waits (see kvchat.tui.collector) -----------------
+    # --- while nobody waits: garbage collection (see kvchat.tui.collector), no blinking ---
 
     def on_mount(self) -> None:
-        self.set_interval(COLLECT_CHECK_S, self._collect_when_idle)
+        self.set_interval(COLLECT_CHECK_S, self._idle_tick)
 
     def _busy(self) -> bool:
         main = self.screen_stack[0] if self.screen_stack else None
         return isinstance(main, MainScreen) and main.turn is not None
 
-    def _collect_when_idle(self) -> None:
+    def _idle_tick(self) -> None:
         if self.collector.started:
             self.collector.tick()
         elif self.ready_at is not None:  # the model is loaded: the app is up
             self.collector.start()
+        self._rest_cursor()
+
+    def _rest_cursor(self) -> None:
+        """The input's cursor blinks (if set to) unless the user has been idle a while."""
+        main = self.screen_stack[0] if self.screen_stack else None
+        if isinstance(main, MainScreen):
+            resting = self.collector.idle_seconds() >= BLINK_REST_S
+            main.prompt.cursor_blink = self.cursor_blink and not resting
 
     async def on_event(self, event: events.Event) -> None:
         if isinstance(
@@ -142,6 +153,7 @@ class KvchatApp(App[None]):
             ),
         ):
             self.collector.touch()
+            self._rest_cursor()
         await super().on_event(event)
 
     # --- quit -----------------------------------------------------------------------------

@@ -52,17 +52,27 @@ class IdleCollector:
         gc.set_threshold(young, middle, NEVER)
         self._collected_at = self._clock()
 
+    def idle_seconds(self) -> float:
+        """How long since the user last did something (or a reply last streamed)."""
+        return self._clock() - self._active_at
+
     def touch(self) -> None:
         """The user did something: a collection now would be felt."""
         self._active_at = self._clock()
 
     def tick(self) -> bool:
-        """Run a full collection if the app is idle (or one is overdue); whether it ran."""
+        """Run a full collection if the app is idle (or one is overdue); whether it ran.
+
+        Once per idle stretch: with nothing done since the last collection (no key, no
+        click, no reply), there is nothing new to collect, and an idle app does no work.
+        """
         if self._saved is None:
             return False
         now = self._clock()
         if self._busy():
             self._active_at = now  # idle counts from the end of the reply
+        if self._active_at < self._collected_at:
+            return False  # idle since the last collection
         idle = now - self._active_at >= IDLE_S
         if not idle and now - self._collected_at < OVERDUE_S:
             return False
