@@ -1,7 +1,8 @@
 """A long history stays light (issue 26): the sessions sidebar draws only the rows on screen,
 groups them by date, filters titles as you type, and shows what another process changed
 within the watch's two seconds, redrawing only the row that changed; a long session opens
-on its last page and every message is reachable by scrolling up, PgUp and Home.
+on its last page and every message is reachable by scrolling up, PgUp and Home; the
+search dialog searches once a word is typed, not once per letter.
 
 The real app and the real model; the sessions are stored without the model
 (``ChatService.add_message``), once per module, and copied into each test's home.
@@ -12,8 +13,10 @@ from __future__ import annotations
 import gc
 import shutil
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.widgets import Label
@@ -21,6 +24,7 @@ from textual.widgets import Label
 from kvchat.service.chat import ChatService
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.main import MainScreen
+from kvchat.tui.screens.search import SearchScreen
 from kvchat.tui.widgets.conversation import EARLIER_PAGE, MAX_VIEWS, SHOWN, MessageView
 from kvchat.tui.widgets.sidebar import SessionList
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
@@ -269,3 +273,26 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
         assert conversation.first == 0 and len(conversation.views) <= MAX_VIEWS
         await pilot.press("end")
         await wait_until(lambda: conversation.later == 0 and conversation.views[-1].number == 500)
+
+
+async def test_the_search_dialog_searches_once_a_word_is_typed(
+    homes: dict[int, Path], kvhome: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_home(homes[FEW], kvhome)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(app)
+        searched: list[str] = []
+        on_store = app.backend.on_store
+
+        def counting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            if getattr(fn, "__name__", "") == "search":
+                searched.append(args[0])
+            return on_store(fn, *args, **kwargs)
+
+        monkeypatch.setattr(app.backend, "on_store", counting)
+        await pilot.press("ctrl+f")
+        await wait_until(lambda: isinstance(app.screen, SearchScreen))
+        await pilot.press(*"question")  # typed at once: one query, not one per letter
+        await wait_until(lambda: len(getattr(app.screen, "hits", ())) > 0)
+        assert searched[-1] == "question" and len(searched) <= 2, searched

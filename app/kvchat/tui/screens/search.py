@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -28,6 +29,9 @@ START, END = "\x02", "\x03"
 _WORD = re.compile(r"\w+")
 _SPACE = re.compile(r"\s+")
 SNIPPET_CHARS = 90
+# Typing waits this long for the next key before it searches: a word typed fast is one
+# query, not one per letter (each a full-text search, and an echo that waits for it).
+DEBOUNCE_S = 0.15
 
 Searcher = Callable[[str], Awaitable[list["SearchHit"]]]
 
@@ -118,14 +122,18 @@ class SearchScreen(ModalScreen["SearchHit | None"]):
     def on_mount(self) -> None:
         self.query_one("#query", Input).focus()
         if self.query_text:
-            self.run_search(self.query_text)
+            self.run_search(self.query_text, wait=False)
 
     @on(Input.Changed, "#query")
     def _changed(self, event: Input.Changed) -> None:
         self.run_search(event.value)
 
     @work(exclusive=True, group="search", exit_on_error=False)
-    async def run_search(self, text: str) -> None:
+    async def run_search(self, text: str, wait: bool = True) -> None:
+        """Search for ``text``; typed (``wait``), only once no key followed for DEBOUNCE_S
+        (the next key's search cancels this one)."""
+        if wait:
+            await asyncio.sleep(DEBOUNCE_S)
         await self._search(text)
 
     async def _search(self, text: str) -> None:
