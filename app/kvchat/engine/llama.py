@@ -138,6 +138,12 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._buffer = StateBuffer()
         model = self.llm._model.model
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))
+        # Recurrent layers (Mamba, LFM2's short convolutions, Gated DeltaNet...) keep one
+        # state per sequence, for its last position only: no cut below the end without a
+        # checkpoint of that state (llama.cpp's partial state, as for windows).
+        self.recurrent = bool(
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        )
         self._spec: KvSpec | None = None
         self._spec_problem: str | None = None
         self._read_spec()
@@ -292,6 +298,8 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         below ``n_tokens - 1`` would leave the next token's window short. 0 when the state
         holds every cell (no window, or fewer tokens than the window).
         """
+        if self.recurrent:
+            return n_tokens  # its recurrent state is its last position's alone
         if not self.interleaved or n_tokens <= self.n_swa:
             return 0
         return n_tokens - 1
@@ -301,7 +309,11 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         """The lowest position the context can be cut to now (see :meth:`restore_floor`):
         the token there attends to the ``n_swa - 1`` before it, so its window must start at
         or above the lowest position the sliding-window cache still holds. 0 when the
-        cache holds every position (swa_full, or a context shorter than the cache)."""
+        cache holds every position (swa_full, or a context shorter than the cache). A
+        recurrent model's context can be cut only at its end (llama.cpp refuses a cut into a
+        recurrent state, or, one token back, empties it)."""
+        if self.recurrent:
+            return self.n_tokens
         if not self.interleaved or not self.n_tokens:
             return 0
         low = self._window_low()
@@ -316,10 +328,18 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         prompt token again for its logits) backs off one more token; see
         :meth:`reuse_point`. A context whose sliding window cannot be cut back that far
         is decoded from the start. A sliding-window model keeps a window checkpoint where
-        a regenerate of this prompt would start (see :meth:`take_checkpoints`).
+        a regenerate of this prompt would start (see :meth:`take_checkpoints`); a recurrent
+        one also where its reply starts (settle re-decodes the reply from there).
         """
-        marks = {self.reuse_point(prompt, prompt)} if self.interleaved else set()
+        marks = {self.reuse_point(prompt, prompt)} if self._checkpointed else set()
+        if self.recurrent:
+            marks.add(len(prompt))
         return self._prefill(prompt, marks, cancel)
+
+    @property
+    def _checkpointed(self) -> bool:
+        """Whether checkpoints are taken where conversations branch (windows, recurrent)."""
+        return self.interleaved or self.recurrent
 
     def _prefill(
         self, prompt: Sequence[int], marks: set[int], cancel: CancelCheck | None = None
@@ -340,6 +360,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 held = self.held_checkpoint(reused)
                 reused = held if held and self._load_window(held) else 0
         self.truncate(reused)
+        reused = self.n_tokens  # 0 if llama.cpp refused the cut (the context is empty)
         if reused in marks:
             self._capture()
         # Tokens decoded before but not yet counted (a decode whose logits nobody read) are
@@ -371,20 +392,37 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         continuation after a restore equals one after a full prefill. A sliding-window
         model keeps a window checkpoint where the next turn's prefill will start. Returns
         tokens decoded. ``cancel`` stops it between batches (a new message waits): the
-        context then holds a prefix of ``tokens``, which the next prefill reuses.
+        context then holds a prefix of ``tokens``, which the next prefill reuses. Below
+        the context's floor without a checkpoint at or before ``keep`` the reply stays as
+        generated (re-decoding everything before it would cost a full prefill).
         """
-        self.truncate(min(keep, self.n_tokens))
-        marks = {self.reuse_point(tokens, [*tokens, 0, 0])} if self.interleaved else set()
+        keep = min(keep, self.n_tokens)
+        if keep < self.window_floor and not self.held_checkpoint(keep):
+            keep = self.n_tokens
+        elif keep < self.window_floor:
+            self._load_window(self.held_checkpoint(keep))
+            keep = self.n_tokens
+        self.truncate(keep)
+        marks = {self.reuse_point(tokens, [*tokens, 0, 0])} if self._checkpointed else set()
         return self._prefill(tokens, marks, cancel).decoded
 
     def truncate(self, n_keep: int) -> None:
-        """Drop the KV of every token from position ``n_keep`` on."""
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), SEQ_ID, n_keep, -1)
+        """Drop the KV of every token from position ``n_keep`` on. A cut llama.cpp refuses
+        (into a recurrent state) empties the context instead: never a state that holds
+        tokens the token list does not."""
+        mem = llama_cpp.llama_get_memory(self.ctx)
+        if (self.recurrent and 0 < n_keep < self.n_tokens) or not llama_cpp.llama_memory_seq_rm(
+            mem, SEQ_ID, n_keep, -1
+        ):
+            self.clear()
+            return
         self.llm.n_tokens = n_keep
         self._forget_checkpoints(above=n_keep)
 
     def can_shift(self) -> bool:
         """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
+        if self.recurrent:
+            return False  # positions can't be taken out of a recurrent state
         can = getattr(llama_cpp, "llama_memory_can_shift", None)
         return True if can is None else bool(can(llama_cpp.llama_get_memory(self.ctx)))
 

@@ -100,6 +100,7 @@ class SeqStateMixin:
     ctx: Any
     n_ctx: int
     n_swa: int
+    recurrent: bool
     # Window checkpoints by position (each valid while the context keeps the tokens before
     # it: a cut below one drops it), and those no save has taken yet.
     _held: dict[int, ctypes.Array[ctypes.c_uint8]]
@@ -125,7 +126,7 @@ class SeqStateMixin:
         n = self.n_tokens
         if not n or n in self._held:
             return
-        low = self._window_low()
+        low = self._window_low() if self.interleaved else 0
         if low > 0 and n < low + self.n_swa:
             return
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -137,7 +138,8 @@ class SeqStateMixin:
         ):
             return
         self._held[n] = buf
-        self._unsaved.add(n)
+        if self.interleaved:  # window pieces go to disk; a recurrent state stays in RAM
+            self._unsaved.add(n)
         self._trim_held()
 
     def _trim_held(self) -> None:
@@ -173,16 +175,25 @@ class SeqStateMixin:
         return max(below, default=0)
 
     def _load_window(self, position: int) -> bool:
-        """Cut the context to ``position`` and load the held window checkpoint there into
-        the sliding-window cache (llama.cpp's partial state: the full-attention layers keep
-        their cells). False, with the context emptied, when llama.cpp refuses it."""
+        """Load the held checkpoint at ``position`` (llama.cpp's partial state: the
+        sliding-window cache, or the recurrent state) and cut the rest of the context (its
+        full-attention cells) there. False, with the context emptied, when llama.cpp
+        refuses it."""
         buf = self._held[position]
-        self.truncate(position)
+        mem = llama_cpp.llama_get_memory(self.ctx)
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         loaded = llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(buf), SEQ_ID, flags)
-        if loaded != len(buf) or self._window_low() != max(0, position - self.n_swa):
+        # The state now ends at position - 1: llama.cpp cuts the cells after it.
+        ok = loaded == len(buf) and llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, position, -1)
+        if ok and self.interleaved:
+            ok = self._window_low() == max(0, position - self.n_swa)
+        if ok and self.recurrent:
+            ok = int(llama_cpp.llama_memory_seq_pos_max(mem, SEQ_ID)) == position - 1
+        if not ok:
             self.clear()
             return False
+        self.llm.n_tokens = position
+        self._forget_checkpoints(above=position)
         return True
 
     # --- sequence state -------------------------------------------------------------------

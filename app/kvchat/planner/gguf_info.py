@@ -240,6 +240,8 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         # layer's device (the GPU at full offload).
         output_bytes += embd_bytes
 
+    recurrent, elements = _recurrent(arch, key, n_layer, n_embd, n_head_kv)
+
     n_vocab = key("vocab_size")
     if n_vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -274,7 +276,38 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         weight_types=tuple(sorted(weight_types)),
         has_chat_template=bool(_field(reader, "tokenizer.chat_template")),
         shared_kv_layers=shared,
+        recurrent_layers=recurrent,
+        recurrent_elements=elements,
     )
+
+
+# Architectures whose every layer is recurrent, and hybrids whose recurrent layers are
+# those without attention heads (llama.cpp: the GGUF's head_count_kv is 0 there).
+_ALL_RECURRENT = {"mamba", "mamba2", "falcon-h1"}
+_RECURRENT_WHERE_NO_KV = {"lfm2", "jamba", "granitehybrid", "nemotron_h"}
+
+
+def _recurrent(
+    arch: str, key: Any, n_layer: int, n_embd: int, n_head_kv: tuple[int, ...]
+) -> tuple[tuple[bool, ...], int]:
+    """(per layer: recurrent?, f32 state elements per recurrent layer), as llama.cpp's
+    ``llama_hparams::n_embd_r`` + ``n_embd_s`` count them (Mamba 1/2 and short
+    convolutions; ((), 0) for an architecture not known to be recurrent here)."""
+    if arch in _ALL_RECURRENT:
+        layers = (True,) * n_layer
+    elif arch in _RECURRENT_WHERE_NO_KV:
+        layers = tuple(kv == 0 for kv in n_head_kv)
+    else:
+        return (), 0
+    l_cache = int(key("shortconv.l_cache") or 0)
+    if l_cache:
+        return layers, n_embd * (l_cache - 1)
+    d_conv = int(key("ssm.conv_kernel") or 0)
+    d_inner = int(key("ssm.inner_size") or 0)
+    d_state = int(key("ssm.state_size") or 0)
+    n_group = int(key("ssm.group_count") or 0)
+    conv = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    return layers, conv + d_state * d_inner
 
 
 def has_chat_template(path: str | os.PathLike[str]) -> bool:

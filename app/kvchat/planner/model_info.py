@@ -40,6 +40,11 @@ class ModelInfo:
     has_chat_template: bool | None = None
     # The last layers reuse earlier layers' KV (Gemma 3n): they keep no cache of their own.
     shared_kv_layers: int = 0
+    # Recurrent layers (Mamba, LFM2's short convolutions): per layer, True when it keeps a
+    # fixed-size state per sequence; and the f32 elements of that state per layer, as
+    # llama.cpp's n_embd_r (convolution) + n_embd_s (SSM). () / 0: none.
+    recurrent_layers: tuple[bool, ...] = field(default=())
+    recurrent_elements: int = 0
 
     @property
     def n_head_kv_max(self) -> int:
@@ -56,6 +61,15 @@ class ModelInfo:
         if all(kv == 1 for _, kv in pairs):
             return "MQA"
         return "GQA"
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """llama.cpp's seq state of the recurrent layers, for one sequence: a fixed size
+        whatever the context (f32 states; 28 bytes of header and cell, 24 per layer)."""
+        layers = sum(self.recurrent_layers)
+        if not layers:
+            return 0
+        return 28 + layers * (24 + 4 * self.recurrent_elements)
 
     def head_dims(self, layer: int) -> tuple[int, int]:
         """(K, V) head dims of ``layer``."""

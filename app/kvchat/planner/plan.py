@@ -297,6 +297,7 @@ class Plan:
             },
             "kv_bytes_per_token_per_layer": list(self.kv.per_layer),
             "sliding_windows": window_figures(self.info, self.config, self.kv),
+            "recurrent_state_bytes": self.info.recurrent_state_bytes,
             "weight_bytes": self.info.weight_bytes,
             "gpu_weight_bytes_full_offload": self.full.gpu_weight_bytes,
             "compute_buffer_estimate": compute_bytes(
@@ -418,6 +419,13 @@ def format_plan(plan: Plan) -> str:
         )
     growth = state_bytes_per_token(info, kv)
     window = state_window_bytes(info, kv)
+    if info.recurrent_state_bytes:
+        layers = sum(info.recurrent_layers)
+        lines.append(
+            f"recurrent layers: {layers}, a fixed state of {info.recurrent_state_bytes:,} bytes "
+            f"per sequence whatever the context (snapshots store it whole: it holds the last "
+            f"position only)"
+        )
     if window:
         lines.append(
             f"snapshot (llama.cpp's seq state): {growth:,} bytes/token (full-attention "

@@ -238,14 +238,17 @@ class SnapshotStore:
             windows.check_keys(row)
             return windows.choose(row, keep, prompt, engine)
         if row.format == "blob" and keep == row.n_tokens:
-            # A whole state has no checkpoints: it serves any prompt the window reaches.
+            # A whole state has no checkpoints: it serves any prompt the window reaches (a
+            # recurrent state: only a prompt that continues it).
             target = prompt if prompt is not None else windows.continuation(row.token_ids)
             start = windows.deepest_start(row.token_ids, target)
             floor = engine.restore_floor(row.n_tokens)
             if start < floor:
+                kind = "recurrent" if floor >= row.n_tokens else "sliding-window"
                 raise SnapshotRejected(
-                    f"sliding-window model: the snapshot is stored whole ({row.n_tokens:,} "
-                    f"tokens) and its window cannot be cut back to token {start:,}"
+                    f"{kind} model: the snapshot is stored whole ({row.n_tokens:,} tokens) "
+                    f"and its {'state' if kind == 'recurrent' else 'window'} cannot be cut "
+                    f"back to token {start:,} (no checkpoint there)"
                 )
         return None
 

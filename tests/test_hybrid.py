@@ -1,0 +1,234 @@
+"""The families of 2026 (issue 24): hybrid and recurrent models, and sliding windows with
+attention sinks, as tiny random-weight GGUFs (``tests/tiny_models.write_family``).
+
+Which of them llama.cpp 0.3.36 runs here is checked both ways: those in ``RUNS`` decode,
+those in ``DOES_NOT_RUN`` still fail (a test says so when one starts to work). For the
+recurrent ones (Mamba 2, LFM2's short convolutions beside attention, Jamba) kvchat never
+places a recurrent state where it has none: a state restored from disk holds its last
+position only, so a regenerate after a restore is a full prefill with the reason, while
+in the hot context the engine's own checkpoints (llama.cpp's partial state, taken where the
+reply and a regenerate start) make a regenerate decode two tokens. The sliding-window ones
+(gpt-oss with sinks, Gemma 4) resume, regenerate and fork like Gemma 3.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from kvchat.config import load_settings
+from kvchat.engine import EngineConfig, GenerationParams, GenerationStats
+from kvchat.planner import read_gguf
+from kvchat.planner.plan import PlanConfig, format_plan, make_plan, memory_at
+from kvchat.service.chat import ChatService
+from tests.conftest import run_cli
+from tests.test_families import (
+    FIRST,
+    FLAGS,
+    FORKED,
+    GENERATE,
+    KV_LOG,
+    SECOND,
+    both_ways,
+    check_equal,
+    copies,
+    fork_at,
+    kv_log,
+    regenerate,
+)
+from tests.tiny_models import DOES_NOT_RUN, RUNS, write_family
+
+pytestmark = pytest.mark.e2e
+
+RECURRENT = ("mamba2", "lfm2", "jamba")
+WINDOWED = ("gpt-oss", "gemma4")
+# The architectures issue 24 names: each is either run or listed with its reason.
+NAMED = {"qwen35", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1", "jamba", "mamba2"}
+NAMED |= {"gemma4", "gpt-oss"}
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    folder = tmp_path_factory.mktemp("tiny-families")
+
+    def get(arch: str) -> Path:
+        path = folder / f"{arch}.gguf"
+        if not path.exists():
+            write_family(arch, path)
+        return path
+
+    return get
+
+
+def open_engine(path: Path, **extra: Any) -> Any:
+    from kvchat.engine.llama import LlamaEngine
+
+    values: dict[str, Any] = {"n_ctx": 1024, "n_batch": 64, "n_threads": 1}
+    return LlamaEngine(EngineConfig(path, **(values | extra)))
+
+
+def test_every_named_family_is_run_or_listed_with_its_reason() -> None:
+    assert set(RUNS) | set(DOES_NOT_RUN) == NAMED | {"qwen3next"}
+    assert not set(RUNS) & set(DOES_NOT_RUN)
+    assert all(reason for reason in DOES_NOT_RUN.values())
+
+
+@pytest.mark.parametrize("arch", RUNS)
+def test_the_family_runs_and_kvchat_knows_its_state(
+    arch: str, family: Callable[[str], Path]
+) -> None:
+    path = family(arch)
+    with kv_log() as lines:
+        engine = open_engine(path)
+    try:
+        result = engine.prefill([100 + (i * 37) % 4000 for i in range(60)])
+        assert (result.reused, result.decoded) == (0, 60)
+        stats = GenerationStats()
+        "".join(engine.generate(GenerationParams(temperature=0, max_tokens=8), stats))
+        assert stats.generated == 8 and engine.n_tokens == 68
+        if arch in RECURRENT:
+            assert engine.recurrent and not engine.can_shift()
+            assert "recurrent" in (engine.chunk_problem() or "")
+            # Its context can be cut only at its end: the floor is where it stands.
+            assert engine.window_floor == engine.restore_floor(68) == 68
+            # The planner knows the recurrent state's fixed size: llama.cpp's partial state.
+            partial = llama_cpp.llama_state_seq_get_size_ext(
+                engine.ctx, 0, llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            )
+            assert read_gguf(path).recurrent_state_bytes == partial > 0
+            plan = format_plan(make_plan(read_gguf(path)))
+            assert f"a fixed state of {partial:,} bytes per sequence" in plan
+        else:
+            assert engine.interleaved and not engine.recurrent
+            assert engine.chunk_problem() is None  # chunked, with window pieces
+            # llama.cpp allocates what the planner says: window-sized sliding layers.
+            info = read_gguf(path)
+            sizes = [float(m.group(1)) * 2**20 for m in map(KV_LOG.search, lines) if m]
+            planned = memory_at(info, 1024, 0, PlanConfig(flash_attn=False, n_ubatch=64))
+            assert sum(sizes) == pytest.approx(planned["host_kv"], abs=0.005 * 2**20 * len(sizes))
+            assert len(sizes) == 2
+    finally:
+        engine.close()
+
+
+PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, n_batch=64, n_threads=1, verbose=False)
+llm.eval([100, 101, 102, 103])
+print("decoded", "ok")
+"""
+
+
+@pytest.mark.parametrize("arch", sorted(DOES_NOT_RUN))
+def test_the_families_that_do_not_run_here_still_do_not(
+    arch: str, family: Callable[[str], Path]
+) -> None:
+    """In a child process (llama.cpp crashes): when one runs, move it to RUNS and test it."""
+    path = family(arch)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0, f"{arch} runs now"
+    assert "decoded ok" not in proc.stdout.splitlines()
+
+
+# ------------------------------------------------------------------- recurrent state
+
+
+def service(home: Path, model: Path, **extra: Any) -> ChatService:
+    values: dict[str, Any] = {
+        "n_ctx": 1024,
+        "temperature": 0.0,
+        "max_tokens": GENERATE,
+        "n_threads": 1,
+    }
+    return ChatService(load_settings(model=str(model), **(values | extra)), home=home)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_a_recurrent_state_is_never_placed_without_a_checkpoint(
+    arch: str, family: Callable[[str], Path], kvhome: Path, tmp_path: Path
+) -> None:
+    model = family(arch)
+    flags = [*FLAGS, "--n-ctx", "1024", "--model", str(model)]
+    first = run_cli(kvhome, "ask", "--new", FIRST, "--json", *flags).json
+    session = first["session"]
+    assert "recurrent" in (first["snapshot"]["whole_reason"] or "")
+
+    # A new process resumes from the whole state and decodes only the new message ...
+    resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
+    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli(
+        full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
+    ).json
+    assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
+    assert 0 < resumed["tokens"]["decoded"] < 64
+    assert full["tokens"]["decoded"] == full["tokens"]["prompt"] == resumed["tokens"]["prompt"]
+    assert resumed["reply"] == full["reply"]
+
+    # ... but a saved state holds its last position only: a regenerate after a restore is
+    # a full prefill, and says why ...
+    restored, baseline = both_ways(resumed_home, tmp_path, model, regenerate(session))
+    assert restored.restore.source == "none"
+    assert "recurrent" in (restored.restore.reason or "")
+    assert "cannot be cut back" in (restored.restore.reason or "")
+    assert restored.tokens.decoded == restored.tokens.prompt
+    assert restored.reply == baseline.reply
+    # ... and so is a fork at an earlier message.
+    restored, baseline = both_ways(resumed_home, tmp_path, model, fork_at(session, 1, FORKED))
+    assert restored.restore.source == "none" and restored.tokens.reused == 0
+    assert restored.reply == baseline.reply
+
+    # In the hot context the engine's checkpoint at the regenerate's start serves: the
+    # first regenerate here is a full prefill (restored state), the second decodes two
+    # tokens and replies as the full prefill did.
+    svc = service(resumed_home, model)
+    try:
+        again = svc.regenerate(session)
+        assert again.restore.source == "none" and again.tokens.reused == 0
+        hot = svc.regenerate(session)
+        assert hot.restore.source == "hot", hot.restore.reason
+        assert (hot.tokens.reused, hot.tokens.decoded) == (hot.tokens.prompt - 2, 2)
+        assert hot.reply == again.reply
+    finally:
+        svc.close()
+
+
+# ------------------------------------------------------------------- windows with sinks
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_sliding_window_families_resume_branch_and_equal_a_full_prefill(
+    arch: str, family: Callable[[str], Path], kvhome: Path, tmp_path: Path
+) -> None:
+    model = family(arch)
+    flags = [*FLAGS, "--n-ctx", "1024", "--model", str(model)]
+    first = run_cli(kvhome, "ask", "--new", FIRST, "--json", *flags).json
+    session = first["session"]
+    assert first["snapshot"]["whole_reason"] is None
+    assert first["snapshot"]["chunks_written"] > 0 and first["snapshot"]["checkpoints_written"]
+
+    resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
+    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli(
+        full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
+    ).json
+    assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
+    assert 0 < resumed["tokens"]["decoded"] < 64
+    assert full["tokens"]["decoded"] == full["tokens"]["prompt"] == resumed["tokens"]["prompt"]
+    assert resumed["reply"] == full["reply"]
+    assert resumed["tokens"]["prompt"] > 2 * 32  # past the window
+
+    restored, baseline = both_ways(resumed_home, tmp_path, model, regenerate(session))
+    check_equal(restored, baseline)
+    assert restored.tokens.decoded <= 5
+    restored, baseline = both_ways(resumed_home, tmp_path, model, fork_at(session, 1, FORKED))
+    check_equal(restored, baseline)
+    assert restored.restore.donor == session
+    assert restored.tokens.reused > 32 and restored.tokens.decoded < 24
