@@ -311,7 +311,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         or above the lowest position the sliding-window cache still holds. 0 when the
         cache holds every position (swa_full, or a context shorter than the cache). A
         recurrent model's context can be cut only at its end (llama.cpp refuses a cut into a
-        recurrent state, or, one token back, empties it)."""
+        recurrent state, even one token back: measured on 0.3.36's Mamba 2)."""
         if self.recurrent:
             return self.n_tokens
         if not self.interleaved or not self.n_tokens:
