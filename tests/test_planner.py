@@ -316,6 +316,23 @@ def test_window_sized_caches_offer_the_context_that_fits(tmp_path: Path) -> None
     assert make_plan(info, q8).to_dict()["sliding_windows"] == figures
 
 
+def test_gpu_defaults_and_the_f9_fit_count_the_windows(tmp_path: Path) -> None:
+    """F9's fit line is the planner's: with windows Gemma 3 4B keeps an f16 KV at 32k on
+    6 GiB; with swa_full it needs q8_0 for the same context."""
+    from kvchat.config import load_settings
+    from kvchat.planner.defaults import GpuBudget, plan_defaults
+    from kvchat.service.model_choices import fit_line
+
+    info = gemma3_4b(tmp_path)
+    budget = GpuBudget("nvml", 6 * GiB, name="Test GPU", total_bytes=6 * GiB)
+    windows = plan_defaults(load_settings(), info=info, budget=budget, offload=True)
+    every = plan_defaults(load_settings(swa_full=True), info=info, budget=budget, offload=True)
+    assert (windows.n_ctx, windows.type_k) == (32768, "f16")
+    assert (every.n_ctx, every.type_k) == (32768, "q8_0")
+    assert fit_line(windows, info) == "fits: 32k context, all layers on the GPU"
+    assert fit_line(every, info) == "fits: 32k context, KV q8_0, all layers on the GPU"
+
+
 def test_models_plan_shows_both_figures(tmp_path: Path) -> None:
     path = write_gguf(
         tmp_path / "g.gguf", "gemma3", layers=6, heads=4, kv_heads=1, key_length=256, window=512
