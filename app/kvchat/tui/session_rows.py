@@ -103,7 +103,10 @@ def branch_tree(rows: list[SessionRow], folded: set[str], current: str | None) -
             kids = children.get(row.id, [])
             fold = bool(kids) and row.id in folded and row.id not in keep_open
             hidden = fold_away(row.id) if fold else 0
-            out.append(replace(row, depth=depth, branches=len(kids), hidden=hidden))
+            if (row.depth, row.branches, row.hidden) == (depth, len(kids), hidden):
+                out.append(row)  # most rows: a root without branches, as it came
+            else:
+                out.append(replace(row, depth=depth, branches=len(kids), hidden=hidden))
             if not fold:
                 stack.extend((kid, depth + 1) for kid in reversed(kids))
     return out
@@ -117,17 +120,21 @@ def with_context(rows: list[SessionRow], hot: str | None, used: int) -> list[Ses
     return [replace(r, context=used) if r.id == hot else r for r in rows]
 
 
-def date_group(stamp: str, today: date | None = None) -> str:
+def date_group(stamp: str, today: date | None = None, offset: timedelta | None = None) -> str:
     """The group a session updated at ``stamp`` (UTC, ISO) is listed under, by local date:
-    "Today", "Yesterday", "Previous 7 days", else its month ("March 2026")."""
+    "Today", "Yesterday", "Previous 7 days", else its month ("March 2026"). ``offset``: the
+    local time's offset from UTC (now's, when None; one offset for all dates keeps this
+    cheap for thousands of rows, at the cost of an hour's error across a DST change)."""
     try:
         then = datetime.fromisoformat(stamp)
     except ValueError:
         return "Older"
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=UTC)
-    day = then.astimezone().date()
-    today = today or datetime.now().astimezone().date()
+    if then.tzinfo is not None:
+        then = then.replace(tzinfo=None) - (then.utcoffset() or timedelta())
+    if offset is None:
+        offset = local_offset()
+    day = (then + offset).date()
+    today = today or (datetime.now(UTC).replace(tzinfo=None) + offset).date()
     if day >= today:
         return "Today"
     if day == today - timedelta(days=1):
@@ -135,3 +142,8 @@ def date_group(stamp: str, today: date | None = None) -> str:
     if day > today - timedelta(days=7):
         return "Previous 7 days"
     return f"{day:%B %Y}"
+
+
+def local_offset() -> timedelta:
+    """The local time's offset from UTC now."""
+    return datetime.now().astimezone().utcoffset() or timedelta()

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # Sessions read per store call (the first page is all a first paint waits for).
 PAGE = 200
+# Past MANY sessions, the pages read in the background are shown every SHOW_EVERY pages.
+MANY = 2000
+SHOW_EVERY = 10
 # Where a session's KV lives, and the tokens its snapshot holds.
 KvNow = tuple[str, int]
 
@@ -70,6 +73,7 @@ class SessionFeed:
         self._by_id: dict[str, SessionSummary] = {}
         self._order: list[str] = []  # most recently updated first
         self._kv: dict[str, str] = {}  # where each session's KV is, as last known
+        self._rows: dict[str, SessionRow] = {}  # the rows last shown, by session
         self._deleted: set[str] = set()
         self._stamp: int | None = None  # the change stamp of the last look
         self._next: tuple[str, int] | None = None  # the cursor of the next page to read
@@ -108,10 +112,15 @@ class SessionFeed:
     async def load_rest(self) -> None:
         """Read the pages after the first, one store call each, showing each as it comes."""
         backend = self.backend
+        pages = 0
         while not self.complete and self._next is not None:
             page = await backend.on_store(backend.chat.list_sessions_page, PAGE, self._next)
             self._add_page(page)
-            await self.show()
+            pages += 1
+            # Each show lays out every row (plain data, no drawing): at thousands of rows,
+            # every SHOW_EVERY pages and at the end, not at every page.
+            if self.complete or len(self._order) < MANY or pages % SHOW_EVERY == 0:
+                await self.show()
 
     async def poll(self) -> bool:
         """One row read: whether the list changed since the last look (then look)."""
@@ -134,9 +143,18 @@ class SessionFeed:
     async def show(self) -> None:
         """Hand the rows to the sidebar (it redraws the rows that changed, only)."""
         state = self.state
-        rows = [SessionRow(self._by_id[i], self._kv.get(i, "none")) for i in self._order]
+        rows = [self._row(i) for i in self._order]
         rows = with_context(rows, state.open_and_hot, self.status.used)
         await self.sessions.show(rows, state.session_id)
+
+    def _row(self, session_id: str) -> SessionRow:
+        """The session's row, the same object while its summary and KV place are (so the
+        sidebar tells the rows that changed by identity, at any size)."""
+        summary, kv = self._by_id[session_id], self._kv.get(session_id, "none")
+        row = self._rows.get(session_id)
+        if row is None or row.summary is not summary or row.kv != kv:
+            row = self._rows[session_id] = SessionRow(summary, kv)
+        return row
 
     # --- applying what was read ---------------------------------------------------------------
 
@@ -158,6 +176,7 @@ class SessionFeed:
             if self._by_id.pop(session_id, None) is not None:
                 self._order.remove(session_id)
             self._kv.pop(session_id, None)
+            self._rows.pop(session_id, None)
         for summary in changes.changed:
             session_id = summary.session.id
             self._touched.add(session_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import ClassVar
 
 from rich.cells import cell_len, set_cell_size
@@ -25,7 +26,7 @@ from textual.strip import Strip
 
 from kvchat.text import visible
 from kvchat.tui.phrases import KV_LABELS, ago
-from kvchat.tui.session_rows import SessionRow, branch_tree, date_group
+from kvchat.tui.session_rows import SessionRow, branch_tree, date_group, local_offset
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,11 @@ class SessionList(ScrollView, can_focus=True):
         lines: list[ListLine] = []
         if self.filter_text is not None:
             lines.append(ListLine("filter", self.filter_text))
-        group = None
+        group, offset = None, local_offset()
+        today = (datetime.now(UTC).replace(tzinfo=None) + offset).date()
         for row in rows:
             if row.depth == 0:
-                label = date_group(row.summary.session.updated)
+                label = date_group(row.summary.session.updated, today, offset)
                 if label != group:
                     group = label
                     lines.append(ListLine("header", label))
@@ -185,7 +187,7 @@ class SessionList(ScrollView, can_focus=True):
         ]:
             # The same entries in the same order: redraw the rows that changed, only.
             for entry, (before, now) in enumerate(zip(old, lines)):
-                if before.row != now.row:
+                if before.row is not now.row and before.row != now.row:
                     self._lines[entry] = now
                     self.refresh_lines(self._starts[entry], now.height)
         else:
