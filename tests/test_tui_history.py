@@ -2,7 +2,8 @@
 groups them by date, filters titles as you type, and shows what another process changed
 within the watch's two seconds, redrawing only the row that changed; a long session opens
 on its last page and every message is reachable by scrolling up, PgUp and Home; the
-search dialog searches once a word is typed, not once per letter.
+search dialog searches once a word is typed, not once per letter; a message of a
+megabyte opens folded to its first few thousand characters.
 
 The real app and the real model; the sessions are stored without the model
 (``ChatService.add_message``), once per module, and copied into each test's home.
@@ -26,6 +27,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.main import MainScreen
 from kvchat.tui.screens.search import SearchScreen
 from kvchat.tui.widgets.conversation import EARLIER_PAGE, MAX_VIEWS, SHOWN, MessageView
+from kvchat.tui.widgets.message_view import FOLD_CHARS
 from kvchat.tui.widgets.sidebar import SessionList
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
 from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
@@ -296,3 +298,30 @@ async def test_the_search_dialog_searches_once_a_word_is_typed(
         await pilot.press(*"question")  # typed at once: one query, not one per letter
         await wait_until(lambda: len(getattr(app.screen, "hits", ())) > 0)
         assert searched[-1] == "question" and len(searched) <= 2, searched
+
+
+async def test_a_message_of_a_megabyte_opens_folded_and_unfolds_on_enter(kvhome: Path) -> None:
+    service = ChatService(make_settings())
+    session = service.new_session("Big answer")
+    log = "".join(f"line {i:06d} of a long log that was pasted whole\n" for i in range(21_000))
+    assert len(log) > 1_000_000
+    service.add_message(session.id, "user", "Show me the log.", token_count=5)
+    service.add_message(session.id, "assistant", log, token_count=5)  # an imported reply
+    service.remember_open(session.id)
+    service.close()
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        asked, big = main.conversation.views
+        assert big.folded and asked.text == "Show me the log."
+        # The first few thousand characters are built, not the megabyte.
+        assert len(big.body.source) <= FOLD_CHARS
+        note = str(big.query_one(".fold-note", Label).content)
+        assert f"{len(big.text) - FOLD_CHARS:,} more characters" in note, note
+        # Keys still answer at once: typing reaches the input.
+        main.prompt.focus()
+        await pilot.press("o", "k")
+        assert main.prompt.text == "ok"
+        big.focus()
+        await pilot.press("enter")
+        await wait_until(lambda: not big.folded and "line 020999" in big.body.source, 120)

@@ -74,6 +74,11 @@ ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # FOLD_LINES; Enter on it (or a click on the note) shows it all.
 FOLD_LINES = 20
 FOLD_AFTER = 24
+# A message longer than BIG_CHARS (yours or a reply: a pasted log, an imported answer)
+# shows its first FOLD_CHARS characters until unfolded, so opening its session never waits
+# for its Markdown to be built.
+BIG_CHARS = 50_000
+FOLD_CHARS = 4_000
 
 
 class MessageView(Vertical, can_focus=True):
@@ -166,7 +171,8 @@ class MessageView(Vertical, can_focus=True):
         self.version = (1, 1)  # a reply's version shown, of how many (←/→ switch)
         # Your message as Enter sent it, before it is stored (it left the input at once).
         self.pending = pending
-        # A long message of yours shows its first FOLD_LINES lines until unfolded.
+        # A long message of yours shows its first FOLD_LINES lines until unfolded; a very
+        # long one of any role its first FOLD_CHARS characters.
         self.folded = self.foldable
 
     @classmethod
@@ -188,26 +194,36 @@ class MessageView(Vertical, can_focus=True):
             yield Label(self._fold_note(), classes="fold-note", markup=False)
 
     @property
+    def big(self) -> bool:
+        """A message too long to build at once (see BIG_CHARS)."""
+        return len(self.text) > BIG_CHARS
+
+    @property
     def foldable(self) -> bool:
-        """A message of yours long enough to fold (a long paste)."""
-        return self.role == "user" and self.text.count("\n") >= FOLD_AFTER
+        """A message of yours long enough to fold (a long paste), or any very long one."""
+        return self.big or (self.role == "user" and self.text.count("\n") >= FOLD_AFTER)
 
     def _shown(self, text: str) -> str:
-        """The Markdown source shown for ``text``: as written, without control codes (the
-        first FOLD_LINES lines while folded)."""
+        """The Markdown source shown for ``text``: as written, without control codes (while
+        folded: the first FOLD_LINES lines, or FOLD_CHARS characters of a very long one)."""
+        if self.folded and self.big:
+            return visible(text[:FOLD_CHARS])
         text = visible(text)
         if self.folded:
             text = "\n".join(text.split("\n")[:FOLD_LINES])
         return text
 
     def _fold_note(self) -> str:
+        if self.folded and self.big:
+            more = len(self.text) - FOLD_CHARS
+            return f"⋯ {more:,} more characters · Enter shows them all"
         if self.folded:
             more = self.text.count("\n") + 1 - FOLD_LINES
             return f"⋯ {more:,} more lines · Enter shows them all"
         return "Enter folds this message again"
 
     async def action_toggle_fold(self) -> None:
-        """Enter on a long message of yours: show all of it, or fold it again."""
+        """Enter on a long message: show all of it, or fold it again."""
         if not self.foldable:
             return
         self.folded = not self.folded
