@@ -146,7 +146,8 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until stopped; returns the server's last exit status (0 when stopped)."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self.stop)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup keeps ignoring SIGHUP
+                signal.signal(sig, self.stop)
         slot_dir = Path(self.entry.slot_dir)
         in_a_row = 0
         status = 0
