@@ -9,6 +9,7 @@ tiers where a session's memory lives (and to forget it).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -37,6 +38,8 @@ _BRANCH_PREFIX = re.compile(r"^(?:Fork at|Edit of) #\d+(?: \((\d+)\))?: ")
 # What a fork added to its parent's title before kvchat named branches by what they are.
 _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 LAST_SESSION_KEY = "last_session"
+# How many sessions a branch's title check reads at a time.
+BRANCH_PAGE = 500
 # The session the app had open last (set by the app alone: a CLI `ask` never moves it).
 OPEN_SESSION_KEY = "app_open_session"
 
@@ -77,8 +80,8 @@ class SessionBook:
                 return self.store.get_session(session_id)
             except KvchatError:
                 pass
-        sessions = self.store.list_sessions()
-        return sessions[0].session if sessions else None
+        newest = self.store.list_sessions_page(1).sessions  # one row, however many there are
+        return newest[0].session if newest else None
 
     def remember_open(self, session_id: str) -> None:
         """Note that the app opened this session: the next launch opens it again.
@@ -256,13 +259,23 @@ class SessionBook:
         once (never "Fork at #2: Fork at #4: …")."""
         base = _BRANCH_PREFIX.sub("", _FORK_SUFFIX.sub("", parent_title)) or parent_title
         taken = 0
-        for summary in self.store.list_sessions():
+        for summary in self._titled(label):  # the branches at this point, not every session
             title = summary.session.title
             match = _BRANCH_PREFIX.match(title)
             if match and title.startswith(label) and title[match.end() :] == base:
                 if title[len(label) :].startswith((": ", " (")):
                     taken = max(taken, int(match.group(1) or 1))
         return f"{label}: {base}" if taken == 0 else f"{label} ({taken + 1}): {base}"
+
+    def _titled(self, words: str) -> Iterator[SessionSummary]:
+        """Every session whose title holds ``words``, a page at a time (the title index)."""
+        after = None
+        while True:
+            page = self.store.list_sessions_page(BRANCH_PAGE, after, title=words)
+            yield from page.sessions
+            if page.next is None:
+                return
+            after = page.next
 
     def message_at(self, session_id: str, number: int) -> Message:
         """The session's message #``number`` (1-based, in order: what the app shows)."""
