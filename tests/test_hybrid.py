@@ -24,8 +24,14 @@ import pytest
 
 from kvchat.config import load_settings
 from kvchat.engine import EngineConfig, GenerationParams, GenerationStats
-from kvchat.planner import read_gguf
-from kvchat.planner.plan import PlanConfig, format_plan, make_plan, memory_at
+from kvchat.planner import kv_bytes_per_token, read_gguf
+from kvchat.planner.plan import (
+    PlanConfig,
+    format_plan,
+    make_plan,
+    memory_at,
+    state_bytes_per_token,
+)
 from kvchat.service.chat import ChatService
 from tests.conftest import run_cli
 from tests.test_families import (
@@ -46,7 +52,7 @@ from tests.tiny_models import DOES_NOT_RUN, RUNS, write_family
 
 pytestmark = pytest.mark.e2e
 
-RECURRENT = ("mamba2", "lfm2", "jamba")
+RECURRENT = ("mamba2", "lfm2", "jamba", "qwen35", "qwen3next")
 WINDOWED = ("gpt-oss", "gemma4")
 # The architectures issue 24 names: each is either run or listed with its reason.
 NAMED = {"qwen35", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1", "jamba", "mamba2"}
@@ -89,9 +95,21 @@ def test_the_family_runs_and_kvchat_knows_its_state(
     try:
         result = engine.prefill([100 + (i * 37) % 4000 for i in range(60)])
         assert (result.reused, result.decoded) == (0, 60)
+        before = engine.state_size()
         stats = GenerationStats()
         "".join(engine.generate(GenerationParams(temperature=0, max_tokens=8), stats))
         assert stats.generated == 8 and engine.n_tokens == 68
+        # The state grows by the planner's bytes per token (0 for Mamba 2: no KV at all).
+        info = read_gguf(path)
+        growth = (engine.state_size() - before) / 8
+        assert growth == state_bytes_per_token(info, kv_bytes_per_token(info))
+        # llama.cpp allocates the planner's KV: the attention layers' (none for Mamba 2),
+        # sliding-window layers window-sized.
+        sizes = [float(m.group(1)) * 2**20 for m in map(KV_LOG.search, lines) if m]
+        planned = memory_at(info, 1024, 0, PlanConfig(flash_attn=False, n_ubatch=64))
+        # (llama.cpp logs MiB with two decimals: up to 0.005 MiB off a line)
+        assert sum(sizes) == pytest.approx(planned["host_kv"], abs=0.0051 * 2**20 * len(sizes))
+        assert len(sizes) == (0 if arch == "mamba2" else 2 if arch in WINDOWED else 1)
         if arch in RECURRENT:
             assert engine.recurrent and not engine.can_shift()
             assert "recurrent" in (engine.chunk_problem() or "")
@@ -101,18 +119,12 @@ def test_the_family_runs_and_kvchat_knows_its_state(
             partial = llama_cpp.llama_state_seq_get_size_ext(
                 engine.ctx, 0, llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
             )
-            assert read_gguf(path).recurrent_state_bytes == partial > 0
-            plan = format_plan(make_plan(read_gguf(path)))
+            assert info.recurrent_state_bytes == partial > 0
+            plan = format_plan(make_plan(info))
             assert f"a fixed state of {partial:,} bytes per sequence" in plan
         else:
             assert engine.interleaved and not engine.recurrent
             assert engine.chunk_problem() is None  # chunked, with window pieces
-            # llama.cpp allocates what the planner says: window-sized sliding layers.
-            info = read_gguf(path)
-            sizes = [float(m.group(1)) * 2**20 for m in map(KV_LOG.search, lines) if m]
-            planned = memory_at(info, 1024, 0, PlanConfig(flash_attn=False, n_ubatch=64))
-            assert sum(sizes) == pytest.approx(planned["host_kv"], abs=0.005 * 2**20 * len(sizes))
-            assert len(sizes) == 2
     finally:
         engine.close()
 

@@ -241,6 +241,9 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         output_bytes += embd_bytes
 
     recurrent, elements = _recurrent(arch, key, n_layer, n_embd, n_head_kv)
+    if arch in _RECURRENT_BETWEEN_ATTENTION:
+        # Their GGUFs give every layer KV heads; only the attention layers keep a cache.
+        n_head_kv = tuple(0 if rec else kv for kv, rec in zip(n_head_kv, recurrent))
 
     n_vocab = key("vocab_size")
     if n_vocab is None:
@@ -285,6 +288,8 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
 # those without attention heads (llama.cpp: the GGUF's head_count_kv is 0 there).
 _ALL_RECURRENT = {"mamba", "mamba2", "falcon-h1"}
 _RECURRENT_WHERE_NO_KV = {"lfm2", "jamba", "granitehybrid", "nemotron_h"}
+# Gated DeltaNet hybrids: attention on every full_attention_interval-th layer (default 4).
+_RECURRENT_BETWEEN_ATTENTION = {"qwen35", "qwen35moe", "qwen3next"}
 
 
 def _recurrent(
@@ -297,6 +302,9 @@ def _recurrent(
         layers = (True,) * n_layer
     elif arch in _RECURRENT_WHERE_NO_KV:
         layers = tuple(kv == 0 for kv in n_head_kv)
+    elif arch in _RECURRENT_BETWEEN_ATTENTION:
+        interval = int(key("full_attention_interval") or 4)
+        layers = tuple((il + 1) % interval != 0 for il in range(n_layer))
     else:
         return (), 0
     l_cache = int(key("shortconv.l_cache") or 0)

@@ -65,9 +65,22 @@ def state_bytes_per_token(info: ModelInfo, kv: KvPerToken) -> int:
     """How much llama.cpp's seq state (a kvchat snapshot) grows per token: every layer's
     KV rows plus the cell metadata, except that sliding-window layers keep only their
     window's cells, so past the window only the full-attention layers grow."""
+    meta = cell_meta_bytes(info)
+    if not kv.total:
+        return 0  # no layer keeps per-token KV (Mamba): a fixed recurrent state only
     if info.sliding_window and kv.swa:
-        return kv.full + CELL_META_BYTES
-    return kv.total + CELL_META_BYTES
+        return kv.full + meta
+    return kv.total + meta
+
+
+# Architectures whose cells carry M-RoPE's extra positions: 24 bytes of metadata per cell
+# (measured on qwen35), not 12.
+MROPE_ARCHS = frozenset({"qwen35", "qwen35moe"})
+
+
+def cell_meta_bytes(info: ModelInfo) -> int:
+    """Bytes of metadata per cell in llama.cpp's seq state for this model."""
+    return 2 * CELL_META_BYTES if info.architecture in MROPE_ARCHS else CELL_META_BYTES
 
 
 def state_window_bytes(info: ModelInfo, kv: KvPerToken) -> int:
