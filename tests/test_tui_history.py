@@ -266,11 +266,21 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
         assert conversation.views[0].number == 441 - EARLIER_PAGE
         assert conversation.region.overlaps(top.region), (conversation.region, top.region)
 
-        # Home: message #1, focused; End: the latest again. Never more than MAX_VIEWS.
-        await pilot.press("home")
-        await wait_until(
-            lambda: isinstance(app.focused, MessageView) and app.focused.number == 1, timeout=30
-        )
+        # Home: message #1, focused, drawn before the rest of its page is built; End: the
+        # latest again. Never more than MAX_VIEWS.
+        mounted: list[int] = []
+
+        def on_first() -> bool:
+            focused = app.focused
+            if isinstance(focused, MessageView) and focused.number == 1:
+                mounted.append(len(conversation.views))
+                return True
+            return False
+
+        app.simulate_key("home")
+        await wait_until(on_first, timeout=30)
+        assert mounted[0] < SHOWN, mounted
+        await wait_until(lambda: not conversation.pending and len(conversation.views) == SHOWN)
         assert isinstance(app.focused, MessageView) and app.focused.text == "message 0"
         assert conversation.first == 0 and len(conversation.views) <= MAX_VIEWS
         await pilot.press("end")

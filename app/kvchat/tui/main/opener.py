@@ -229,14 +229,17 @@ class SessionOpener:
         self.conversation.call_after_refresh(done)
         await drawn
 
-    async def show_latest(self, focus_last: bool = False) -> None:
-        """Show the session's latest messages again (after a jump left them out)."""
+    async def show_latest(self, focus_last: bool = False, lazy: bool = False) -> None:
+        """Show the session's latest messages again (after a jump left them out); ``lazy``:
+        those that fill the screen first, the rest after (see Conversation.fill)."""
         if self.state.session_id is None:
             return
-        await self.show_stored(self.state.session_id, lazy=False)
+        await self.show_stored(self.state.session_id, lazy=lazy)
         last = self.conversation.last_view
         if focus_last and last is not None:
             last.focus()
+        if lazy:
+            await self.conversation.fill()
 
     def jump_to(self, message_id: int) -> None:
         conversation = self.conversation

@@ -372,8 +372,13 @@ class MainScreen(Screen[None]):
         self.action_message_details(event.view)
 
     @on(Conversation.LatestRequested)
-    async def _latest_requested(self) -> None:
-        await self.opener.show_latest(focus_last=True)
+    def _latest_requested(self) -> None:
+        self.show_latest()
+
+    @work(group="latest", exclusive=True, exit_on_error=False)
+    async def show_latest(self) -> None:
+        """End, or ↓ past the last message shown: the latest messages, the last focused."""
+        await self.opener.show_latest(focus_last=True, lazy=True)
 
     @on(Conversation.LeaveRequested)
     def _leave_requested(self) -> None:

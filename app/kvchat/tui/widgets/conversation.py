@@ -102,6 +102,7 @@ class Conversation(VerticalScroll, can_focus=False):
         self._page: ConversationPage | None = None
         self._messages: list[Message] = []  # the session's messages, as last shown
         self._paging = False  # a page before the first one shown is being mounted
+        self._pending_below = False  # the pending views go below the shown ones (Home)
 
     async def show(
         self,
@@ -134,14 +135,20 @@ class Conversation(VerticalScroll, can_focus=False):
         ]
         if views and not self.later and views[-1].finish_reason == "length":
             views[-1].cut = True  # the session's last reply: F12 continues it
-        now = self._left_for_later(views) if lazy and index is None and not from_start else 0
-        self.pending = views[:now]
+        self._pending_below = from_start
+        if lazy and from_start:
+            # The first messages that fill the screen now; those after them by fill().
+            now = len(views) - self._screenful(views)
+            self.pending, shown = views[len(views) - now :], views[: len(views) - now]
+        else:
+            now = self._left_for_later(views) if lazy and index is None else 0
+            self.pending, shown = views[:now], views[now:]
         widgets: list[Widget] = []
         if start:
             widgets.append(
                 Label(_earlier_note(start), id="earlier", classes="not-shown", markup=False)
             )
-        widgets += views[now:]
+        widgets += shown
         if self.later:
             widgets.append(
                 Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
@@ -245,12 +252,13 @@ class Conversation(VerticalScroll, can_focus=False):
 
     async def _show_from_start(self) -> None:
         """Home with earlier messages left out: the first messages, the first focused."""
-        await self.show(self._messages, from_start=True)
+        await self.show(self._messages, from_start=True, lazy=True)
         self.anchor(False)
         self.scroll_home(animate=False, immediate=True)
         views = self.views
         if views:
             views[0].focus(scroll_visible=False)
+        await self.fill()
 
     def _run(self, work: Coroutine[Any, Any, None]) -> None:
         self.run_worker(work, group="conversation-pages", exit_on_error=False)
@@ -296,6 +304,19 @@ class Conversation(VerticalScroll, can_focus=False):
         """The page of messages shown now (None before the first :meth:`show`)."""
         return self._page
 
+    def _screenful(self, views: list[MessageView]) -> int:
+        """How many of ``views``, from the first, fill the viewport (by an estimate of their
+        height: wrapped lines plus the header and margin); at least FIRST_AT_LEAST."""
+        width = max(20, (self.size.width or 80) - 6)
+        height = self.size.height or 40
+        lines = keep = 0
+        for view in views:
+            if lines > height and keep >= FIRST_AT_LEAST:
+                break
+            keep += 1
+            lines += 3 + sum(len(line) // width + 1 for line in view.text[:20_000].split("\n"))
+        return keep
+
     def _left_for_later(self, views: list[MessageView]) -> int:
         """How many of ``views`` to leave for later: the last ones that fill the viewport
         (by an estimate of their height: wrapped lines plus the header and margin) stay."""
@@ -311,19 +332,23 @@ class Conversation(VerticalScroll, can_focus=False):
         return len(views) - keep
 
     async def fill(self) -> None:
-        """Mount the views a lazy :meth:`show` left pending, above the others, a few at a
-        time with a pause between (so keys and frames get through); the nearest first. Stops
-        when another show begins."""
+        """Mount the views a lazy :meth:`show` left pending, above the others (below them
+        after Home), a few at a time with a pause between (so keys and frames get through);
+        the nearest first. Stops when another show begins."""
         shows = self._shows
         while self.pending and shows == self._shows:
-            batch = self.pending[-FILL_BATCH:]
-            del self.pending[-FILL_BATCH:]
-            page = self._page
-            first = self.views[0] if self.views else None
-            if page is None or first is None:
+            page, views = self._page, self.views
+            if page is None or not views:
                 self.pending = []
                 return
-            await page.mount_all(batch, before=first)
+            if self._pending_below:  # Home: the first messages shown, those after follow
+                batch = self.pending[:FILL_BATCH]
+                del self.pending[:FILL_BATCH]
+                await page.mount_all(batch, after=views[-1])
+            else:
+                batch = self.pending[-FILL_BATCH:]
+                del self.pending[-FILL_BATCH:]
+                await page.mount_all(batch, before=views[0])
             await asyncio.sleep(0)
 
     async def add(self, view: MessageView) -> MessageView:
