@@ -198,20 +198,27 @@ def kv_bytes_per_token(spec: TinySpec) -> int:
 # The families of 2026 (hybrid, recurrent, sliding window with sinks): each one's metadata
 # and tensor shapes, in tests/tiny_families.json, are what llama.cpp 0.3.36's loader asked
 # for (written by trying a GGUF and reading its "key not found" / "tensor not found" /
-# "wrong shape; expected …" errors until it loaded; for qwen35 and qwen3next also the
-# linear-attention projections attn_qkv and attn_gate, which the loader takes as optional
-# and the graph needs): 4 layers of width 64, 4 query heads of 16, and where a layer list
+# "wrong shape; expected …" errors until it loaded; then the tensors the loader takes as
+# optional and the graph needs: attn_qkv and attn_gate for qwen35 and qwen3next, the
+# convolution bias of Mamba-2 layers for granitehybrid, falcon-h1 and nemotron_h, and
+# falcon-h1's ssm_norm): 4 layers of width 64, 4 query heads of 16, and where a layer list
 # applies, attention on layers 1 and 3 and recurrent ones on 0 and 2 (Qwen 3.5: attention
-# on every fourth). Weights are random (norms ~1, Mamba's A negative), like those above.
+# on every fourth; Nemotron-H: Mamba, attention, MLP, attention). Weights are random (norms
+# ~1, Mamba's A negative), like those above.
 
 # Families whose tiny GGUF llama.cpp 0.3.36 runs here, by architecture.
-RUNS = ("mamba2", "lfm2", "jamba", "qwen35", "qwen3next", "gpt-oss", "gemma4")
-# Families it does not, and why (tests/test_hybrid.py checks that this is still so).
-DOES_NOT_RUN = {
-    "granitehybrid": "llama.cpp loads the tiny GGUF, then crashes building its graph",
-    "falcon-h1": "llama.cpp loads the tiny GGUF, then crashes building its graph",
-    "nemotron_h": "llama.cpp aborts creating the context (GGML_ASSERT(buffer) in ggml-backend.cpp)",
-}
+RUNS = (
+    "mamba2",
+    "lfm2",
+    "jamba",
+    "qwen35",
+    "qwen3next",
+    "granitehybrid",
+    "falcon-h1",
+    "nemotron_h",
+    "gpt-oss",
+    "gemma4",
+)
 
 
 @cache

@@ -302,6 +302,9 @@ def _recurrent(
         layers = (True,) * n_layer
     elif arch in _RECURRENT_WHERE_NO_KV:
         layers = tuple(kv == 0 for kv in n_head_kv)
+        ff = key("feed_forward_length")
+        if arch == "nemotron_h" and isinstance(ff, list):  # MLP-only layers: no state
+            layers = tuple(rec and not int(f) for rec, f in zip(layers, ff))
     elif arch in _RECURRENT_BETWEEN_ATTENTION:
         interval = int(key("full_attention_interval") or 4)
         layers = tuple((il + 1) % interval != 0 for il in range(n_layer))

@@ -140,11 +140,11 @@ def allocated_per_layer(info: ModelInfo, cfg: PlanConfig, kv: KvPerToken) -> tup
     without flash attention (V stored transposed) a model whose layers' V widths differ
     gets every layer's V padded to the widest (llama.cpp's [TAG_V_CACHE_VARIABLE]), even a
     layer of width 0 (DeciLM's attention-free layers). Layers sharing another's cache
-    (Gemma 3n) and recurrent layers without attention (LFM2's convolutions: their state
-    is not in the KV cache) hold none."""
-    recurrent = info.recurrent_layers or (False,) * info.n_layer
+    (Gemma 3n) and, in a model with recurrent layers, the layers without attention heads
+    (LFM2's convolutions, Nemotron-H's MLP-only layers) hold none."""
+    hybrid = any(info.recurrent_layers)
     own = [
-        il < info.n_layer - info.shared_kv_layers and not (recurrent[il] and not info.n_head_kv[il])
+        il < info.n_layer - info.shared_kv_layers and not (hybrid and not info.n_head_kv[il])
         for il in range(info.n_layer)
     ]
     v_widths = [info.n_head_kv[il] * info.head_dims(il)[1] for il in range(info.n_layer)]
