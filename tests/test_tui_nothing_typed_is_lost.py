@@ -10,7 +10,7 @@ import pytest
 
 from kvchat.tui.widgets.conversation import MessageView
 from tests.test_tui import SIZE, ready, send, service_of, wait_until
-from tests.test_tui_items import header, make_app
+from tests.test_tui_relaunch_and_continue import header, make_app
 
 
 def stored(app: object, session_id: str | None) -> list[tuple[str, str]]:
@@ -193,7 +193,7 @@ async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: P
 
     from kvchat.service.chat import ChatService
     from kvchat.tui.screens.dialogs import ConfirmDialog
-    from tests.test_tui_items import make_settings
+    from tests.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
     other = service.new_session("Other chat")
@@ -239,7 +239,7 @@ async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_
     import json
 
     from tests.conftest import run_cli
-    from tests.test_tui_items import quit_app
+    from tests.test_tui_relaunch_and_continue import quit_app
 
     prompt = "Write a long poem about the sea."
     asked = run_cli(kvhome, "ask", "--max-tokens", "4", "--temperature", "0", prompt)
@@ -268,7 +268,7 @@ async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_
 async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_reopen(
     kvhome: Path,
 ) -> None:
-    from tests.test_tui_items import quit_app
+    from tests.test_tui_relaunch_and_continue import quit_app
 
     app = make_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
@@ -389,7 +389,7 @@ async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome:
 async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Path) -> None:
     from kvchat.service.chat import ChatService
     from tests.conftest import run_cli
-    from tests.test_tui_items import make_settings, quit_app
+    from tests.test_tui_relaunch_and_continue import make_settings, quit_app
 
     service = ChatService(make_settings())
     kept_empty = service.new_session()  # not made by the app's run: not its to drop
@@ -423,7 +423,7 @@ async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Pa
 
 @pytest.mark.e2e
 async def test_the_kv_status_follows_each_turn_after_a_restore(kvhome: Path) -> None:
-    from tests.test_tui_items import quit_app
+    from tests.test_tui_relaunch_and_continue import quit_app
 
     app = make_app(max_tokens=16)
     async with app.run_test(size=SIZE) as pilot:
@@ -486,7 +486,7 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
     from kvchat.service.chat import ChatService
     from kvchat.tui.phrases import code_blocks
     from kvchat.tui.screens.dialogs import CodePickerDialog
-    from tests.test_tui_items import make_settings
+    from tests.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
     session = service.new_session("Reverse a string")
