@@ -73,6 +73,13 @@ KEYS: tuple[Key, ...] = (
         "pick_model",
         "Pick a model (catalog and local files, with what fits this machine)",
     ),
+    # Ctrl+/ (most terminals send it as Ctrl+_): no terminal, tmux or input binds it.
+    Key(
+        "ctrl+underscore,ctrl+slash",
+        "Ctrl+/",
+        "toggle_thinking",
+        "Thinking on / off for this session (a thinking model whose template has the switch)",
+    ),
     Key(
         "ctrl+l",
         "Ctrl+L",
@@ -120,6 +127,14 @@ KEYS: tuple[Key, ...] = (
         "f / e (on a message)",
         None,
         "Branch from that message / edit it (yours) in a new branch",
+        palette=False,
+    ),
+    Key(
+        "",
+        "t (on a reply)",
+        None,
+        "Show / fold a thinking model's reasoning (folded above the answer; a click on its "
+        "line too)",
         palette=False,
     ),
     Key(

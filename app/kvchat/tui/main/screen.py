@@ -493,6 +493,10 @@ class MainScreen(Screen[None]):
     async def action_message_details(self, view: MessageView | None = None) -> None:
         await self.message_actions.details(view)
 
+    @work(group="action", exit_on_error=False)
+    async def action_toggle_thinking(self) -> None:
+        await self.session_actions.toggle_thinking()
+
     def action_pick_model(self) -> None:
         if ready_or_say(self.app, self.state):
             self.pick_model()

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from textual.app import App
 
     from kvchat.service.chat import RestoreResult, TurnReport
+    from kvchat.service.reasoning import ReasoningStream
     from kvchat.tui.widgets.conversation import MessageView
 
 
@@ -36,6 +37,18 @@ class ActiveTurn:
     # The prompt being read, from the engine thread: (read, to read, seconds so far).
     progress: tuple[int, int, float] | None = None
     message_id: int | None = None  # a send: the user's message once stored
+    # A continued reply: its reasoning before this turn.
+    before_reasoning: str = ""
+    # Splits the pieces into reasoning and answer (set on the engine thread, before the
+    # first piece, from the model's reasoning style).
+    splitter: ReasoningStream | None = None
+    # What the reply's reasoning looks like so far, as the UI drew it: its text, tokens,
+    # when the first came and how long it lasted (None: still thinking, or never did).
+    reasoning: str = ""
+    thought_tokens: int = 0
+    thought_started: float | None = None
+    thought_seconds: float | None = None
+    answer_seen: bool = False
 
 
 @dataclass

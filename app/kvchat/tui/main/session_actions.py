@@ -19,7 +19,7 @@ from kvchat.errors import KvchatError
 from kvchat.text import visible
 from kvchat.tui.backend import Backend
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ScreenState, idle_or_say
+from kvchat.tui.main.screen_state import ScreenState, idle_or_say, ready_or_say
 from kvchat.tui.main.signals import OpenRequested
 from kvchat.tui.phrases import shorten, slug
 from kvchat.tui.widgets.conversation import Conversation
@@ -185,6 +185,10 @@ class SessionActions:
             self.app.notify(problem, severity="warning", markup=False)
         row = self.sessions.row(session_id)
         history = row.tokens if row is not None and row.summary.messages else 0
+        # The session's switches (thinking) are not in the dialog: saving keeps them.
+        from kvchat.service.reports import SESSION_SWITCHES
+
+        kept = {k: v for k, v in session.settings.items() if k in SESSION_SWITCHES}
         result: SessionSettings | None = await self.app.push_screen_wait(
             SettingsDialog(
                 visible(session.system_prompt or ""),
@@ -203,7 +207,7 @@ class SessionActions:
                 self.backend.chat.configure,
                 session_id,
                 system_prompt=result.system_prompt,
-                settings=result.settings,
+                settings={**kept, **result.settings},
             )
         except KvchatError as exc:
             self.app.notify(str(exc), severity="error", markup=False)
@@ -217,6 +221,39 @@ class SessionActions:
             )
         else:
             self.app.notify("Session settings saved; they apply from the next reply")
+
+    async def toggle_thinking(self) -> None:
+        """Ctrl+/: turn the open session's thinking off, or on again, through the model's
+        own template switch (``enable_thinking``…); a template without one says so."""
+        if not ready_or_say(self.app, self.state):
+            return
+        service = self.backend.chat
+        switch = await self.backend.on_engine(service.thinking_switch)
+        if switch.keyword is None:
+            message = "this model's chat template has no thinking switch: nothing changed"
+            self.status.set_turn(message, "warning")
+            self.app.notify(message.capitalize(), severity="warning")
+            return
+        session_id = self.state.session_id
+        if session_id is None:
+            session_id = self.state.session_id = await self.opener.new_session_id()
+            await self.refresh()
+        session = await self.backend.on_store(service.resolve, session_id)
+        # Unset means the template's default, thinking for the templates that have the
+        # switch: the first press turns it off.
+        think = session.settings.get("think") is False
+        settings = {**session.settings, "think": think}
+        try:
+            await self.backend.on_store(service.configure, session_id, settings=settings)
+        except KvchatError as exc:
+            self.app.notify(str(exc), severity="error", markup=False)
+            return
+        value = switch.on if think else switch.off
+        state = "on" if think else "off"
+        self.status.set_turn(
+            f"thinking {state} for this session ({switch.keyword}={value}): from the next reply"
+        )
+        self.app.notify(f"Thinking {state} for this session", markup=False)
 
 
 def _write_text(path: Path, text: str, replace: bool) -> None:

@@ -18,6 +18,7 @@ batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from kvchat.tui.phrases import restore_phrase, saved_phrase
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.status import StatusBar
+from kvchat.tui.widgets.thought import ThoughtFigures
 
 if TYPE_CHECKING:
     from textual.app import App
@@ -202,6 +204,7 @@ class TurnRunner:
             if turn.kind == "continue":
                 turn.view = conversation.views[-1]
                 turn.before = turn.view.text
+                turn.before_reasoning = turn.view.reasoning
             else:
                 turn.view = await conversation.add(MessageView("assistant", streaming=True))
             turn.view.start_stream()
@@ -244,6 +247,10 @@ class TurnRunner:
     def _engine_turn(self, turn: ActiveTurn) -> tuple[TurnReport, int]:
         service = self.backend.chat
         assert turn.session_id is not None
+        # The model is loaded before any turn; a service whose model is not (a stand-in
+        # engine) has no template to read the style from, and reading it would load one.
+        if service.loaded_model_path is not None:
+            turn.splitter = _splitter(service.reasoning_style, turn)
         on_token, cancel = turn.sink.append, turn.cancel.is_set
 
         def read(done: int, total: int, seconds: float) -> None:
@@ -286,9 +293,50 @@ class TurnRunner:
                 self.status.set_turn(f"{reading_phrase(*turn.progress)}  (Esc stops)", "busy")
             return
         turn.pieces += len(chunks)
+        splitter = turn.splitter
+        if splitter is None or not splitter.style.thinks:
+            answer = "".join(chunks)
+        else:
+            answer = await self._split(turn, chunks)
         if not turn.cancel.is_set():
-            self.status.set_turn(f"generating · {turn.pieces:,} tokens  (Esc stops)", "busy")
-        await turn.view.write("".join(chunks))
+            if _thinking(turn):
+                what = f"thinking… · {turn.thought_tokens:,} tokens"
+            else:
+                what = f"generating · {turn.pieces:,} tokens"
+            self.status.set_turn(f"{what}  (Esc stops)", "busy")
+        if answer:
+            await turn.view.write(answer)
+
+    async def _split(self, turn: ActiveTurn, chunks: list[str]) -> str:
+        """Feed a thinking model's pieces to the turn's splitter: the reasoning goes into
+        the reply's folded block (its line counting up), the answer is returned."""
+        splitter, view = turn.splitter, turn.view
+        assert splitter is not None and view is not None
+        answer: list[str] = []
+        before = (turn.reasoning, _thinking(turn))
+        for chunk in chunks:
+            reasoning, said = splitter.feed(chunk)
+            turn.reasoning += reasoning
+            if said:
+                answer.append(said)
+                turn.answer_seen = True
+            now = time.perf_counter()
+            if _thinking(turn):
+                turn.thought_tokens += 1
+                if turn.thought_started is None:
+                    turn.thought_started = now
+            elif turn.thought_started is not None and turn.thought_seconds is None:
+                turn.thought_seconds = now - turn.thought_started
+        thinking = _thinking(turn)
+        if (turn.reasoning, thinking) != before or thinking:
+            await view.set_reasoning(
+                turn.before_reasoning + turn.reasoning
+                if turn.kind == "continue"
+                else turn.reasoning,
+                _figures(turn),
+                thinking=thinking,
+            )
+        return "".join(answer)
 
     async def _finish_turn(self, turn: ActiveTurn, report: TurnReport, used: int) -> None:
         view = turn.view
@@ -296,7 +344,12 @@ class TurnRunner:
         self.state.last_report = report
         self.state.hot_id = turn.session_id
         if report.message_id is None and turn.kind == "continue":
-            await view.finish(text=turn.before, message_id=view.message_id, partial=view.partial)
+            await view.finish(
+                text=turn.before,
+                message_id=view.message_id,
+                partial=view.partial,
+                reasoning=turn.before_reasoning,
+            )
         elif report.message_id is None:
             await view.finish(text="", message_id=None, partial=True)
             await view.remove()
@@ -304,12 +357,25 @@ class TurnRunner:
                 self.app.notify("Stopped before the first token: no reply to keep")
         else:
             self.state.turn_figures[report.message_id] = report
-            text = turn.before + report.reply if turn.kind == "continue" else report.reply
+            splitter = turn.splitter
+            if turn.kind != "continue":
+                text, reasoning = report.reply, report.reasoning
+            elif splitter is not None and splitter.style.thinks:
+                # The reply as written, before and after: split as the service stored it.
+                text, reasoning = splitter.answer, splitter.reasoning
+            else:
+                text, reasoning = turn.before + report.reply, turn.before_reasoning
+            if turn.kind == "continue":
+                view.figures = ThoughtFigures()  # only this turn's part of it was counted
+            elif reasoning and turn.thought_tokens:
+                view.figures = _figures(turn)
+                self.conversation.thought_figures[report.message_id] = view.figures
             await view.finish(
                 text=text,
                 message_id=report.message_id,
                 partial=report.partial,
                 finish_reason=report.finish_reason,
+                reasoning=reasoning,
             )
         if view.message_id is not None:
             view.set_version(
@@ -370,6 +436,40 @@ class TurnRunner:
         turn.cancel.set()
         self.status.set_turn("stopping…", "busy")
         return True
+
+
+def _splitter(style: Any, turn: ActiveTurn) -> Any:
+    """On the engine thread: the turn's splitter for the model's reasoning ``style``; a
+    continued reply's is fed the reply as written so far first (as the service continues
+    it: a reply cut while reasoning goes on inside its think block)."""
+    from kvchat.service.reasoning import THINK_OPEN, ReasoningStream, join_reasoning
+
+    splitter = ReasoningStream(style)
+    if turn.kind == "continue" and style.thinks:
+        reasoning, answer = turn.before_reasoning, turn.before
+        if reasoning and not answer and style.kind == "think":
+            written = ("" if style.opens_inside else THINK_OPEN) + "\n" + reasoning
+        else:
+            written = join_reasoning(reasoning, answer, style)
+        splitter.feed(written)
+        turn.answer_seen = bool(answer) or not reasoning
+    return splitter
+
+
+def _thinking(turn: ActiveTurn) -> bool:
+    """Whether the model reasons now: a thinking model with no answer yet, past the first
+    piece (or whose reply starts inside its think block)."""
+    splitter = turn.splitter
+    if splitter is None or not splitter.style.thinks or turn.answer_seen:
+        return False
+    return splitter.style.opens_inside or bool(splitter.text.strip())
+
+
+def _figures(turn: ActiveTurn) -> ThoughtFigures:
+    seconds = turn.thought_seconds
+    if seconds is None and turn.thought_started is not None and not _thinking(turn):
+        seconds = time.perf_counter() - turn.thought_started
+    return ThoughtFigures(turn.thought_tokens, seconds)
 
 
 def _refused(exc: BaseException) -> bool:

@@ -21,6 +21,7 @@ from textual.widgets import Label
 from textual.worker import Worker, WorkerState
 
 from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, markdown_widget
+from kvchat.tui.widgets.thought import ThoughtFigures
 
 if TYPE_CHECKING:
     from kvchat.service.chat import Message
@@ -103,6 +104,9 @@ class Conversation(VerticalScroll, can_focus=False):
         self._messages: list[Message] = []  # the session's messages, as last shown
         self._paging = False  # a page before the first one shown is being mounted
         self._pending_below = False  # the pending views go below the shown ones (Home)
+        # How long and how much replies of this run thought, by message id (the store
+        # keeps the reasoning, not these): their folded line says it when shown again.
+        self.thought_figures: dict[int, ThoughtFigures] = {}
 
     async def show(
         self,
@@ -131,7 +135,8 @@ class Conversation(VerticalScroll, can_focus=False):
             start, end = max(0, len(messages) - SHOWN), len(messages)
         self.first, self.later, self.cursor = start, len(messages) - end, None
         views = [
-            MessageView.from_message(m, start + k + 1) for k, m in enumerate(messages[start:end])
+            MessageView.from_message(m, start + k + 1, self.thought_figures.get(m.id))
+            for k, m in enumerate(messages[start:end])
         ]
         if views and not self.later and views[-1].finish_reason == "length":
             views[-1].cut = True  # the session's last reply: F12 continues it
@@ -191,7 +196,7 @@ class Conversation(VerticalScroll, can_focus=False):
             anchor = views[0]
             start = max(0, self.first - EARLIER_PAGE)
             batch = [
-                MessageView.from_message(m, start + k + 1)
+                MessageView.from_message(m, start + k + 1, self.thought_figures.get(m.id))
                 for k, m in enumerate(self._messages[start : self.first])
             ]
             before_y = anchor.virtual_region.y

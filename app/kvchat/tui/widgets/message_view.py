@@ -18,6 +18,7 @@ from textual.message import Message as TextualMessage
 from textual.widgets import Label
 
 from kvchat.text import visible
+from kvchat.tui.widgets.thought import Thought, ThoughtFigures
 
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt
@@ -85,7 +86,8 @@ class MessageView(Vertical, can_focus=True):
     """One message, headed by its role and its number in the session (``#3``: what
     ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
     or a code block with ``b``, see its details with ``i``, branch a new session from it
-    with ``f``, or edit it (your messages) with ``e``."""
+    with ``f``, or edit it (your messages) with ``e``. A thinking model's reply shows its
+    reasoning folded above the answer (:class:`Thought`): ``t`` or a click unfolds it."""
 
     BINDINGS = [
         Binding("c", "copy", "Copy message", show=False),
@@ -98,8 +100,9 @@ class MessageView(Vertical, can_focus=True):
         Binding("left", "version(-1)", "Previous version of the reply", show=False),
         Binding("right", "version(1)", "Next version of the reply", show=False),
         Binding("enter", "toggle_fold", "Show all / fold a long message", show=False),
+        Binding("t", "toggle_thought", "Show / fold the reasoning", show=False),
     ]
-    OWN_KEYS = frozenset({"c", "b", "i", "f", "e"})
+    OWN_KEYS = frozenset({"c", "b", "i", "f", "e", "t"})
 
     @dataclass
     class CopyRequested(TextualMessage):
@@ -155,6 +158,8 @@ class MessageView(Vertical, can_focus=True):
         number: int | None = None,
         pending: bool = False,
         finish_reason: str | None = None,
+        reasoning: str = "",
+        figures: ThoughtFigures | None = None,
     ) -> None:
         classes = f"message -{role}" + (" -partial" if partial else "")
         super().__init__(classes=classes + (" -pending" if pending else ""))
@@ -174,9 +179,14 @@ class MessageView(Vertical, can_focus=True):
         # A long message of yours shows its first FOLD_LINES lines until unfolded; a very
         # long one of any role its first FOLD_CHARS characters.
         self.folded = self.foldable
+        # A thinking model's reasoning before the answer ("" when none), shown folded.
+        self.reasoning = reasoning
+        self.figures = figures
 
     @classmethod
-    def from_message(cls, message: Message, number: int | None = None) -> MessageView:
+    def from_message(
+        cls, message: Message, number: int | None = None, figures: ThoughtFigures | None = None
+    ) -> MessageView:
         return cls(
             message.role,
             message.content,
@@ -184,10 +194,14 @@ class MessageView(Vertical, can_focus=True):
             partial=message.partial,
             number=number,
             finish_reason=message.finish_reason,
+            reasoning=message.reasoning,
+            figures=figures,
         )
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-role", markup=False)
+        if self.reasoning:
+            yield Thought(self.reasoning, self.figures)
         parser = user_parser if self.role == "user" else message_parser
         yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
         if self.foldable:
@@ -236,6 +250,40 @@ class MessageView(Vertical, can_focus=True):
         if widget is not None and widget.has_class("fold-note"):
             await self.action_toggle_fold()
 
+    @property
+    def thought(self) -> Thought | None:
+        """The folded reasoning block, if the reply has one."""
+        blocks = list(self.query(Thought).results(Thought))
+        return blocks[0] if blocks else None
+
+    async def action_toggle_thought(self) -> None:
+        """``t``: unfold the reasoning of a thinking model's reply, or fold it again."""
+        thought = self.thought
+        if thought is not None:
+            await thought.toggle()
+        elif self.role == "assistant":
+            self.app.notify("This reply has no reasoning to show")
+
+    async def set_reasoning(
+        self, reasoning: str, figures: ThoughtFigures | None = None, *, thinking: bool = False
+    ) -> None:
+        """Show ``reasoning`` in the folded block (made above the answer when the first
+        reasoning arrives; removed when there is none)."""
+        self.reasoning = reasoning
+        if figures is not None:
+            self.figures = figures
+        thought = self.thought
+        if not reasoning and not thinking:
+            if thought is not None:
+                await thought.remove()
+            return
+        if thought is None:
+            thought = Thought(reasoning, self.figures)
+            thought.thinking = thinking
+            await self.mount(thought, before=self.body)
+            return
+        thought.set(reasoning, self.figures, thinking=thinking)
+
     def _header(self) -> str:
         name = ROLE_NAMES.get(self.role, self.role)
         if self.number is not None:
@@ -272,6 +320,7 @@ class MessageView(Vertical, can_focus=True):
         self.finish_reason = message.finish_reason
         self.cut = message.finish_reason == "length"  # only the last reply has versions
         self.version = (position, count)
+        await self.set_reasoning(message.reasoning, ThoughtFigures())
         await self.body.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
         self._show_header()
@@ -312,9 +361,11 @@ class MessageView(Vertical, can_focus=True):
         message_id: int | None,
         partial: bool,
         finish_reason: str | None = None,
+        reasoning: str | None = None,
     ) -> None:
         """End the stream; ``text`` is the reply as the service committed it (and
-        ``finish_reason`` why it ended; None keeps what was known)."""
+        ``finish_reason`` why it ended; None keeps what was known; ``reasoning`` its
+        reasoning apart, None: as streamed)."""
         if self.stream is not None:
             await self.stream.stop()
             self.stream = None
@@ -324,6 +375,8 @@ class MessageView(Vertical, can_focus=True):
         if finish_reason is not None:
             self.finish_reason = finish_reason
         self.text = text
+        if reasoning is not None or self.thought is not None:
+            await self.set_reasoning(self.reasoning if reasoning is None else reasoning)
         shown = self._shown(text)
         if self.body.source != shown:  # e.g. a chunk raced the end of the stream
             await self.body.update(shown)
