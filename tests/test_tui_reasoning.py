@@ -141,11 +141,26 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
             assert "<" not in text and "think" not in text
             await view_write(view, text)
 
+        blocks: list[tuple[bool, bool, str]] = []
+        view_reasoning = MessageView.set_reasoning
+
+        async def set_reasoning(view: MessageView, reasoning: str, *args: Any, **kw: Any) -> None:
+            await view_reasoning(view, reasoning, *args, **kw)
+            thought = view.thought
+            if thought is not None:
+                blocks.append((thought.thinking, thought.shown, thought.line))
+
         MessageView.write = write  # type: ignore[method-assign]
+        MessageView.set_reasoning = set_reasoning  # type: ignore[method-assign]
         try:
             reply = await send(pilot, main, "What is two and two?")
         finally:
             MessageView.write = view_write  # type: ignore[method-assign]
+            MessageView.set_reasoning = view_reasoning  # type: ignore[method-assign]
+        # The reasoning streamed into the folded block, its line counting up.
+        thinking = [line for on, shown, line in blocks if on and not shown]
+        assert thinking and all(line.startswith("▸ Thinking… · ") for line in thinking)
+        assert len(set(thinking)) > 1, thinking
         assert any(text.startswith("thinking… ·") for text in said), said
         # While the answer streamed, the reasoning stayed folded above it.
         assert lines and all(line.startswith("▸ Thought") for line in lines), lines
@@ -156,6 +171,11 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
         figures = thought.figures
         assert figures.tokens is not None and figures.tokens >= 5
         assert figures.seconds is not None
+        report = main.last_report
+        assert report is not None and report.reasoning == REASONING
+        from kvchat.tui.phrases import turn_lines
+
+        assert any(line.startswith("Re-rendered: ") for line in turn_lines(report))
         assert _line(reply).startswith("▸ Thought for ") and "tokens" in _line(reply)
         assert REASONING not in reply.body.source and "<think>" not in reply.body.source
         stored = service.messages(open_id(main))[-1]

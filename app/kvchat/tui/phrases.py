@@ -108,6 +108,11 @@ def turn_lines(report: TurnReport) -> list[str]:
     lines.append(
         f"Prompt: {tokens.prompt:,} tokens ({tokens.reused:,} reused, {tokens.decoded:,} decoded)"
     )
+    if tokens.rerendered:
+        lines.append(
+            f"Re-rendered: {tokens.rerendered:,} tokens of this reply (the template writes it "
+            "differently for the next turn; re-read while idle)"
+        )
     lines.append(f"KV: {restore_phrase(report.restore)}")
     lines.append(f"Saved: {saved_phrase(report)}")
     lines.append(f"Ended: {FINISH_PHRASES.get(report.finish_reason, report.finish_reason)}")
