@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from test_reasoning import ANSWER, REASONING, SWITCHED, forced
-from test_tui import SIZE, make_app, open_id, quit_app, ready, send, service_of
+from test_tui import SIZE, make_app, open_id, quit_app, ready, send, service_of, wait_until
 from test_tui import home as home  # noqa: F401  (the fixture)
 from test_tui import no_background_failures as no_background_failures  # noqa: F401
 
@@ -26,6 +26,7 @@ from kvchat.tui.widgets.thought import Thought, ThoughtFigures, thought_line
 
 pytestmark = pytest.mark.e2e
 
+OTHER_REASONING = "Count: three, four."
 LONG_REASONING = "First, two and two.\n\nThen: four, surely."
 
 
@@ -98,8 +99,6 @@ async def test_a_stored_reply_shows_its_reasoning_folded_until_t(home: Path) -> 
 
 
 async def _settled(main: Any) -> None:
-    from test_tui import wait_until
-
     await wait_until(lambda: not any(w.is_running for w in main.workers if w.group == "action"))
 
 
@@ -194,7 +193,29 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
         await _settled(main)
         assert service.resolve(open_id(main)).settings.get("think") is True
         assert "thinking on" in main.status.turn_text
+        # A new version thinks something else; ← shows the first again, with its own.
+        regenerate = service.regenerate
+        other = f"<think>\n{OTHER_REASONING}\n</think>\n\n{ANSWER}"
+
+        def forced_regenerate(*args: Any, **kwargs: Any) -> Any:
+            return regenerate(*args, grammar=forced(other), **kwargs)
+
+        service.regenerate = forced_regenerate  # type: ignore[method-assign]
+        before = main.last_turn
+        await pilot.press("ctrl+r")
+        await wait_until(lambda: main.last_turn is not before and main.turn is None)
+        await wait_until(lambda: main.housekeeping_idle)
+        await pilot.pause()
+        newer = main.conversation.views[-1]
+        assert (newer.reasoning, newer.text) == (OTHER_REASONING, ANSWER)
+        assert _line(newer).startswith("▸ Thought for ")
+        newer.focus()
+        await pilot.press("left")
+        await wait_until(lambda: newer.version == (1, 2))
+        await pilot.pause()
+        assert newer.reasoning == REASONING and _thought(newer).figures == figures
         # Opened again in this run, the reply keeps its figures.
+        reply = newer
         line = _line(reply)
         await main.opener.show_stored(open_id(main), lazy=False)
         await pilot.pause()

@@ -369,7 +369,8 @@ class TurnRunner:
                 view.figures = ThoughtFigures()  # only this turn's part of it was counted
             elif reasoning and turn.thought_tokens:
                 view.figures = _figures(turn)
-                self.conversation.thought_figures[report.message_id] = view.figures
+                figured = (report.message_id, reasoning)
+                self.conversation.thought_figures[figured] = view.figures
             await view.finish(
                 text=text,
                 message_id=report.message_id,
@@ -421,7 +422,8 @@ class TurnRunner:
             self.app.notify(f"This is the {edge} version of the reply (Ctrl+R makes a new one)")
             return
         position, count = await self.backend.on_store(self.backend.chat.reply_versions, message.id)
-        await view.show_version(message, position, count)
+        figures = self.conversation.thought_figures.get((message.id, message.reasoning))
+        await view.show_version(message, position, count, figures)
         self.status.set_turn(
             f"reply version {position} of {count}: the next message reuses the KV up to it"
         )

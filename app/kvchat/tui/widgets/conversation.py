@@ -104,9 +104,10 @@ class Conversation(VerticalScroll, can_focus=False):
         self._messages: list[Message] = []  # the session's messages, as last shown
         self._paging = False  # a page before the first one shown is being mounted
         self._pending_below = False  # the pending views go below the shown ones (Home)
-        # How long and how much replies of this run thought, by message id (the store
-        # keeps the reasoning, not these): their folded line says it when shown again.
-        self.thought_figures: dict[int, ThoughtFigures] = {}
+        # How long and how much replies of this run thought, by message id and reasoning
+        # (a reply's versions share its id; the store keeps the reasoning, not these):
+        # their folded line says it when shown again.
+        self.thought_figures: dict[tuple[int, str], ThoughtFigures] = {}
 
     async def show(
         self,
@@ -135,7 +136,9 @@ class Conversation(VerticalScroll, can_focus=False):
             start, end = max(0, len(messages) - SHOWN), len(messages)
         self.first, self.later, self.cursor = start, len(messages) - end, None
         views = [
-            MessageView.from_message(m, start + k + 1, self.thought_figures.get(m.id))
+            MessageView.from_message(
+                m, start + k + 1, self.thought_figures.get((m.id, m.reasoning))
+            )
             for k, m in enumerate(messages[start:end])
         ]
         if views and not self.later and views[-1].finish_reason == "length":
@@ -196,7 +199,9 @@ class Conversation(VerticalScroll, can_focus=False):
             anchor = views[0]
             start = max(0, self.first - EARLIER_PAGE)
             batch = [
-                MessageView.from_message(m, start + k + 1, self.thought_figures.get(m.id))
+                MessageView.from_message(
+                    m, start + k + 1, self.thought_figures.get((m.id, m.reasoning))
+                )
                 for k, m in enumerate(self._messages[start : self.first])
             ]
             before_y = anchor.virtual_region.y

@@ -312,15 +312,22 @@ class MessageView(Vertical, can_focus=True):
             self.version = (position, count)
             self._show_header()
 
-    async def show_version(self, message: Message, position: int, count: int) -> None:
-        """Show another version of this reply in place."""
+    async def show_version(
+        self,
+        message: Message,
+        position: int,
+        count: int,
+        figures: ThoughtFigures | None = None,
+    ) -> None:
+        """Show another version of this reply in place (``figures``: how it thought, when
+        known)."""
         self.message_id = message.id
         self.partial = message.partial
         self.text = message.content
         self.finish_reason = message.finish_reason
         self.cut = message.finish_reason == "length"  # only the last reply has versions
         self.version = (position, count)
-        await self.set_reasoning(message.reasoning, ThoughtFigures())
+        await self.set_reasoning(message.reasoning, figures or ThoughtFigures())
         await self.body.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
         self._show_header()
