@@ -242,10 +242,13 @@ def test_the_cli_turns_os_and_sqlite_errors_into_one_line(
     ChatService(Settings()).close()  # a database to read (`list` makes none)
     for error in (_full("oserror"), _full("sqlite")):
 
-        def broken(self, error=error):
+        def broken(self, *args, error=error, **kwargs):
             raise error
 
         monkeypatch.setattr(Store, "list_sessions", broken)
+        monkeypatch.setattr(
+            Store, "list_sessions_page", broken
+        )  # what `list` reads a page at a time
         result = CliRunner().invoke(main, ["list"])
         assert result.exit_code == 2, result.output
         lines = result.stderr.strip().splitlines()
