@@ -115,7 +115,7 @@ class TurnReport:
     dropped_messages: int = 0
     snapshot: SnapshotWrite = field(default_factory=SnapshotWrite)
     # Context overflow on this turn: tokens and messages moved out of the KV by a shift, or
-    # why the kept window was re-read instead (see ChatService._shift_window).
+    # why the kept window was re-read instead (see TurnPipeline._shift_window).
     shifted_tokens: int = 0
     shifted_messages: int = 0
     window_note: str | None = None
