@@ -21,7 +21,7 @@ from kvchat.service.checks import os_error_line
 from kvchat.service.context_window import fit_window, plan_shift, system_head
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
-from kvchat.service.reasoning import THINK_OPEN, ReasoningStyle, join_reasoning, split_reasoning
+from kvchat.service.reasoning import as_written, split_reasoning
 from kvchat.service.reports import (
     MessageRefused,
     TokenCallback,
@@ -261,7 +261,7 @@ class TurnPipeline:
             self.book.remember(session_id)
             earlier = [m.as_chat(style.thinks) for m in history[:-1]]
             base = engine.chat_tokens(self.head(session) + earlier)
-            written = _as_written(last.reasoning, last.content, style)
+            written = as_written(last.reasoning, last.content, style)
             prompt = base + engine.tokenize(written)
             if len(prompt) + 1 >= engine.n_ctx:
                 raise KvchatError(
@@ -509,11 +509,3 @@ class TurnPipeline:
                 f"re-read the kept window ({len(prompt):,} tokens)"
             )
         return WindowShift(tokens=n_discard, messages=plan.messages)
-
-
-def _as_written(reasoning: str, answer: str, style: ReasoningStyle) -> str:
-    """A stored reply as the model wrote it, to continue it: a reply cut while reasoning
-    is continued inside its reasoning (its think block left open)."""
-    if reasoning and not answer and style.kind == "think":
-        return ("" if style.opens_inside else THINK_OPEN) + "\n" + reasoning
-    return join_reasoning(reasoning, answer, style)

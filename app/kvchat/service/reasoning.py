@@ -101,6 +101,14 @@ def join_reasoning(reasoning: str, answer: str, style: ReasoningStyle) -> str:
     return f"{opening}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
 
 
+def as_written(reasoning: str, answer: str, style: ReasoningStyle) -> str:
+    """A stored reply as the model wrote it, to continue it: a reply cut while reasoning
+    is continued inside its reasoning (its think block left open)."""
+    if reasoning and not answer and style.kind == "think":
+        return ("" if style.opens_inside else THINK_OPEN) + "\n" + reasoning
+    return join_reasoning(reasoning, answer, style)
+
+
 class ReasoningStream:
     """Splits a reply as it streams: each piece goes to the reasoning or to the answer (a
     marker split over two pieces is held back until it is whole)."""

@@ -444,16 +444,12 @@ def _splitter(style: Any, turn: ActiveTurn) -> Any:
     """On the engine thread: the turn's splitter for the model's reasoning ``style``; a
     continued reply's is fed the reply as written so far first (as the service continues
     it: a reply cut while reasoning goes on inside its think block)."""
-    from kvchat.service.reasoning import THINK_OPEN, ReasoningStream, join_reasoning
+    from kvchat.service.reasoning import ReasoningStream, as_written
 
     splitter = ReasoningStream(style)
     if turn.kind == "continue" and style.thinks:
         reasoning, answer = turn.before_reasoning, turn.before
-        if reasoning and not answer and style.kind == "think":
-            written = ("" if style.opens_inside else THINK_OPEN) + "\n" + reasoning
-        else:
-            written = join_reasoning(reasoning, answer, style)
-        splitter.feed(written)
+        splitter.feed(as_written(reasoning, answer, style))
         turn.answer_seen = bool(answer) or not reasoning
     return splitter
 
