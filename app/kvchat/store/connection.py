@@ -95,6 +95,10 @@ class SqlBase:
     db: sqlite_utils.Database
     _lock: threading.RLock
     _damage: str | None = None
+    # Set (under the lock) when the store is closed: a read or write still queued on another
+    # thread then gets a clear error, never a closed connection (a query racing sqlite3's
+    # close crashes the process).
+    _closed: bool = False
     # Set once the check that gates writes is done (a big file's runs in the background).
     _checked: threading.Event | None = None
 
@@ -112,11 +116,17 @@ class SqlBase:
             self._damage = detail
         return DamagedDatabase(damaged_message(self.path, detail))
 
+    def _open_conn(self) -> sqlite3.Connection:
+        """The connection, to be used while holding the lock; raises once the store is closed."""
+        if self._closed:
+            raise KvchatError(f"the database {self.path} is closed")
+        return self.db.conn
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         self._refuse_if_damaged()
         try:
-            with self._lock, self.db.conn as conn:
+            with self._lock, self._open_conn() as conn:
                 yield conn
         except sqlite3.DatabaseError as exc:
             error = _translate(self.path, exc)
@@ -131,7 +141,7 @@ class SqlBase:
     ) -> list[dict[str, Any]]:
         try:
             with self._lock:
-                cursor = self.db.execute(sql, params)
+                cursor = self._open_conn().execute(sql, params)
                 names = [d[0] for d in cursor.description]
                 return [dict(zip(names, row)) for row in cursor.fetchall()]
         except sqlite3.DatabaseError as exc:

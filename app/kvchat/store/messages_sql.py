@@ -112,7 +112,7 @@ class MessagesSql(SqlBase):
         the session's messages do not read as its row records them."""
         try:
             with self._lock:
-                problem = check_counts(self.db.conn, session_id)
+                problem = check_counts(self._open_conn(), session_id)
         except sqlite3.DatabaseError as exc:
             raise _translate(self.path, exc) from None
         if problem is not None:

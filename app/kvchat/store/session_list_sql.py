@@ -105,7 +105,7 @@ class SessionListSql(SqlBase):
         deleted after it, with the stamp to pass next time: indexed reads of what changed,
         never the whole list. Read in one transaction, so nothing falls between two looks."""
         with self._lock:
-            conn = self.db.conn
+            conn = self._open_conn()
             began = not conn.in_transaction
             if began:
                 conn.execute("BEGIN")

@@ -75,6 +75,35 @@ def check_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
     return counts_problem(row[1:4], row[4:], session_id)
 
 
+# The same check on what the (session, id) index alone answers (count and last id, no
+# table row read): what a page read relies on, in the time of a count of index entries.
+_INDEX_COUNTS_SQL = f"""
+SELECT {TRUE_ID}, s.n_messages, s.last_message_id,
+       (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id),
+       (SELECT COALESCE(MAX(m.id), 0) FROM messages m WHERE m.session_id = s.id)
+FROM sessions s WHERE s.id = ?
+"""
+
+
+def check_index_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
+    """Why the (session, id) index disagrees with the session's row on how many messages
+    it has and which is last (damage), or None (also when there is no such session)."""
+    row = conn.execute(_INDEX_COUNTS_SQL, (session_id,)).fetchone()
+    if row is None or row[0] != session_id:
+        hidden = conn.execute(
+            "SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)
+        ).fetchone()
+        if row is None and hidden is None:
+            return None
+        return _hidden_session(session_id)
+    if tuple(row[1:3]) == tuple(row[3:5]):
+        return None
+    return (
+        f"session {session_id} records {row[1]} messages (last #{row[2]}) but its index finds"
+        f" {row[3]} (last #{row[4]}): an index of the file is damaged"
+    )
+
+
 def _hidden_session(session_id: str) -> str:
     return f"session {session_id} is in the sessions table but its index does not find it"
 
@@ -143,7 +172,7 @@ class SessionsSql(SqlBase):
         """Raise DamagedDatabase when the session's messages disagree with its row."""
         try:
             with self._lock:
-                problem = check_counts(self.db.conn, session_id)
+                problem = check_counts(self._open_conn(), session_id)
         except sqlite3.DatabaseError as exc:
             raise _translate(self.path, exc) from None
         if problem is not None:

@@ -268,10 +268,16 @@ class Store(
             if conn is not None:
                 conn.interrupt()
             checker.join(5)
-        if self._damage is None and self._verified:
-            self.db.conn.close()
-        else:
-            _close_keeping_wal(self.db.conn, self.path)
+        # Under the lock: a query another thread is running finishes first (closing the
+        # connection under a running query crashes the process), later ones are refused.
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._damage is None and self._verified:
+                self.db.conn.close()
+            else:
+                _close_keeping_wal(self.db.conn, self.path)
 
     def integrity_check(self) -> str:
         return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])
