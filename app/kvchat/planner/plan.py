@@ -245,7 +245,7 @@ def window_figures(info: ModelInfo, cfg: PlanConfig, kv: KvPerToken) -> dict[str
         return None
     limit = info.context_length or 131072
     at = min(COMPARE_CTX, limit)
-    windows, every = replace(cfg, swa_full=False), replace(cfg, swa_full=True)
+    windows, every = (replace(cfg, swa_full=full) for full in (False, True))
     full_ngl = info.n_layer + 1
 
     def kv_at(config: PlanConfig) -> int:
