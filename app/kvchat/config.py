@@ -148,8 +148,9 @@ class Settings(BaseSettings):
     )
     engine: str = Field(
         default="llama.cpp",
-        description="what runs the model: llama.cpp (in this process) or llama-server "
-        "(at server_url; --server URL sets both)",
+        description="what runs the model: llama.cpp (in this process), llama-server "
+        "(at server_url; --server URL sets both) or openai (any OpenAI-compatible server "
+        "at openai_url; --openai URL sets both)",
     )
     server_url: str | None = Field(
         default=None,
@@ -158,6 +159,20 @@ class Settings(BaseSettings):
     server_api_key: str | None = Field(
         default=None,
         description="API key of that llama-server (its --api-key), sent as a bearer token",
+    )
+    openai_url: str | None = Field(
+        default=None,
+        description="OpenAI-compatible server to use with engine = openai (its /v1 base), "
+        "e.g. http://127.0.0.1:8080/v1",
+    )
+    openai_api_key: str | None = Field(
+        default=None,
+        description="API key of that server, sent as a bearer token; set it in the "
+        "environment (KVCHAT_OPENAI_API_KEY): kvchat never stores or prints it",
+    )
+    openai_model: str | None = Field(
+        default=None,
+        description="the model to ask that server for; default: the first it lists",
     )
     n_ctx: int = Field(default=8192, ge=64, description="context length in tokens")
     n_batch: int = Field(default=512, ge=1)
@@ -244,9 +259,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _server_picks_engine(self) -> Settings:
-        """A server URL given (flag, environment, file) without an engine means llama-server."""
-        if self.server_url and "engine" not in self.model_fields_set:
-            self.engine = "llama-server"
+        """A server URL given (flag, environment, file) without an engine picks its engine:
+        openai for ``openai_url``, llama-server for ``server_url``."""
+        if "engine" not in self.model_fields_set:
+            if self.openai_url:
+                self.engine = "openai"
+            elif self.server_url:
+                self.engine = "llama-server"
         return self
 
     def model_path(self) -> Path:

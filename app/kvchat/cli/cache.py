@@ -22,6 +22,10 @@ def cache(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
+    remote = stats.get("remote")
+    if remote is not None:  # engine openai: the server's KV, none of kvchat's tiers
+        click.echo(f"OpenAI-compatible server {remote['url']}: {remote['note']}")
+        return
     ram, disk, counters = stats["ram"], stats["disk"], stats["counters"]
     shared = disk["logical_bytes"] - disk["bytes"]
     click.echo(

@@ -137,7 +137,8 @@ def ask(
     if system is not None:
         check_text(system, "the system prompt")
     settings = settings_from(ctx, **flags)
-    settings.model_path()
+    if settings.engine != "openai":  # an OpenAI-compatible server has its own model
+        settings.model_path()
     reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
     printer = _ReplyPrinter()
     turn: dict[str, Any] = dict(
@@ -146,7 +147,8 @@ def ask(
         **sampling,
     )
     with service(settings) as chat:
-        chat.load_engine()
+        if settings.engine != "openai":  # a server's is opened by the turn: its refusal
+            chat.load_engine()  # then leaves the message stored
         printer.style = chat.reasoning_style
         chat.prefill_progress = reading
         for notice in chat.startup_notices():
@@ -617,8 +619,9 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
         for name in type(settings).model_fields
     }
     probe = _probe_rows(effective, path, rows)
-    if rows["server_api_key"]["value"]:
-        rows["server_api_key"]["value"] = "(set)"  # a secret is never printed
+    for secret in ("server_api_key", "openai_api_key"):
+        if rows[secret]["value"]:
+            rows[secret]["value"] = "(set)"  # a secret is never printed
     if as_json:
         click.echo(
             json.dumps(

@@ -136,6 +136,14 @@ def model_options(func: F) -> F:
             "http://gpu-box:8080; see `kvchat server`.",
         ),
         click.option(
+            "--openai",
+            "openai_url",
+            type=str,
+            metavar="URL",
+            help="Run the model in this OpenAI-compatible server (engine openai), e.g. "
+            "http://127.0.0.1:8080/v1; its key: KVCHAT_OPENAI_API_KEY.",
+        ),
+        click.option(
             "--chat-template",
             "chat_template",
             type=str,

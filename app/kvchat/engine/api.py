@@ -101,6 +101,10 @@ class EngineCapabilities:
     # than ``window_floor``, and ``take_checkpoints`` hands over the window's cells where
     # branches start (kvchat.kvcache.cold.checkpoints).
     window_checkpoints: bool = False
+    # The engine takes whole messages, not token ids (an OpenAI-compatible server): its
+    # server applies the template, tokenizes and keeps the KV. The service sends the message
+    # list, reports the server's own figures and keeps no tiers (no snapshots: not its KV).
+    remote_chat: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "llama.cpp": "kvchat.engine.llama:LlamaEngine",
     "llama-server": "kvchat.engine.server:ServerEngine",
+    "openai": "kvchat.engine.openai:OpenAIEngine",
 }
 # EngineConfig fields that the settings hold under the same names.
 _FROM_SETTINGS = (

@@ -3,28 +3,37 @@ tiers that keep its KV, closed (or set aside, when it was lent) when another mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvchat.config import Settings
 from kvchat.crashes import unreported_crash
 from kvchat.engine import Engine, create_engine, engine_config
+from kvchat.engine.openai import REMOTE_KV_NOTE, OpenAIEngine
 from kvchat.engine.probe import ProbeOutcome, probed_config
 from kvchat.engine.server import ServerEngine
 from kvchat.errors import KvchatError
-from kvchat.kvcache import Fingerprint
+from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.server_tiers import ServerSlots
-from kvchat.kvcache.tiers import KVTiers, Tiers
+from kvchat.kvcache.tiers import CacheGc, HotSession, KVTiers, SnapshotWrite, Tiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
 from kvchat.service.checks import check_engine_config, same_file
 from kvchat.service.reasoning import (
     NO_SWITCH,
+    SWITCHES,
     ReasoningStyle,
     ThinkingSwitch,
     detect_style,
     find_switch,
 )
 from kvchat.store import Store
+from kvchat.store.locks import SessionLocks
+
+# An OpenAI-compatible server's replies as the service hands them on: its reasoning
+# (reasoning_content) inside think tags before the answer (see TurnPipeline.run_remote).
+REMOTE_REASONING = ReasoningStyle("think")
 
 
 class EngineHost:
@@ -50,6 +59,8 @@ class EngineHost:
         # The tiers in use: the local ones, or a llama-server's slots once its engine is open.
         self.tiers: Tiers = tiers
         self._slots: ServerSlots | None = None
+        # The engine when it takes whole messages (capabilities.remote_chat), else None.
+        self.remote: OpenAIEngine | None = None
         self._engine: Engine | None = None
         self._lent = lent
         self._set_aside: Engine | None = None
@@ -67,6 +78,13 @@ class EngineHost:
         """Load the model (idempotent); raises KvchatError for a missing or invalid file."""
         if self._engine is not None:
             return self._engine
+        if self.settings.engine == "openai":  # the server has the model: nothing to plan
+            opened = create_engine(self.settings, Path(self.settings.openai_model or "remote"))
+            if not isinstance(opened, OpenAIEngine) or not opened.capabilities.remote_chat:
+                raise KvchatError("engine openai did not open an OpenAI-compatible server")
+            self._engine, self.remote = opened, opened
+            self.tiers = RemoteTiers(opened.url)
+            return opened
         path = self.settings.model_path()
         self.plan = plan_defaults(self.settings, path)
         planned = self.plan.apply(self.settings)
@@ -114,6 +132,14 @@ class EngineHost:
                 config = replace(config, n_ctx=smaller.n_ctx, n_gpu_layers=smaller.n_gpu_layers)
 
     @property
+    def takes_messages(self) -> bool:
+        """Whether the engine takes whole messages, not token ids (``remote_chat``), known
+        before it opens (engine openai): its turns store the user's message first."""
+        if self._engine is not None:
+            return self._engine.capabilities.remote_chat
+        return self.settings.engine == "openai"  # (before it opens)
+
+    @property
     def engine(self) -> Engine:
         """The engine, loaded on first use."""
         return self.load()
@@ -138,7 +164,10 @@ class EngineHost:
     def reasoning_style(self) -> ReasoningStyle:
         """How the loaded model's replies carry reasoning (its chat template, rendered)."""
         if self._style is None:
-            self._style = detect_style(self.load().render)
+            if self.takes_messages:  # known without asking the server
+                self._style = REMOTE_REASONING
+            else:
+                self._style = detect_style(self.load().render)
         return self._style
 
     @property
@@ -146,6 +175,10 @@ class EngineHost:
         """The chat-template keyword that turns the model's thinking on or off (found by
         rendering; none for a template without one, or a llama-server's own template)."""
         if self._switch is None:
+            if self.takes_messages:  # sent with each request as chat_template_kwargs
+                keyword, on, off = SWITCHES[0]
+                self._switch = ThinkingSwitch(keyword, on, off)
+                return self._switch
             engine = self.load()
             if engine.capabilities.server_slots:
                 self._switch = NO_SWITCH
@@ -165,12 +198,16 @@ class EngineHost:
     def use_template_options(self, think: bool | None) -> None:
         """Render the next prompts with the session's thinking choice (None: the
         template's default)."""
+        if self.load().capabilities.remote_chat:
+            return  # the server renders: the choice goes with each request
         self.load().template_options = self.thinking_switch.options(think)
 
     def kv(self) -> Tiers:
         """The tiers; a llama-server's slot files are known once its engine is open."""
         if self.settings.engine == "llama-server":
             self.load()
+        if self.settings.engine == "openai" and not isinstance(self.tiers, RemoteTiers):
+            return RemoteTiers(self.settings.openai_url or "")  # nothing to ask the server
         return self.tiers
 
     # --- releasing -------------------------------------------------------------------------
@@ -183,6 +220,8 @@ class EngineHost:
             if self._engine is not self._lent:
                 self._engine.close()
             self._engine = None
+            if self.remote is not None:  # kept for plan_note, like a local engine's plan
+                self.tiers = self.local_tiers
             self._style = None
             self._switch = None
 
@@ -212,6 +251,8 @@ class EngineHost:
     def plan_note(self) -> str | None:
         """The context settings chosen for this machine, one line (None before the model
         loads)."""
+        if self.remote is not None:
+            return self.remote.note
         if self._slots is not None:  # the model runs in a llama-server
             return self._slots.note
         if self.plan is None:
@@ -226,3 +267,70 @@ class EngineHost:
                 f"generation, {config.n_threads_batch} for prompts"
             )
         return " — ".join(notes)
+
+
+class RemoteTiers(HotSession):
+    """The tiers of an engine whose server keeps the KV (``capabilities.remote_chat``):
+    none. Nothing is saved or restored; :meth:`stats` says where the KV is."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    def mark_hot(self, session_id: str | None) -> None:
+        self._hot = session_id
+
+    def attach(self, engine: Engine, fingerprint: Fingerprint) -> None:
+        """Nothing to attach: the KV is the server's."""
+
+    def detach(self) -> None:
+        """Nothing to save."""
+
+    def make_hot(
+        self,
+        session_id: str,
+        *,
+        no_restore: bool = False,
+        prompt: list[int] | None = None,
+        history: Callable[[], list[int] | None] | None = None,
+    ) -> RestoreResult:
+        self._hot = session_id
+        return RestoreResult("none", reason=REMOTE_KV_NOTE)
+
+    def spill(self) -> None:
+        self._hot = None
+
+    def save_hot(self) -> SnapshotWrite:
+        return SnapshotWrite()
+
+    def forget(self, session_id: str) -> None:
+        if self._hot == session_id:
+            self._hot = None
+
+    def location(self, session_id: str) -> str:
+        return "none"
+
+    def snapshot(self, session_id: str) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """KVTiers.stats's shape, all zero, and ``remote``: where the KV is instead."""
+        zeros = ("restores_ram", "restores_disk", "misses", "tokens_restored")
+        return {
+            "ram": {"entries": 0, "bytes": 0, "budget_bytes": 0, "hits": 0, "misses": 0},
+            "disk": {
+                "snapshots": 0,
+                "chunks": 0,
+                "bytes": 0,
+                "logical_bytes": 0,
+                "budget_bytes": 0,
+            },
+            "counters": {name: 0 for name in (*zeros, "bytes_restored", "bytes_written")},
+            "remote": {"url": self.url, "note": REMOTE_KV_NOTE},
+        }
+
+    def gc(self, locks: SessionLocks | None = None) -> CacheGc:
+        return CacheGc()
+
+    def clear(self, session_id: str | None = None) -> int:
+        return 0

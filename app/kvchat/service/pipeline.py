@@ -21,10 +21,11 @@ from kvchat.service.checks import os_error_line
 from kvchat.service.context_window import fit_window, plan_shift, system_head
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
-from kvchat.service.reasoning import as_written, split_reasoning
+from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, as_written, split_reasoning
 from kvchat.service.reports import (
     MessageRefused,
     TokenCallback,
+    TokenCounts,
     TurnReport,
     UnansweredMessage,
     WindowShift,
@@ -100,6 +101,8 @@ class TurnPipeline:
         text = check_text(text).strip()
         if not text:
             raise KvchatError("the message is empty")
+        if self.host.takes_messages:
+            return text  # the server fits its own context (a refusal keeps the message)
         engine = self.host.load()
         head = system_head(system_prompt or self.host.settings.system_prompt)
         reserve = min(max_tokens, engine.n_ctx // 4)
@@ -175,8 +178,12 @@ class TurnPipeline:
         params = generation_params(self.host.settings, session.settings, overrides)
         text = self.checked_message(text, session.system_prompt, params.max_tokens)
         with turn_lock(self.locks, session_id):
-            engine = self.host.load()
-            self.store.add_message(session_id, "user", text, token_count=engine.count_tokens(text))
+            if self.host.takes_messages:  # opened in the turn: a refusal keeps the message
+                self.store.add_message(session_id, "user", text)
+            else:
+                engine = self.host.load()
+                count = engine.count_tokens(text)
+                self.store.add_message(session_id, "user", text, token_count=count)
             try:
                 if session.title == DEFAULT_TITLE:
                     self._retitle(session_id, short_title(text))
@@ -208,8 +215,9 @@ class TurnPipeline:
                 self.store.delete_message(message_id)
                 raise MessageRefused(last.content, str(exc)) from exc
             try:
-                count = engine.count_tokens(last.content)
-                self.store.update_message(message_id, last.content, False, token_count=count)
+                if not engine.capabilities.remote_chat:  # the server counts its own tokens
+                    count = engine.count_tokens(last.content)
+                    self.store.update_message(message_id, last.content, False, token_count=count)
                 return self.run(session_id, params, options)
             except KvchatError as exc:
                 raise UnansweredMessage(session_id, str(exc)) from exc
@@ -256,6 +264,11 @@ class TurnPipeline:
                 raise KvchatError("nothing to continue: the session does not end with a reply")
             last = history[-1]
             engine = self.host.load()
+            if engine.capabilities.remote_chat:
+                raise KvchatError(
+                    "an OpenAI-compatible server cannot go on inside a reply: regenerate it "
+                    "with a larger --max-tokens instead"
+                )
             self.host.use_template_options(session_think(session.settings))
             style = self.host.reasoning_style
             self.book.remember(session_id)
@@ -305,6 +318,8 @@ class TurnPipeline:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.host.load()
+        if engine.capabilities.remote_chat:
+            raise KvchatError("the benchmark times kvchat's own engines, not a remote server")
         self.upkeep.abandon()
         self.host.use_template_options(session_think(session.settings))
         tiers = self.host.tiers
@@ -334,6 +349,8 @@ class TurnPipeline:
         stats = GenerationStats()
         session = self.store.get_session(session_id)
         engine = self.host.load()
+        if engine.capabilities.remote_chat:
+            return self.run_remote(session_id, params, options, replaces)
         self.host.use_template_options(session_think(session.settings))
         style = self.host.reasoning_style
         self.book.remember(session_id)
@@ -371,6 +388,79 @@ class TurnPipeline:
         # From here on the reply exists: whatever fails is reported, never raised.
         self._store_reply(report, session_id, stats, replaces, saver)
         self._finish(report, session, prompt, dropped)
+        return report
+
+    def run_remote(
+        self,
+        session_id: str,
+        params: GenerationParams,
+        options: TurnOptions,
+        replaces: int | None = None,
+    ) -> TurnReport:
+        """:meth:`run` on an engine that takes whole messages (``capabilities.remote_chat``):
+        the history goes as messages (role and content, in order: the server's cache can
+        reuse the last request's prefix), the counts are the server's own figures (or "not
+        reported"), and there is no settle or snapshot: the KV is the server's.
+
+        The caller's stream (``on_token``, the stream saver) gets the server's
+        ``reasoning_content`` inside think tags before the answer; the stored reasoning and
+        answer are the server's two fields as sent."""
+        remote = self.host.remote
+        assert remote is not None
+        stats = GenerationStats()
+        session = self.store.get_session(session_id)
+        self.book.remember(session_id)
+        history = [m for m in self.store.messages(session_id) if m.id != replaces]
+        chat = self.head(session) + [m.as_chat() for m in history]
+        restore = self.host.tiers.make_hot(session_id)
+        saver = (
+            StreamSaver(self.store, session_id, self.stream_save_every_s, self.host.reasoning_style)
+            if replaces is None
+            else None
+        )
+        reasoning: list[str] = []
+        answer: list[str] = []
+        pieces: list[str] = []  # as the caller's stream sees them
+        think = session_think(session.settings)
+        for kind, text in remote.chat(chat, params, stats, session_id, think, options.cancel):
+            if kind == "reasoning":
+                piece = text if reasoning else f"{THINK_OPEN}\n{text}"
+                reasoning.append(text)
+            else:
+                piece = f"\n{THINK_CLOSE}\n\n{text}" if reasoning and not answer else text
+                answer.append(text)
+            pieces.append(piece)
+            if options.on_token is not None:
+                options.on_token(piece)
+            if saver is not None:
+                saver.tick(pieces, stats.generated)
+        figures = remote.figures
+        unreported = tuple(
+            name
+            for name in ("prompt", "reused", "decoded", "generated")
+            if getattr(figures, name) is None
+        )
+        tokens = TokenCounts(
+            figures.prompt or 0,
+            figures.reused or 0,
+            figures.decoded or 0,
+            figures.generated or 0,
+            unreported=unreported,
+        )
+        report = TurnReport(
+            session_id=session_id,
+            reply="".join(answer),
+            tokens=tokens,
+            restore=restore,
+            ttft_ms=stats.ttft_ms,
+            tokens_per_s=stats.tokens_per_s,
+            finish_reason=stats.finish_reason,
+            reasoning="".join(reasoning).strip(),
+            remote=remote.url,
+            remote_figures=figures.source,
+        )
+        self._store_reply(report, session_id, stats, replaces, saver)
+        self.models.record(session_id)
         return report
 
     def _hot_prompt(

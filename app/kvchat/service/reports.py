@@ -98,6 +98,18 @@ class TokenCounts:
     # differently (a thinking model's template dropping the reasoning, say): the settle
     # re-reads them while the user reads, or the next turn decodes them.
     rerendered: int = 0
+    # Counts the engine had no figure for (an OpenAI-compatible server that reports none):
+    # "not reported" in the summary and null in JSON, never a 0 that was not counted.
+    unreported: tuple[str, ...] = ()
+
+    def value(self, name: str) -> int | None:
+        """The count ``name``, or None when it was not reported."""
+        return None if name in self.unreported else int(getattr(self, name))
+
+    def shown(self, name: str) -> str:
+        """The count ``name`` for a person: "1,234", or "not reported"."""
+        value = self.value(name)
+        return "not reported" if value is None else f"{value:,}"
 
 
 @dataclass
@@ -126,6 +138,11 @@ class TurnReport:
     stored_part: int | None = None
     # A thinking model's reasoning before the answer in ``reply`` ("" when none).
     reasoning: str = ""
+    # The OpenAI-compatible server that ran the turn (None: kvchat's own engine or a
+    # llama-server's slots): the counts are its figures and its KV is not kvchat's.
+    remote: str | None = None
+    # Which of the server's fields the counts came from ("usage", "timings", …; "": none).
+    remote_figures: str = ""
 
     @classmethod
     def of_run(
@@ -162,12 +179,12 @@ class TurnReport:
             "message_id": self.message_id,
             "reply_error": self.reply_error,
             "tokens": {
-                "prompt": self.tokens.prompt,
-                "reused": self.tokens.reused,
-                "decoded": self.tokens.decoded,
-                "generated": self.tokens.generated,
-                "rerendered": self.tokens.rerendered,
+                name: self.tokens.value(name)
+                for name in ("prompt", "reused", "decoded", "generated", "rerendered")
             },
+            "remote": None
+            if self.remote is None
+            else {"url": self.remote, "figures": self.remote_figures or None},
             "restore": self.restore.to_json(),
             "timing": {
                 "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
@@ -194,7 +211,13 @@ class TurnReport:
     def summary(self) -> str:
         """One line for a status bar or stderr, e.g. "restored 312 tokens from disk in 4 ms · …"."""
         r = self.restore
-        if r.source == "hot":
+        if self.remote is not None:
+            t = self.tokens
+            head = (
+                f"{self.remote}: prompt {t.shown('prompt')} tokens, reused {t.shown('reused')}"
+                + (" (the server's figures)" if self.remote_figures else "")
+            )
+        elif r.source == "hot":
             head = f"hot context, reused {self.tokens.reused:,} tokens"
         elif r.source in ("ram", "disk", "server"):
             head = f"restored {r.tokens:,} tokens from {r.source} in {r.ms:,.0f} ms"
@@ -202,7 +225,7 @@ class TurnReport:
                 head += f", reused {self.tokens.reused:,}"
         else:
             head = f"full prefill: {r.reason}"
-        parts = [head, f"decoded {self.tokens.decoded:,}"]
+        parts = [head, f"decoded {self.tokens.shown('decoded')}"]
         if self.ttft_ms is not None:
             parts.append(f"first token {self.ttft_ms:,.0f} ms")
         if self.tokens_per_s:
@@ -222,6 +245,8 @@ class TurnReport:
             parts.append(self.window_note)
         if self.snapshot.whole_reason:
             parts.append(f"KV saved whole: {self.snapshot.whole_reason}")
+        if self.remote is not None:
+            parts.append("KV on the server, not kvchat's: no snapshot")
         if self.finish_reason == "cancelled":
             parts.append("cancelled")
         elif self.finish_reason == "length":

@@ -102,11 +102,12 @@ def turn_lines(report: TurnReport) -> list[str]:
     """The figures of the turn that produced a reply, one per line."""
     tokens = report.tokens
     speed = f" at {report.tokens_per_s:,.1f} tok/s" if report.tokens_per_s else ""
-    lines = [f"Generated: {tokens.generated:,} tokens{speed}"]
+    lines = [f"Generated: {tokens.shown('generated')} tokens{speed}"]
     if report.ttft_ms is not None:
         lines.append(f"First token after: {report.ttft_ms:,.0f} ms")
     lines.append(
-        f"Prompt: {tokens.prompt:,} tokens ({tokens.reused:,} reused, {tokens.decoded:,} decoded)"
+        f"Prompt: {tokens.shown('prompt')} tokens ({tokens.shown('reused')} reused, "
+        f"{tokens.shown('decoded')} decoded)"
     )
     if tokens.rerendered:
         lines.append(
