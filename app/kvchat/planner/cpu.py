@@ -71,14 +71,17 @@ def ram_needed(
     info: ModelInfo, n_ctx: int, type_k: str = "f16", type_v: str = "f16", swa_full: bool = False
 ) -> int:
     """Weights + the KV of ``n_ctx`` tokens (sliding-window layers: their window's cells,
-    unless ``swa_full``) + the compute buffer + overhead, in bytes."""
+    unless ``swa_full``) + recurrent layers' fixed state + the compute buffer + overhead,
+    in bytes."""
     config = PlanConfig(vram_bytes=0, type_k=type_k, type_v=type_v, swa_full=swa_full)
     window = min(n_ctx, window_cells(info, n_ctx, config))
     kv = sum(
         size * (window if info.swa_layers[il] and not swa_full else n_ctx)
         for il, size in enumerate(kv_bytes_per_token(info, type_k, type_v).per_layer)
     )
-    return info.weight_bytes + kv + compute_bytes(info, n_ctx, config)["total"] + RAM_OVERHEAD
+    state = info.recurrent_layer_bytes * sum(info.recurrent_layers)
+    compute = compute_bytes(info, n_ctx, config)["total"]
+    return info.weight_bytes + kv + state + compute + RAM_OVERHEAD
 
 
 def expected_tok_s(info: ModelInfo, measured: Measured | None) -> float | None:

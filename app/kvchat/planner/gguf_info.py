@@ -27,8 +27,9 @@ from kvchat.planner.catalog import (
     find_entry,
     info_from_catalog,
     load_catalog,
+    with_catalog_marks,
 )
-from kvchat.planner.model_info import ModelInfo, swa_pattern
+from kvchat.planner.model_info import ModelInfo, recurrent_elements, swa_pattern
 
 # Architectures whose sliding-window layout llama.cpp hard-codes when the GGUF carries no
 # ``{arch}.attention.sliding_window_pattern``: period n means that in every group of n
@@ -53,6 +54,7 @@ __all__ = [
     "load_catalog",
     "read_gguf",
     "swa_pattern",
+    "with_catalog_marks",
 ]
 
 # --------------------------------------------------------------------------- GGUF files
@@ -310,15 +312,14 @@ def _recurrent(
         layers = tuple((il + 1) % interval != 0 for il in range(n_layer))
     else:
         return (), 0
-    l_cache = int(key("shortconv.l_cache") or 0)
-    if l_cache:
-        return layers, n_embd * (l_cache - 1)
-    d_conv = int(key("ssm.conv_kernel") or 0)
-    d_inner = int(key("ssm.inner_size") or 0)
-    d_state = int(key("ssm.state_size") or 0)
-    n_group = int(key("ssm.group_count") or 0)
-    conv = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
-    return layers, conv + d_state * d_inner
+    return layers, recurrent_elements(
+        n_embd,
+        conv_l_cache=int(key("shortconv.l_cache") or 0),
+        d_conv=int(key("ssm.conv_kernel") or 0),
+        d_inner=int(key("ssm.inner_size") or 0),
+        d_state=int(key("ssm.state_size") or 0),
+        n_group=int(key("ssm.group_count") or 0),
+    )
 
 
 def has_chat_template(path: str | os.PathLike[str]) -> bool:

@@ -45,6 +45,10 @@ class ModelInfo:
     # llama.cpp's n_embd_r (convolution) + n_embd_s (SSM). () / 0: none.
     recurrent_layers: tuple[bool, ...] = field(default=())
     recurrent_elements: int = 0
+    # Whether the model writes its reasoning before the answer (None: not known, e.g. a GGUF
+    # not in the catalog), and the chat-template keyword that turns it off ("": none).
+    thinking: bool | None = None
+    thinking_switch: str = ""
 
     @property
     def n_head_kv_max(self) -> int:
@@ -61,6 +65,16 @@ class ModelInfo:
         if all(kv == 1 for _, kv in pairs):
             return "MQA"
         return "GQA"
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers attend (a KV cache per token), the others are recurrent."""
+        return any(self.recurrent_layers) and any(self.n_head_kv)
+
+    @property
+    def recurrent_layer_bytes(self) -> int:
+        """The f32 state one recurrent layer keeps for one sequence (0 without any)."""
+        return 4 * self.recurrent_elements if any(self.recurrent_layers) else 0
 
     @property
     def recurrent_state_bytes(self) -> int:
@@ -84,6 +98,34 @@ class ModelInfo:
                 data[key] = list(value)
         data["attention_kind"] = self.attention_kind
         return data
+
+
+def recurrent_elements(
+    n_embd: int,
+    conv_l_cache: int = 0,
+    d_conv: int = 0,
+    d_inner: int = 0,
+    d_state: int = 0,
+    n_group: int = 0,
+) -> int:
+    """f32 elements of one recurrent layer's state, as llama.cpp's ``n_embd_r + n_embd_s``
+    count them: a short convolution (LFM2) keeps ``n_embd × (l_cache - 1)``; Mamba 2 and
+    Gated DeltaNet keep their convolution window ``(d_conv - 1) × (d_inner + 2·n_group·
+    d_state)`` and the SSM state ``d_state × d_inner``."""
+    if conv_l_cache:
+        return n_embd * (conv_l_cache - 1)
+    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state) + d_state * d_inner
+
+
+def model_marks(info: ModelInfo) -> tuple[str, ...]:
+    """What sets the model apart in a list: "thinking", "hybrid" (attention and recurrent
+    layers) or "recurrent" (no attention at all)."""
+    marks = ["thinking"] if info.thinking else []
+    if info.hybrid:
+        marks.append("hybrid")
+    elif any(info.recurrent_layers):
+        marks.append("recurrent")
+    return tuple(marks)
 
 
 def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:

@@ -12,6 +12,9 @@ The model of llama.cpp's GPU memory (llama-cpp-python 0.3.36, one sequence):
   (kvchat's ``swa_full`` setting; off by default: window checkpoints at message boundaries
   let the context be cut back without the cells that left the window).
   A layer's cache lives on the same device as the layer.
+- **Recurrent state.** A recurrent layer (Mamba 2, Gated DeltaNet, LFM2's short
+  convolutions) keeps one fixed-size f32 state per sequence, whatever the context, on the
+  layer's device: ``4 × recurrent_elements`` bytes (``model_info.recurrent_elements``).
 - **Weights.** With ``n_gpu_layers = k`` llama.cpp puts the output layer and the last k-1
   repeating layers on the GPU (``i_gpu_start = n_layer + 1 - k``); k = n_layer + 1 (or -1)
   is full offload. The token embedding always stays in host RAM; a model with tied
@@ -177,16 +180,20 @@ def memory_at(
     on_gpu, out_gpu = gpu_layers(info, n_gpu_layers)
     full_cells = pad(n_ctx)
     swa_cells = full_cells if cfg.swa_full else window_cells(info, n_ctx, cfg)
-    gpu_w = host_w = gpu_kv = host_kv = 0
+    gpu_w = host_w = gpu_kv = host_kv = gpu_rec = host_rec = 0
+    recurrent = info.recurrent_layers or (False,) * info.n_layer
     for il in range(info.n_layer):
         cells = swa_cells if info.swa_layers[il] else full_cells
         layer_kv = per_layer[il] * cells
+        state = info.recurrent_layer_bytes if recurrent[il] else 0
         if on_gpu[il]:
             gpu_w += info.layer_bytes[il]
             gpu_kv += layer_kv
+            gpu_rec += state
         else:
             host_w += info.layer_bytes[il]
             host_kv += layer_kv
+            host_rec += state
     if out_gpu:
         gpu_w += info.output_bytes
     else:
@@ -199,11 +206,13 @@ def memory_at(
         "n_ctx": full_cells,
         "weights": gpu_w,
         "kv": gpu_kv,
+        "recurrent": gpu_rec,
         "compute": compute,
         "reserve": reserve,
-        "total": gpu_w + gpu_kv + compute + reserve,
+        "total": gpu_w + gpu_kv + gpu_rec + compute + reserve,
         "host_weights": host_w,
         "host_kv": host_kv,
+        "host_recurrent": host_rec,
     }
 
 
@@ -381,6 +390,26 @@ def fmt_ctx(row: OffloadRow, limit: int) -> str:
     return f"{row.max_ctx:,}{suffix}"
 
 
+def model_lines(info: ModelInfo) -> list[str]:
+    """The plan's lines for a thinking model and for a hybrid (none for the others)."""
+    lines = []
+    if info.thinking:
+        switch = (
+            f"the chat template's {info.thinking_switch} turns it off"
+            if info.thinking_switch
+            else "it has no switch"
+        )
+        lines.append(f"thinking model: it writes its reasoning before the answer ({switch})")
+    if info.hybrid:
+        attends = sum(1 for kv in info.n_head_kv if kv)
+        lines.append(
+            f"hybrid: attention on {attends} of {info.n_layer} layers (only they keep KV per "
+            f"token); {sum(info.recurrent_layers)} recurrent layers keep "
+            f"{info.recurrent_layer_bytes:,} bytes each, whatever the context"
+        )
+    return lines
+
+
 def format_plan(plan: Plan) -> str:
     """The human-readable plan printed by ``kvchat models plan``."""
     info, cfg, kv = plan.info, plan.config, plan.kv
@@ -395,6 +424,7 @@ def format_plan(plan: Plan) -> str:
         f"{kv_heads} KV heads ({info.attention_kind}), head dim {info.head_dim_k}/"
         f"{info.head_dim_v}, trained context {trained}",
         f"  from: {where}",
+        *model_lines(info),
         f"weights: {fmt_bytes(info.weight_bytes)} ({info.quantization or '?'}); on the GPU at "
         f"full offload: {fmt_bytes(plan.full.gpu_weight_bytes)}",
         f"KV cache ({cfg.type_k} K, {cfg.type_v} V): {kv.total:,} bytes/token "
@@ -456,9 +486,10 @@ def format_plan(plan: Plan) -> str:
     ]
     mem = plan.full.memory
     if plan.full.max_ctx:
+        state = f" + recurrent state {fmt_bytes(mem['recurrent'])}" if mem["recurrent"] else ""
         lines.append(
             f"  VRAM then: weights {fmt_bytes(mem['weights'])} + KV "
-            f"{fmt_bytes(mem['kv'])} + compute {fmt_bytes(mem['compute'])} + reserve "
+            f"{fmt_bytes(mem['kv'])}{state} + compute {fmt_bytes(mem['compute'])} + reserve "
             f"{fmt_bytes(mem['reserve'])} = {fmt_bytes(mem['total'])}"
         )
     lines.append("partial offload (the rest of the layers and their KV stay in host RAM):")

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 from kvchat.config import bundled_model_path, models_dir
 from kvchat.engine.probe import measured_speed
 from kvchat.errors import KvchatError
-from kvchat.planner.catalog import CatalogEntry, info_from_catalog, load_catalog
+from kvchat.planner.catalog import (
+    CatalogEntry,
+    info_from_catalog,
+    load_catalog,
+    with_catalog_marks,
+)
 from kvchat.planner.cpu import cpu_fit
 from kvchat.planner.defaults import (
     DefaultsChoice,
@@ -28,6 +33,7 @@ from kvchat.planner.defaults import (
 )
 from kvchat.planner.gguf_info import read_gguf
 from kvchat.planner.kv_bytes import fmt_bytes
+from kvchat.planner.model_info import model_marks
 from kvchat.planner.stores import discover
 from kvchat.service.checks import same_file
 from kvchat.service.engine_host import EngineHost
@@ -57,6 +63,7 @@ class ModelChoice:
     size_bytes: int | None
     fit: str  # the planner's fit for this machine, one line
     loaded: bool = False
+    marks: tuple[str, ...] = ()  # "thinking", "hybrid" (kvchat.planner.model_info)
 
     @property
     def present(self) -> bool:
@@ -152,12 +159,14 @@ class ModelChoices:
                     size_bytes=size,
                     fit=problem or planner.fit(info),
                     loaded=path is not None and loaded is not None and same_file(path, loaded),
+                    marks=model_marks(info) if info is not None else (),
                 )
             )
 
         for entry in catalog:
             path = _catalog_file(entry)
             info, problem = _read(path) if path else (_estimate(entry), None)
+            info = with_catalog_marks(info, entry) if info is not None else None
             size = path.stat().st_size if path else entry.size_bytes
             source = "bundled" if entry.bundled else "catalog"
             add(entry.name, entry.title, source, path, info, size, problem)

@@ -28,11 +28,13 @@ HINT = "Enter loads the model · Esc cancels · get another: kvchat models pull 
 
 
 def choice_content(choice: ModelChoice) -> Content:
-    """ "● name · size · source" over the fit (or how to download it), all plain text."""
+    """ "● name · size · source · thinking · hybrid" over the fit (or how to download it),
+    all plain text."""
     mark = "● " if choice.loaded else "  "
     where = "loaded" if choice.loaded else choice.source
+    kinds = "".join(f" · {kind}" for kind in choice.marks)
     head = Content.styled(mark + shorten(choice.name, 48), "bold") + Content(
-        f" · {choice.size} · {where}"
+        f" · {choice.size} · {where}{kinds}"
     )
     detail = choice.pull_hint or choice.fit
     return Content("\n").join([head, Content("    " + detail)])
