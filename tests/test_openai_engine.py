@@ -310,3 +310,26 @@ def test_a_server_killed_mid_reply_is_one_line_and_the_message_stays(
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert "OpenAI-compatible server" in stderr and "your message is saved" in stderr
     assert [c for c, _, _ in stored(home, "user")] == ["Hi", "Tell me a story."]
+
+
+async def test_the_app_replies_through_the_server_and_says_whose_kv_it_is(
+    server: Server, kvhome: Path
+) -> None:
+    from kvchat.config import Settings
+    from kvchat.tui.app import KvchatApp
+    from tests.test_tui import SIZE, quit_app, ready, send
+
+    settings = Settings(
+        temperature=0, max_tokens=8, openai_url=f"{server.url}/v1", openai_api_key=KEY
+    )
+    app = KvchatApp(settings, cursor_blink=False)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        status = main.status.turn_text  # "ready · OpenAI-compatible server … not kvchat's …"
+        assert f"OpenAI-compatible server {server.url}/v1" in status and "not kvchat's" in status
+        reply = await send(pilot, main, "Hi! What is 2+2?")
+        assert reply.role == "assistant" and reply.text.strip()
+        assert main.last_report is not None and main.last_report.remote == f"{server.url}/v1"
+        assert main.last_report.tokens.generated == 8  # --ignore-eos: the whole budget
+        await quit_app(app)
+    assert app.worker_errors == []
