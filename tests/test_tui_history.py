@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -23,10 +24,17 @@ import pytest
 from textual.widgets import Label
 
 from kvchat.service.chat import ChatService
+from kvchat.store.connection import SqlBase
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.main import MainScreen
 from kvchat.tui.screens.search import SearchScreen
-from kvchat.tui.widgets.conversation import EARLIER_PAGE, MAX_VIEWS, SHOWN, MessageView
+from kvchat.tui.widgets.conversation import (
+    EARLIER_PAGE,
+    HIT_WINDOW,
+    MAX_VIEWS,
+    SHOWN,
+    MessageView,
+)
 from kvchat.tui.widgets.message_view import FOLD_CHARS
 from kvchat.tui.widgets.sidebar import SessionList
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
@@ -286,6 +294,69 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
         assert conversation.first == 0 and len(conversation.views) <= MAX_VIEWS
         await pilot.press("end")
         await wait_until(lambda: conversation.later == 0 and conversation.views[-1].number == 500)
+
+
+LONG = 5000
+
+
+def build_long_session(home: Path) -> str:
+    """A session of LONG messages stored at once through the import path (no model): the
+    first says "zebra", the others "message N"."""
+    service = ChatService(make_settings(), home=home)
+    try:
+        messages = [
+            ("user" if i % 2 == 0 else "assistant", f"message {i}", None, 2, False)
+            for i in range(1, LONG)
+        ]
+        item = {"title": "Five thousand", "messages": [("user", "the zebra", None, 2, False)]}
+        item["messages"] += messages  # type: ignore[operator]
+        [(session_id, _)] = service.store.import_sessions([item], "test:long")
+        service.remember_open(session_id)
+        return session_id
+    finally:
+        service.close()
+
+
+async def test_a_long_session_opens_reading_a_page_and_a_search_jump_reads_its_window(
+    kvhome: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a 5,000-message session reads the page it shows (and the count, the last
+    reply's version), not the session; a search jump to #1 reads the window around it."""
+    build_long_session(kvhome)
+    read: list[int] = []  # message rows the store thread's reads returned, but the search's
+    rows = SqlBase._rows
+
+    def counting(self: SqlBase, sql: str, params: Any = ()) -> list[dict[str, Any]]:
+        found = rows(self, sql, params)
+        searching = "messages_fts" in sql  # the search dialog's hits
+        if threading.current_thread().name.startswith("kvchat-store") and not searching:
+            read.append(sum(1 for row in found if "content" in row and "role" in row))
+        return found
+
+    monkeypatch.setattr(SqlBase, "_rows", counting)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        conversation = main.conversation
+        await wait_until(lambda: not conversation.pending)
+        views = conversation.views
+        assert views[-1].number == LONG and views[-1].text == f"message {LONG - 1}"
+        assert len(views) == SHOWN and conversation.first == LONG - SHOWN
+        assert sum(read) == SHOWN, read  # the last page, once
+
+        # A search jump to #1: the hit and the window after it.
+        await pilot.press("ctrl+f")
+        await wait_until(lambda: isinstance(app.screen, SearchScreen))
+        await pilot.press(*"zebra")
+        await wait_until(lambda: len(getattr(app.screen, "hits", ())) == 1)
+        read.clear()
+        await pilot.press("enter")
+        await wait_until(
+            lambda: isinstance(app.focused, MessageView) and app.focused.text == "the zebra"
+        )
+        assert app.focused.number == 1  # type: ignore[union-attr]
+        assert sum(read) == HIT_WINDOW, read
+        assert conversation.later == LONG - HIT_WINDOW and len(conversation.views) == HIT_WINDOW
 
 
 async def test_the_search_dialog_searches_once_a_word_is_typed(

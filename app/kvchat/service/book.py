@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 from kvchat.errors import KvchatError
@@ -20,6 +21,7 @@ from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import (
     Message,
+    MessageWindow,
     SearchHit,
     Session,
     SessionChanges,
@@ -355,3 +357,25 @@ class SessionBook:
         """Up to ``limit`` of the session's messages just before message id ``before`` (the
         last ones when None), in order: a long session opens at its end and pages back."""
         return self.store.messages_page(session_id, limit, before=before)
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow:
+        """What an app shows of a session, never reading the whole of it: up to ``limit``
+        messages (the last ones; the first ones with ``from_start``; ``before_hit`` before
+        the message id ``around``, it and those after), where they sit (the messages before
+        and the total), when the session last changed, and the version of its last reply
+        when the window ends with it."""
+        window = self.store.message_window(
+            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
+        )
+        last = window.messages[-1] if window.messages else None
+        if last is not None and last.role == "assistant" and window.later == 0:
+            window = replace(window, last_version=self.store.version_of(last.id))
+        return window

@@ -49,6 +49,7 @@ from kvchat.service.reports import (
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
     Message,
+    MessageWindow,
     SearchHit,
     Session,
     SessionChanges,
@@ -66,6 +67,7 @@ __all__ = [
     "ChatService",
     "Housekeeping",
     "Message",
+    "MessageWindow",
     "RestoreResult",
     "SearchHit",
     "SessionChanges",
@@ -531,6 +533,23 @@ class ChatService:
     ) -> list[Message]:
         """Up to ``limit`` messages before message id ``before`` (the last ones when None)."""
         return self.sessions.messages_page(session_id, limit, before=before)
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow:
+        """Up to ``limit`` of a session's messages (the last; the first with ``from_start``;
+        ``before_hit`` before the message id ``around`` and on from it) with where they sit
+        and the session's summary (its count, when it changed, the last reply's version):
+        a 5,000-message session opens reading a page."""
+        return self.sessions.message_window(
+            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
+        )
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from kvchat.store.rows import (
     ChunkRow,
     Message,
+    MessageWindow,
     SearchHit,
     Session,
     SessionChanges,
@@ -15,6 +16,7 @@ from kvchat.store.store import Store
 __all__ = [
     "ChunkRow",
     "Message",
+    "MessageWindow",
     "SearchHit",
     "Session",
     "SessionChanges",

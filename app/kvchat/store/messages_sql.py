@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, _translate, now
-from kvchat.store.rows import Message, SearchHit
-from kvchat.store.sessions_sql import TRUE_ID, check_counts, counts_problem
+from kvchat.store.rows import Message, MessageWindow, SearchHit
+from kvchat.store.sessions_sql import (
+    TRUE_ID,
+    check_counts,
+    check_index_counts,
+    counts_problem,
+)
 from kvchat.store.versions_sql import sync_current_version
 
 # A search ranks at most this many matches, the newest (see MessagesSql.search).
@@ -109,19 +116,93 @@ class MessagesSql(SqlBase):
         """Up to ``limit`` of the session's messages just before message id ``before`` (the
         last ones when None), in order: one range read of the (session, id) index, so a
         5,000-message session opens at its end and pages back. Raises DamagedDatabase when
-        the session's messages do not read as its row records them."""
-        try:
-            with self._lock:
-                problem = check_counts(self._open_conn(), session_id)
-        except sqlite3.DatabaseError as exc:
-            raise _translate(self.path, exc) from None
-        if problem is not None:
-            raise self._found_damage(problem)
+        that index does not count the session's messages as its row records them."""
+        with self._reading() as conn:
+            self._check_index(conn, session_id)
+            return self._before(session_id, limit, before)
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow:
+        """Up to ``limit`` of the session's messages and where they sit, in one read
+        transaction on the (session, id) index, never the whole session: the last ones; or
+        (``from_start``) the first ones; or ``before_hit`` before the message id ``around``,
+        that message and those after it (the last ones when it is not the session's).
+        Raises KvchatError for no such session, DamagedDatabase when the index does not
+        count the session's messages as its row records them."""
+        limit = max(0, limit)
+        with self._reading() as conn:
+            self._check_index(conn, session_id)
+            row = conn.execute(
+                "SELECT updated, n_messages FROM sessions WHERE id=?", (session_id,)
+            ).fetchone()
+            if row is None:
+                raise KvchatError(f"no session with id {session_id}")
+            updated, total = str(row[0]), int(row[1])
+            number = 0
+            if around is not None:
+                (number,) = conn.execute(
+                    "SELECT CASE WHEN EXISTS (SELECT 1 FROM messages WHERE id=? AND"
+                    " session_id=?) THEN (SELECT COUNT(*) FROM messages WHERE session_id=?"
+                    " AND id<=?) ELSE 0 END",
+                    (around, session_id, session_id, around),
+                ).fetchone()
+            if number and around is not None:
+                earlier = self._before(session_id, min(before_hit, limit - 1), around)
+                rows = self._rows(
+                    "SELECT * FROM messages WHERE session_id=? AND id>=? ORDER BY id LIMIT ?",
+                    (session_id, around, limit - len(earlier)),
+                )
+                messages = earlier + [self._message(r) for r in rows]
+                first = int(number) - 1 - len(earlier)
+            elif from_start:
+                rows = self._rows(
+                    "SELECT * FROM messages WHERE session_id=? ORDER BY id LIMIT ?",
+                    (session_id, limit),
+                )
+                messages, first = [self._message(r) for r in rows], 0
+            else:
+                messages = self._before(session_id, limit, None)
+                first = total - len(messages)
+        return MessageWindow(messages, first, total, updated)
+
+    def _before(self, session_id: str, limit: int, before: int | None) -> list[Message]:
+        """Up to ``limit`` of the session's messages before id ``before`` (the last ones when
+        None), in order."""
         rows = self._rows(
             "SELECT * FROM messages WHERE session_id=? AND id<? ORDER BY id DESC LIMIT ?",
             (session_id, before if before is not None else 2**62, max(0, limit)),
         )
         return [self._message(r) for r in reversed(rows)]
+
+    def _check_index(self, conn: sqlite3.Connection, session_id: str) -> None:
+        problem = check_index_counts(conn, session_id)
+        if problem is not None:
+            raise self._found_damage(problem)
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """Hold the connection for reads that must see one moment (one read transaction,
+        unless the caller's is open); SQLite's errors as one clear line."""
+        try:
+            with self._lock:
+                conn = self._open_conn()
+                began = not conn.in_transaction
+                if began:
+                    conn.execute("BEGIN")
+                try:
+                    yield conn
+                finally:
+                    if began:
+                        conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
 
     def delete_message(self, message_id: int) -> None:
         with self._tx() as conn:

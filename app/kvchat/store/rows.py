@@ -92,6 +92,25 @@ class SearchHit:
     snippet: str  # the matching words are between \x02 and \x03 (never in text itself)
 
 
+@dataclass(frozen=True)
+class MessageWindow:
+    """A run of a session's messages read on the (session, id) index, and where it sits:
+    what an app shows of a long session without reading the rest."""
+
+    messages: list[Message]
+    first: int  # the session's messages before ``messages[0]``
+    total: int  # the session's messages, as its row counts them
+    updated: str  # when the session last changed, by any process
+    # The current version of the session's last reply and how many it has, when the window
+    # ends with that reply ((1, 1) otherwise): only that reply switches versions.
+    last_version: tuple[int, int] = (1, 1)
+
+    @property
+    def later(self) -> int:
+        """The session's messages after the window's last one."""
+        return self.total - self.first - len(self.messages)
+
+
 def pack_tokens(tokens: list[int]) -> bytes:
     return array("i", tokens).tobytes()
 

@@ -158,10 +158,7 @@ class Branching:
             return
         turn.session_id = self.state.session_id = branch.id
         self.state.shown_id = None
-        await self.conversation.show(
-            await self.backend.on_store(self.backend.chat.messages, branch.id)
-        )
-        self.state.shown_id = branch.id
+        await self.opener.show_stored(branch.id, lazy=False)
         await self.refresh()
         self.prompt.focus()
         self.app.notify(

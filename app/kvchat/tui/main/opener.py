@@ -20,7 +20,13 @@ from kvchat.tui.backend import Backend
 from kvchat.tui.main.screen_state import ScreenState
 from kvchat.tui.main.signals import Fatal, SessionHot, SessionsChanged
 from kvchat.tui.phrases import restore_phrase
-from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.conversation import (
+    BEFORE_HIT,
+    HIT_WINDOW,
+    SHOWN,
+    Conversation,
+    MessageView,
+)
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.sidebar import SessionList
 from kvchat.tui.widgets.status import StatusBar
@@ -28,10 +34,32 @@ from kvchat.tui.widgets.status import StatusBar
 if TYPE_CHECKING:
     from textual.app import App
 
-    from kvchat.service.chat import Message, RestoreResult
+    from kvchat.service.chat import Message, MessageWindow, RestoreResult
 
 READY_PLACEHOLDER = "Message (Enter sends · Ctrl+J new line · F1 keys)"
 LOADING_PLACEHOLDER = "Loading the model… (you can type already)"
+
+
+class StorePages:
+    """A shown session's other messages, a page at a time from the store thread (the
+    conversation's :class:`~kvchat.tui.widgets.conversation.MessagePages`)."""
+
+    def __init__(self, backend: Backend, session_id: str) -> None:
+        self.backend = backend
+        self.session_id = session_id
+
+    async def before(self, message_id: int, limit: int) -> list[Message]:
+        chat = self.backend.chat
+        return await self.backend.on_store(
+            chat.messages_page, self.session_id, limit, before=message_id
+        )
+
+    async def opening(self, limit: int) -> tuple[list[Message], int]:
+        chat = self.backend.chat
+        window = await self.backend.on_store(
+            chat.message_window, self.session_id, limit, from_start=True
+        )
+        return window.messages, window.total
 
 
 class SessionOpener:
@@ -155,25 +183,36 @@ class SessionOpener:
         self, session_id: str, highlight: int | None = None, lazy: bool = True
     ) -> None:
         """Show the session's stored messages (the latest, or a window around
-        ``highlight``); note when they last changed, for the watch on other processes."""
-        stamp, messages, version = await self.backend.on_store(self._stored, session_id)
-        await self.conversation.show(messages, around=highlight, lazy=lazy)
+        ``highlight``); note when they last changed, for the watch on other processes.
+        Only what is shown is read (a page, or the window around the hit): the messages
+        before it come a page at a time as the user scrolls up."""
+        window = await self.backend.on_store(self._stored, session_id, highlight)
+        await self.conversation.show(
+            window.messages,
+            around=highlight,
+            lazy=lazy,
+            first=window.first,
+            total=window.total,
+            pages=StorePages(self.backend, session_id),
+        )
         last = self.conversation.last_view
         if last is not None and not self.conversation.later and last.role == "assistant":
-            last.set_version(*version)
-        self.state.seen_change = (session_id, stamp)
+            last.set_version(*window.last_version)
+        self.state.seen_change = (session_id, window.updated)
         self.state.shown_id = session_id
 
-    def _stored(self, session_id: str) -> tuple[str, list[Message], tuple[int, int]]:
-        """On the store thread: when the session last changed, its messages, and which
-        version of its last reply is current, of how many (only that reply switches)."""
+    def _stored(self, session_id: str, highlight: int | None) -> MessageWindow:
+        """On the store thread: the messages to show (the window around ``highlight``, else
+        the latest page), where they sit, when the session last changed and the version of
+        its last reply."""
         service = self.backend.chat
-        stamp, messages = service.changed_at(session_id), service.messages(session_id)
-        last = messages[-1] if messages else None
-        version = (1, 1)
-        if last is not None and last.role == "assistant":
-            version = service.reply_versions(last.id)
-        return stamp, messages, version
+        if highlight is not None:
+            window = service.message_window(
+                session_id, HIT_WINDOW, around=highlight, before_hit=BEFORE_HIT
+            )
+            if any(m.id == highlight for m in window.messages):
+                return window
+        return service.message_window(session_id, SHOWN)
 
     async def open(
         self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
@@ -264,11 +303,12 @@ class SessionOpener:
         views = self.conversation.views
         if view not in views:
             return None
-        messages = await self.backend.on_store(self.backend.chat.messages, session_id)
-        back = len(views) - views.index(view)
+        back = len(views) - views.index(view) + self.conversation.later
+        chat = self.backend.chat
+        messages = await self.backend.on_store(chat.messages_page, session_id, back)
         if back > len(messages):
             return None
-        message = messages[-back]
+        message = messages[0]
         if message.role != view.role or message.content != view.text:
             return None
         view.message_id = message.id

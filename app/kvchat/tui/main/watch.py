@@ -23,7 +23,7 @@ from kvchat.tui.widgets.conversation import Conversation
 from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
-    from kvchat.service.chat import Message
+    from kvchat.service.chat import MessageWindow
 
 WATCH_S = 2.0
 
@@ -66,13 +66,19 @@ class SessionWatch:
             return  # deleted meanwhile: the sidebar's refresh shows that
         if state.seen_change == (session_id, stamp):
             return
-        messages: list[Message] = await backend.on_store(backend.chat.messages, session_id)
+        try:
+            # The count and the last message: never the whole session.
+            latest: MessageWindow = await backend.on_store(
+                backend.chat.message_window, session_id, 1
+            )
+        except KvchatError:
+            return
         if state.turn is not None or state.session_id != session_id:
             return  # a turn started meanwhile: it shows the store's truth when done
         state.seen_change = (session_id, stamp)
-        if self._matches(messages):
+        if self._matches(latest):
             return
-        added = len(messages) - self._shown_count()
+        added = latest.total - self._shown_count()
         await self.opener.show_stored(session_id, lazy=False)
         if added > 0:
             plural = "s" if added != 1 else ""
@@ -86,13 +92,14 @@ class SessionWatch:
         shown = len(conversation.views) + len(conversation.pending)
         return conversation.first + shown + conversation.later
 
-    def _matches(self, messages: list[Message]) -> bool:
-        """The screen shows ``messages``: as many, and the last one shown alike."""
-        if len(messages) != self._shown_count():
+    def _matches(self, latest: MessageWindow) -> bool:
+        """The screen shows the session as ``latest`` reads it: as many messages, and the
+        last one shown alike."""
+        if latest.total != self._shown_count():
             return False
         conversation = self.conversation
         views = conversation.views
-        if not views or conversation.later:
+        if not views or conversation.later or not latest.messages:
             return True
-        last, stored = views[-1], messages[-1]
+        last, stored = views[-1], latest.messages[-1]
         return (last.role, last.text, last.partial) == (stored.role, stored.content, stored.partial)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from textual import events, on
 from textual.containers import Vertical, VerticalScroll
@@ -26,7 +26,7 @@ from kvchat.tui.widgets.thought import ThoughtFigures
 if TYPE_CHECKING:
     from kvchat.service.chat import Message
 
-__all__ = ["ROLE_NAMES", "Conversation", "ConversationPage", "MessageView"]
+__all__ = ["ROLE_NAMES", "Conversation", "ConversationPage", "MessagePages", "MessageView"]
 
 # Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
 SHOWN = 60
@@ -56,6 +56,19 @@ The status bar shows where that memory came from on every turn.
 
 **F1** lists every key · **Ctrl+P** finds any action by name.
 """
+
+
+class MessagePages(Protocol):
+    """Where a long session's messages that are not shown come from, a page at a time (the
+    store, read on its thread): the conversation never holds the whole session."""
+
+    async def before(self, message_id: int, limit: int) -> list[Message]:
+        """Up to ``limit`` messages just before the message id ``message_id``, in order."""
+        ...
+
+    async def opening(self, limit: int) -> tuple[list[Message], int]:
+        """The session's first ``limit`` messages, and how many it has."""
+        ...
 
 
 class ConversationPage(Vertical):
@@ -101,7 +114,11 @@ class Conversation(VerticalScroll, can_focus=False):
         self.pending: list[MessageView] = []
         self._shows = 0  # counts show() calls: a fill stops when another show begins
         self._page: ConversationPage | None = None
-        self._messages: list[Message] = []  # the session's messages, as last shown
+        # The messages last shown (a window of the session, ``_base`` messages before it)
+        # and where the others come from (None: ``_messages`` is the whole session).
+        self._messages: list[Message] = []
+        self._base = 0
+        self.pages: MessagePages | None = None
         self._paging = False  # a page before the first one shown is being mounted
         self._pending_below = False  # the pending views go below the shown ones (Home)
         # How long and how much replies of this run thought, by message id and reasoning
@@ -116,16 +133,23 @@ class Conversation(VerticalScroll, can_focus=False):
         *,
         lazy: bool = False,
         from_start: bool = False,
+        first: int = 0,
+        total: int | None = None,
+        pages: MessagePages | None = None,
     ) -> None:
         """Show the last ``SHOWN`` messages, or a window around the message id ``around``,
         or (``from_start``) the first ``SHOWN``.
+
+        ``messages`` is the whole session, or (with ``pages``, where the rest comes from)
+        a window of it: ``first`` messages before it, ``total`` in all.
 
         ``lazy`` (the latest messages only): mount now just those that fill the screen, and
         keep the others in :attr:`pending` for :meth:`fill`, so that a session is drawn in
         the time a few messages take to build, whatever its length.
         """
         self._shows += 1
-        self._messages = messages
+        self._messages, self._base, self.pages = messages, first, pages
+        total = first + len(messages) if total is None else total
         index = next((i for i, m in enumerate(messages) if m.id == around), None)
         if index is not None:
             start = max(0, index - BEFORE_HIT)
@@ -134,10 +158,10 @@ class Conversation(VerticalScroll, can_focus=False):
             start, end = 0, min(len(messages), SHOWN)
         else:
             start, end = max(0, len(messages) - SHOWN), len(messages)
-        self.first, self.later, self.cursor = start, len(messages) - end, None
+        self.first, self.later, self.cursor = first + start, total - first - end, None
         views = [
             MessageView.from_message(
-                m, start + k + 1, self.thought_figures.get((m.id, m.reasoning))
+                m, first + start + k + 1, self.thought_figures.get((m.id, m.reasoning))
             )
             for k, m in enumerate(messages[start:end])
         ]
@@ -152,16 +176,16 @@ class Conversation(VerticalScroll, can_focus=False):
             now = self._left_for_later(views) if lazy and index is None else 0
             self.pending, shown = views[:now], views[now:]
         widgets: list[Widget] = []
-        if start:
+        if self.first:
             widgets.append(
-                Label(_earlier_note(start), id="earlier", classes="not-shown", markup=False)
+                Label(_earlier_note(self.first), id="earlier", classes="not-shown", markup=False)
             )
         widgets += shown
         if self.later:
             widgets.append(
                 Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
             )
-        if not messages:
+        if not total:
             widgets.append(markdown_widget()(WELCOME, id="welcome"))
         # One batch: the old messages stay on screen until the new ones are in place. The
         # old page is hidden, and removed only once the new one is drawn (removing some
@@ -197,12 +221,15 @@ class Conversation(VerticalScroll, can_focus=False):
             if page is None or not views or not self.first:
                 return
             anchor = views[0]
-            start = max(0, self.first - EARLIER_PAGE)
+            earlier = await self._earlier(anchor)
+            if shows != self._shows or not earlier:
+                return
+            start = self.first - len(earlier)
             batch = [
                 MessageView.from_message(
                     m, start + k + 1, self.thought_figures.get((m.id, m.reasoning))
                 )
-                for k, m in enumerate(self._messages[start : self.first])
+                for k, m in enumerate(earlier)
             ]
             before_y = anchor.virtual_region.y
             self.anchor(False)
@@ -231,6 +258,15 @@ class Conversation(VerticalScroll, can_focus=False):
                 self.move(focus_step, -1)
         finally:
             self._paging = False
+
+    async def _earlier(self, anchor: MessageView) -> list[Message]:
+        """Up to EARLIER_PAGE messages before the first shown one (``anchor``): read from
+        the store when only a window of the session was given."""
+        wanted = min(EARLIER_PAGE, self.first)
+        if self.pages is not None and anchor.message_id is not None:
+            return await self.pages.before(anchor.message_id, wanted)
+        end = self.first - self._base
+        return self._messages[max(0, end - wanted) : max(0, end)]
 
     async def _let_newest_go(self) -> None:
         """Unmount the newest views beyond MAX_VIEWS (none while a reply streams or a
@@ -262,7 +298,12 @@ class Conversation(VerticalScroll, can_focus=False):
 
     async def _show_from_start(self) -> None:
         """Home with earlier messages left out: the first messages, the first focused."""
-        await self.show(self._messages, from_start=True, lazy=True)
+        pages = self.pages
+        if pages is not None:
+            messages, total = await pages.opening(SHOWN)
+            await self.show(messages, from_start=True, lazy=True, total=total, pages=pages)
+        else:
+            await self.show(self._messages, from_start=True, lazy=True)
         self.anchor(False)
         self.scroll_home(animate=False, immediate=True)
         views = self.views
