@@ -87,6 +87,10 @@ def test_a_history_its_index_hides_is_damage_not_a_short_history(tmp_path, backg
             store.messages(session_id)
         line = str(excinfo.value)
         assert "records 6 messages" in line and "kvchat doctor" in line and "\n" not in line
+        # What the app reads of a session (a page, a window) checks the same index.
+        for read in (store.messages_page, store.message_window):
+            with pytest.raises(DamagedDatabase, match="records 6 messages"):
+                read(session_id, 5)
         with pytest.raises(DamagedDatabase):
             store.add_message(session_id, "user", "lost?")
         # Nothing more is written anywhere, and the full check confirms the damage.

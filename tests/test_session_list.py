@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.errors import KvchatError
 from kvchat.store import Store, messages_sql
 
 
@@ -219,3 +220,25 @@ def test_a_long_session_reads_back_a_page_at_a_time(store):
         ("x", 5),
     ).fetchall()
     assert "USING INDEX" in plan[0][3] and "TEMP B-TREE" not in " ".join(r[3] for r in plan)
+
+
+def test_a_window_of_a_long_session_says_where_it_sits(store):
+    session = store.create_session("Long")
+    ids = [store.add_message(session.id, "user", f"m{i}").id for i in range(23)]
+    other = store.create_session("Other")
+    elsewhere = store.add_message(other.id, "user", "elsewhere").id
+    last = store.message_window(session.id, 10)
+    assert [m.id for m in last.messages] == ids[13:] and (last.first, last.total) == (13, 23)
+    assert last.later == 0 and last.updated == store.get_session(session.id).updated
+    start = store.message_window(session.id, 10, from_start=True)
+    assert [m.id for m in start.messages] == ids[:10] and (start.first, start.later) == (0, 13)
+    hit = store.message_window(session.id, 5, around=ids[7], before_hit=2)
+    assert [m.id for m in hit.messages] == ids[5:10] and (hit.first, hit.later) == (5, 13)
+    near_start = store.message_window(session.id, 5, around=ids[0], before_hit=2)
+    assert [m.id for m in near_start.messages] == ids[:5] and near_start.first == 0
+    near_end = store.message_window(session.id, 5, around=ids[22], before_hit=2)
+    assert [m.id for m in near_end.messages] == ids[20:] and near_end.first == 20
+    # A message of another session is no place in this one: the last ones.
+    assert store.message_window(session.id, 3, around=elsewhere).first == 20
+    with pytest.raises(KvchatError, match="no session"):
+        store.message_window("nosuchid", 3)
