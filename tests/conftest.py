@@ -70,7 +70,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # home is new each time, the machine is not. Variables of this set survive the tests' clean
 # environments.
 PROBE_FILE_ENV = "KVCHAT_PROBE_FILE"
-KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV)
+# A test-only defect a run plants on purpose (kvchat.kvcache.defects) reaches every process.
+PLANT_ENV = "KVCHAT_PLANT_DEFECT"
+KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -87,7 +89,9 @@ def clean_env() -> dict[str, str]:
     """This process's environment without kvchat's settings (``KVCHAT_*``), for a `kvchat`
     process of a test; the run's shared engine-probe file stays."""
     return {
-        k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_") or k == PROBE_FILE_ENV
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVCHAT_") or k in (PROBE_FILE_ENV, PLANT_ENV)
     }
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvchat.engine import Engine
+from kvchat.kvcache import defects
 from kvchat.kvcache.cold.chains import window_key
 from kvchat.kvcache.cold.formats import valid_key
 from kvchat.kvcache.rejected import SnapshotRejected
@@ -194,6 +195,8 @@ def assemble_window(
             lo, hi = max(piece.start, first), min(piece.end, end)
             if lo < hi:
                 assembler.place_cells(data, lo - piece.start, hi - lo, lo - first)
+        if defects.planted("window-piece") and pieces:  # test-only: see defects.py
+            defects.shift_cells(out, assembler.layout, max(pieces[-1][0].start, first) - first)
         section = out[8:]
         spec = kvlayout.swa_spec(layout_desc)
         assert spec is not None

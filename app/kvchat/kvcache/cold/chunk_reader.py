@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvchat.kvcache import defects
 from kvchat.kvcache.cold import files as kvfiles
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.rejected import SnapshotRejected
@@ -147,6 +148,8 @@ class ChunkReader:
         scratch = _scratch_bytes(n * self._scattered)
         if not read_verified(path, entry, start, _batches(self._targets(start, n, scratch))):
             return None
+        if defects.planted("shifted-cell") and start == 0:  # test-only: see defects.py
+            defects.swap_k_rows(self.out, self.layout, 0)
         if self._scattered:
             self._scatter(scratch, start, n)
         return n
@@ -256,4 +259,8 @@ class PieceReader:
         piece = self.piece(entry.n_tokens)
         if entry.n_bytes != 8 + piece.payload:
             return None
-        return piece if read_verified(path, entry, start, piece.batches) else None
+        if not read_verified(path, entry, start, piece.batches):
+            return None
+        if defects.planted("shifted-cell") and start == 0:  # test-only: see defects.py
+            defects.swap_k_rows(self._buffer, piece.layout, 0)
+        return piece

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvchat.engine import Engine
+from kvchat.kvcache import defects
 from kvchat.kvcache.cold import chains as chunking
 from kvchat.kvcache.cold import checkpoints as windows
 from kvchat.kvcache.cold import files as kvfiles
@@ -195,6 +196,8 @@ class SnapshotLoader:
                 # sharing them; any other chain using them falls back the same way.
                 self._housekeeper.forget_chunks([entry for entry, _ in bad])
                 raise bad[0][1]
+            if defects.planted("dropped-chunk"):  # test-only: see defects.py
+                defects.zero_cells(view, assembler.layout, needed[-1][1], keep - needed[-1][1])
             size = assembler.finish(placed) + extra
         except kvlayout.LayoutError as exc:
             raise SnapshotRejected(f"snapshot chunks do not fit together: {exc}") from None
@@ -228,6 +231,8 @@ class SnapshotLoader:
                     except SnapshotRejected:
                         self._housekeeper.forget_chunks([entry])
                         raise
+                    if defects.planted("dropped-chunk") and start == needed[-1][1]:  # test-only
+                        defects.zero_payload(piece.targets[1:])
                     if not engine.state_append(reader.pointer, piece.size, keep):
                         raise SnapshotRejected("llama.cpp rejected a snapshot chunk")
             if not engine.state_adopt(row.token_ids[:keep]):
