@@ -177,6 +177,38 @@ def test_a_ram_restore_continues_exactly_as_a_full_prefill(kvhome: Path, tmp_pat
     assert back.reply == full.reply
 
 
+def test_a_second_ram_round_trip_restores_the_latest_turn(kvhome: Path, tmp_path: Path):
+    """Issue 28.9: away and back through the RAM tier twice, the second restore holds the
+    session's latest turn (every token its disk snapshot, saved at the same spill, holds)
+    and its greedy reply is a full prefill's. A RAM entry kept from before the last turn
+    fails here (tests/test_planted_defects.py plants one)."""
+    import shutil
+
+    service = ChatService(Settings(**SMALL_CHUNKS))
+    a = service.new_session()
+    b = service.new_session()
+    service.send(a.id, "Tell me about cats.")
+    service.send(b.id, "Say goodbye.")
+    assert service.send(a.id, "Tell me more.").restore.source == "ram"
+    service.send(b.id, "Say it again.")
+    saved = service.store.get_snapshot(a.id)
+    assert saved is not None and service.kv_location(a.id) == "ram"
+    baseline_home = tmp_path / "baseline"
+    shutil.copytree(kvhome, baseline_home)
+    back = service.send(a.id, "And their kittens?")
+    service.close()
+    assert back.restore.source == "ram"
+    assert back.restore.tokens == back.tokens.reused == saved.n_tokens
+    assert back.tokens.decoded == back.tokens.prompt - saved.n_tokens
+    baseline = ChatService(Settings(**SMALL_CHUNKS), home=baseline_home)
+    try:
+        full = baseline.send(a.id, "And their kittens?", no_restore=True)
+    finally:
+        baseline.close()
+    assert full.tokens.reused == 0 and full.tokens.prompt == back.tokens.prompt
+    assert back.reply == full.reply
+
+
 def test_ram_budget_zero_falls_through_to_disk(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS, ram_cache_mib=0))
     a = service.new_session()
