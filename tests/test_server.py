@@ -34,9 +34,18 @@ N_CTX = 1024  # per slot
 
 
 class Server:
-    """One llama-server process on the bundled model (restartable on the same slot dir)."""
+    """One llama-server process on the bundled model, or ``model`` (restartable on the same
+    slot dir)."""
 
-    def __init__(self, slot_dir: Path, slots: int, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        slot_dir: Path,
+        slots: int,
+        extra: tuple[str, ...] = (),
+        *,
+        model: Path | None = None,
+        n_ctx: int = N_CTX,
+    ) -> None:
         binary = find_binary()
         if binary is None:
             pytest.fail(
@@ -46,11 +55,11 @@ class Server:
         slot_dir.mkdir(parents=True, exist_ok=True)
         self.plan = ServerPlan(
             binary=str(binary),
-            model=bundled_model_path() or Path("missing"),
+            model=model or bundled_model_path() or Path("missing"),
             host="127.0.0.1",
             port=_free_port(),
             slots=slots,
-            n_ctx=N_CTX,
+            n_ctx=n_ctx,
             type_k="f16",
             type_v="f16",
             flash_attn=False,

@@ -83,6 +83,8 @@ class ServerPlan:
     type_k: str
     type_v: str
     flash_attn: bool
+    # llama-server's --swa-full: sliding-window layers keep every cell, not a window's worth
+    # (only for a sliding-window model whose settings ask for it, as the in-process engine).
     swa: bool
     slot_dir: Path
     n_gpu_layers: int
@@ -143,10 +145,12 @@ def plan_server(
     if slots < 1:
         raise KvchatError("a llama-server needs at least one slot (--slots 1 or more)")
     model = settings.model_path()
-    try:
-        swa = read_gguf(model).sliding_window > 0
-    except KvchatError:
-        swa = False
+    swa = False
+    if settings.swa_full:
+        try:
+            swa = read_gguf(model).sliding_window > 0
+        except KvchatError:
+            pass
     binary = find_binary()
     from kvchat.engine.factory import engine_config
     from kvchat.engine.probe import probed_config
