@@ -5,6 +5,11 @@ a model is the same bytes every time) and the bundled SmolLM2's real tokenizer a
 template (ChatML), so prompts tokenize like the real app's. The weights make no sense, but
 llama.cpp runs them exactly like a real model of the architecture: the KV layout, GQA/MQA
 head counts, QKV bias, sliding windows and soft-capping are what these tests exercise.
+
+Attention is made sharp (:data:`QK_STD`, :data:`QK_NORM`): with the other weights' scale
+(std 0.05) every query attends almost evenly to every cell, and a restore that swaps two
+cells' K rows replied exactly as a full prefill (measured on llama-gqa: see
+tests/test_planted_defects.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ import gguf
 import numpy as np
 
 from kvchat.config import bundled_model_path
+
+# Query and key projections' std, and Gemma 3's query/key norm weights: attention logits
+# with a std of a few units, so each query picks out a few cells (measured: at 0.05 a
+# planted K-row swap went unnoticed by the family tests; see the module's docstring).
+QK_STD = 0.25
+QK_NORM = 2.0
 
 
 @dataclass(frozen=True)
@@ -141,8 +152,11 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float16)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + rng.standard_normal(n) * 0.01).astype(np.float32)
+    def norm(n: int, scale: float = 1.0) -> np.ndarray:
+        return (scale + rng.standard_normal(n) * 0.01).astype(np.float32)
+
+    def query_key(rows: int) -> np.ndarray:
+        return (rng.standard_normal((rows, e)) * QK_STD).astype(np.float16)
 
     # numpy shape (rows, cols) = ggml ne[1], ne[0]: a weight maps cols → rows.
     writer.add_tensor("token_embd.weight", weight(n_vocab, e))
@@ -156,10 +170,11 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
         if not nkv:  # a linear layer in place of attention: no Q, K, V, no KV cache
             writer.add_tensor(f"{blk}.attn_output.weight", weight(e, e))
         elif spec.fused_qkv:
-            writer.add_tensor(f"{blk}.attn_qkv.weight", weight(nh * hd + 2 * nkv * hd, e))
+            qkv = np.concatenate([query_key(nh * hd), query_key(nkv * hd), weight(nkv * hd, e)])
+            writer.add_tensor(f"{blk}.attn_qkv.weight", qkv)
         else:
-            writer.add_tensor(f"{blk}.attn_q.weight", weight(nh * hd, e))
-            writer.add_tensor(f"{blk}.attn_k.weight", weight(nkv * hd, e))
+            writer.add_tensor(f"{blk}.attn_q.weight", query_key(nh * hd))
+            writer.add_tensor(f"{blk}.attn_k.weight", query_key(nkv * hd))
             writer.add_tensor(f"{blk}.attn_v.weight", weight(nkv * hd, e))
         if spec.qkv_bias and nkv:
             for name, n in (("attn_q", nh * hd), ("attn_k", nkv * hd), ("attn_v", nkv * hd)):
@@ -172,8 +187,8 @@ def write_tiny(spec: TinySpec, path: Path, seed: int = 0) -> Path:
             writer.add_tensor(f"{blk}.post_attention_norm.weight", norm(e))
             writer.add_tensor(f"{blk}.post_ffw_norm.weight", norm(e))
         if arch == "gemma3":
-            writer.add_tensor(f"{blk}.attn_q_norm.weight", norm(hd))
-            writer.add_tensor(f"{blk}.attn_k_norm.weight", norm(hd))
+            writer.add_tensor(f"{blk}.attn_q_norm.weight", norm(hd, QK_NORM))
+            writer.add_tensor(f"{blk}.attn_k_norm.weight", norm(hd, QK_NORM))
         writer.add_tensor(f"{blk}.ffn_norm.weight", norm(e))
         if spec.fused_qkv:
             writer.add_tensor(f"{blk}.ffn_up.weight", weight(2 * ff, e))
@@ -204,7 +219,7 @@ def kv_bytes_per_token(spec: TinySpec) -> int:
 # falcon-h1's ssm_norm): 4 layers of width 64, 4 query heads of 16, and where a layer list
 # applies, attention on layers 1 and 3 and recurrent ones on 0 and 2 (Qwen 3.5: attention
 # on every fourth; Nemotron-H: Mamba, attention, MLP, attention). Weights are random (norms
-# ~1, Mamba's A negative), like those above.
+# ~1, Mamba's A negative), like those above, separate queries and keys as sharp.
 
 # Families whose tiny GGUF llama.cpp 0.3.36 runs here, by architecture.
 RUNS = (
@@ -260,8 +275,12 @@ def write_family(arch: str, path: Path, seed: int = 0) -> Path:
     shapes = {"token_embd.weight": [family["meta"]["embedding_length"], len(tok["tokens"])]}
     for name, shape in (shapes | family["tensors"]).items():
         np_shape = tuple(reversed(shape))  # ggml's ne order → numpy's
-        if "norm" in name or name.endswith("ssm_d"):
+        if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            array = (QK_NORM + rng.standard_normal(np_shape) * 0.01).astype(np.float32)
+        elif "norm" in name or name.endswith("ssm_d"):
             array = (1.0 + rng.standard_normal(np_shape) * 0.01).astype(np.float32)
+        elif name.endswith(("attn_q.weight", "attn_k.weight")):  # sharp attention: see above
+            array = (rng.standard_normal(np_shape) * QK_STD).astype(np.float16)
         elif "ssm_a" in name:
             array = (-np.exp(rng.standard_normal(np_shape) * 0.1)).astype(np.float32)
         elif len(shape) == 1 or any(part in name for part in ("conv", "bias", "sinks", "ssm_dt")):
