@@ -1,0 +1,139 @@
+"""The equality checks have teeth (issue 28, item 9): with a defect planted behind the
+test-only switch (``KVCHAT_PLANT_DEFECT``, read by :mod:`kvchat.kvcache.defects` alone),
+the key tests that compare a restored context with a full prefill fail.
+
+The stress tests rerun each key test in a new pytest process with one defect planted and
+assert it fails, and once with none planted and assert it passes; the default run checks
+that the switch is off unless set, names only the known defects, and that each is
+consulted in the code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvchat.kvcache import defects
+from kvchat.kvcache.defects import DEFECTS, ENV, planted
+
+REPO = Path(__file__).resolve().parent.parent
+RESUME = "tests/test_resume.py::test_greedy_reply_after_restore_equals_reply_after_full_prefill"
+DISK_TURNS = "tests/test_tiers.py::test_each_turn_writes_only_new_chunks_and_resumes_exactly"
+RAM_TWICE = "tests/test_tiers.py::test_a_second_ram_round_trip_restores_the_latest_turn"
+FAMILY = "tests/test_families.py::test_family_resumes_branches_and_equals_a_full_prefill[{}]"
+WINDOWED = (
+    "tests/test_hybrid.py::test_sliding_window_families_resume_branch_and_equal_a_full_prefill[{}]"
+)
+REGENERATE = (
+    "tests/test_sliding_window.py::"
+    "test_a_regenerate_below_the_floor_loads_the_window_from_ram_then_disk"
+)
+BUNDLE = (
+    "tests/test_transfer.py::test_a_bundle_resumes_in_an_empty_home_like_a_full_prefill[chunks]"
+)
+
+# Each defect and the key tests that must fail with it planted. A defect off a test's path
+# is not listed: the RAM tier in a test that restores from disk in a new process, a chain's
+# chunks in the RAM tests, window pieces in a model without a sliding window.
+CAUGHT_BY: dict[str, list[str]] = {
+    "shifted-cell": [
+        RESUME,
+        DISK_TURNS,
+        FAMILY.format("llama-gqa"),
+        FAMILY.format("gemma3"),
+        WINDOWED.format("gpt-oss"),
+        BUNDLE,
+    ],
+    "dropped-chunk": [
+        RESUME,
+        DISK_TURNS,
+        FAMILY.format("llama-gqa"),
+        FAMILY.format("gemma3"),
+        BUNDLE,
+    ],
+    "stale-ram": [RAM_TWICE],
+    "window-piece": [
+        FAMILY.format("gemma3"),
+        FAMILY.format("gemma2"),
+        WINDOWED.format("gpt-oss"),
+        REGENERATE,
+    ],
+}
+KEY_TESTS = sorted({test for tests in CAUGHT_BY.values() for test in tests})
+
+
+# ------------------------------------------------------------------- the switch (default run)
+
+
+def test_no_defect_is_planted_unless_the_switch_names_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    assert [name for name in sorted(DEFECTS) if planted(name)] == []
+    monkeypatch.setenv(ENV, "")
+    assert [name for name in sorted(DEFECTS) if planted(name)] == []
+    monkeypatch.setenv(ENV, "stale-ram")
+    assert [name for name in sorted(DEFECTS) if planted(name)] == ["stale-ram"]
+
+
+def test_the_switch_knows_only_the_four_defects(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DEFECTS == {"shifted-cell", "dropped-chunk", "stale-ram", "window-piece"}
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(ValueError, match="no planted defect is named 'stale-rams'"):
+        planted("stale-rams")
+    monkeypatch.setenv(ENV, "shifted_cell")  # a typo never passes for a clean run
+    with pytest.raises(ValueError, match="names no planted defect"):
+        planted("shifted-cell")
+
+
+def test_each_defect_is_consulted_and_only_the_defects_module_reads_the_switch() -> None:
+    sources = {
+        path: path.read_text()
+        for path in (REPO / "app" / "kvchat").rglob("*.py")
+        if path != Path(defects.__file__)
+    }
+    consulted = {
+        name for text in sources.values() for name in re.findall(r'planted\("([^"]+)"\)', text)
+    }
+    assert consulted == DEFECTS
+    assert [path.name for path, text in sources.items() if ENV in text] == []
+
+
+# ------------------------------------------------------------------- the defects (stress)
+
+
+def run_key_test(test: str, defect: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if defect is not None:
+        env[ENV] = defect
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", test, "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize(
+    ("defect", "test"),
+    [(defect, test) for defect, tests in CAUGHT_BY.items() for test in tests],
+)
+def test_a_key_test_fails_with_the_defect_planted(defect: str, test: str) -> None:
+    run = run_key_test(test, defect)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "1 failed" in run.stdout.splitlines()[-1], run.stdout[-3000:]
+    assert "names no planted defect" not in run.stdout
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("test", KEY_TESTS)
+def test_a_key_test_passes_with_no_defect_planted(test: str) -> None:
+    run = run_key_test(test, None)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "1 passed" in run.stdout.splitlines()[-1]
