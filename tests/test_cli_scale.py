@@ -46,6 +46,23 @@ def test_list_into_a_pipe_prints_every_session(big_home):
     assert run_cli(home, "list", "--all").stdout == result.stdout
 
 
+def test_list_loads_no_engine(big_home):
+    """`kvchat list` reads titles: llama.cpp's bindings (a third of its time) stay unloaded."""
+    home, _ = big_home
+    env = {**clean_env(), "KVCHAT_HOME": str(home)}
+    code = (
+        "import sys\nfrom kvchat.cli import main\n"
+        "try:\n    main(['list', '--limit', '3'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('llama_cpp', 'kvchat.kvcache') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5 and "Conversation 2:" in lines[3] and lines[-1] == "[]", lines
+
+
 def test_list_limit_says_how_many_more(big_home):
     home, _ = big_home
     result = run_cli(home, "list", "--limit", "5")

@@ -363,7 +363,11 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
         _print("[]" if as_json else 'No sessions yet. Start one with: kvchat ask --new "Hello"')
         return
     items: list[dict[str, Any]] = []  # --json: one list, printed at the end
-    with service(settings_from(ctx)) as chat:
+    from kvchat.config import data_dir
+    from kvchat.service.session_index import SessionIndex
+
+    settings_from(ctx)  # a broken configuration is said here as by every command
+    with SessionIndex(data_dir() / "kvchat.db") as chat:
         shown_rows = 0
         after = None
         while limit is None or shown_rows < limit:

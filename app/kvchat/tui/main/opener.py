@@ -106,10 +106,13 @@ class SessionOpener:
         last = await backend.on_store(service.last_open_session)
         if last is not None:
             state.session_id = last.id
+        # The list first (a page of rows, drawn at once), then the open session's messages
+        # (their Markdown takes longer to build).
+        await self.refresh()
+        if last is not None:
             await self.show_stored(last.id)
         else:
             await self.conversation.show([])
-        await self.refresh()
         self.status.set_turn(f"loading model {backend.model_label}…", "busy")
         loading = backend.on_engine(backend.load_model)
         await self.conversation.fill()  # the earlier messages, while the model loads
