@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,44 @@ def test_every_command_on_a_damaged_index_says_doctor_and_writes_nothing(tmp_pat
         assert result.returncode == 2 and len(lines) == 1, (args, result.stderr)
         assert "damaged" in lines[0] and "kvchat doctor" in lines[0]
     assert _files(path) == before
+
+
+def test_closing_stops_a_background_check_that_starts_after_it(tmp_path, monkeypatch):
+    """A short command on a big file (``kvchat list``) closes the store while its background
+    check is still opening its connection: that check stops at its first step, instead of
+    reading the whole file (up to 5 s) before the command may end."""
+    _home(tmp_path / "kvchat.db")
+    monkeypatch.setattr(store_module, "FULL_CHECK_AT_OPEN_BYTES", 0)
+    monkeypatch.setattr(store_module, "CHECK_STEPS", 1)
+    opening, go = threading.Event(), threading.Event()
+    real_connection = store_module.check_connection
+
+    def held(path: Path, timeout: float = 30) -> sqlite3.Connection:
+        conn = real_connection(path, timeout)
+        if threading.current_thread().name == "kvchat-integrity-check":
+            opening.set()
+            go.wait(10)
+        return conn
+
+    monkeypatch.setattr(store_module, "check_connection", held)
+    outcomes: list[str] = []
+    real_pragma = Store._pragma_ok
+
+    def pragma(self: Store, check: str) -> bool:
+        try:
+            ok = real_pragma(self, check)
+        except sqlite3.OperationalError as exc:
+            outcomes.append(str(exc))
+            raise
+        outcomes.append("ran whole")
+        return ok
+
+    monkeypatch.setattr(Store, "_pragma_ok", pragma)
+    store = Store(tmp_path / "kvchat.db")
+    assert opening.wait(10)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.2)  # close() has asked the check to stop and waits for it
+    go.set()
+    closer.join(10)
+    assert not closer.is_alive() and outcomes == ["interrupted"], outcomes
