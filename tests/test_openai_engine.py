@@ -317,7 +317,7 @@ async def test_the_app_replies_through_the_server_and_says_whose_kv_it_is(
 ) -> None:
     from kvchat.config import Settings
     from kvchat.tui.app import KvchatApp
-    from tests.test_tui import SIZE, quit_app, ready, send
+    from tests.test_tui import SIZE, quit_app, ready, send, wait_until
 
     settings = Settings(
         temperature=0, max_tokens=8, openai_url=f"{server.url}/v1", openai_api_key=KEY
@@ -325,7 +325,9 @@ async def test_the_app_replies_through_the_server_and_says_whose_kv_it_is(
     app = KvchatApp(settings, cursor_blink=False)
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
-        status = main.status.turn_text  # "ready · OpenAI-compatible server … not kvchat's …"
+        # "ready · OpenAI-compatible server … not kvchat's …" once the engine is up
+        await wait_until(lambda: "loading" not in main.status.turn_text)
+        status = main.status.turn_text
         assert f"OpenAI-compatible server {server.url}/v1" in status and "not kvchat's" in status
         reply = await send(pilot, main, "Hi! What is 2+2?")
         assert reply.role == "assistant" and reply.text.strip()

@@ -19,8 +19,6 @@ only when the session chose thinking on or off. The key is read from
 from __future__ import annotations
 
 import json
-import socket
-import ssl
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -51,35 +49,16 @@ _NO_TOKENS = "an OpenAI-compatible server tokenizes on its side: kvchat has no t
 class OpenAIClient(ServerClient):
     """:class:`ServerClient` whose one-line errors name an OpenAI-compatible server."""
 
-    label = "OpenAI-compatible server"
-
-    def _unreachable(self, exc: BaseException) -> ServerError:
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            why = f"its TLS certificate was not accepted ({exc.verify_message})"
-        elif isinstance(exc, socket.timeout | TimeoutError):
-            why = "no answer in time"
-        else:
-            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        return ServerError(f"cannot reach the {self.label} at {self.url}: {why}")
-
-    def _broken(self, exc: BaseException) -> ServerError:
-        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        return ServerError(
-            f"the {self.label} at {self.url} broke off the connection: {why}", dropped=True
-        )
+    label = "the OpenAI-compatible server"
 
     def _refused(self, status: int, raw: bytes) -> ServerError:
         if status in (401, 403):
             return ServerError(
-                f"the {self.label} at {self.url} refused the API key (HTTP {status}): set "
+                f"{self.label} at {self.url} refused the API key (HTTP {status}): set "
                 "KVCHAT_OPENAI_API_KEY to the key it expects",
                 status,
             )
-        refused = super()._refused(status, raw)
-        return ServerError(
-            str(refused).replace(f"llama-server at {self.url}", f"the {self.label} at {self.url}"),
-            status,
-        )
+        return super()._refused(status, raw)
 
 
 @dataclass

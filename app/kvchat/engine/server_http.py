@@ -58,6 +58,9 @@ def normalize_url(url: str) -> str:
 class ServerClient:
     """Requests to one llama-server; a new connection per request (they are local or few)."""
 
+    # How one-line errors name the server.
+    label = "llama-server"
+
     def __init__(self, url: str, api_key: str | None = None) -> None:
         self.url = normalize_url(url)
         parts = urlsplit(self.url)
@@ -139,12 +142,12 @@ class ServerClient:
             why = "no answer in time"
         else:
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        return ServerError(f"cannot reach llama-server at {self.url}: {why}")
+        return ServerError(f"cannot reach {self.label} at {self.url}: {why}")
 
     def _broken(self, exc: BaseException) -> ServerError:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return ServerError(
-            f"llama-server at {self.url} broke off the connection: {why}", dropped=True
+            f"{self.label} at {self.url} broke off the connection: {why}", dropped=True
         )
 
     def _refused(self, status: int, raw: bytes) -> ServerError:
@@ -163,7 +166,7 @@ class ServerClient:
             message = raw[:200].decode("utf-8", "replace")
         message = " ".join(message.split())
         return ServerError(
-            f"llama-server at {self.url} answered HTTP {status}"
+            f"{self.label} at {self.url} answered HTTP {status}"
             + (f": {message}" if message else ""),
             status,
         )

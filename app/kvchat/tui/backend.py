@@ -54,6 +54,11 @@ class Backend:
 
     @property
     def model_label(self) -> str:
+        """What the status line names while the engine starts."""
+        if self.settings.engine == "openai" and self.settings.openai_url:
+            return f"at {self.settings.openai_url}"
+        if self.settings.engine == "llama-server" and self.settings.server_url:
+            return f"at {self.settings.server_url}"
         if self.settings.model:
             return Path(self.settings.model).name
         return "SmolLM2-135M (bundled)"
