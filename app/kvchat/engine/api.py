@@ -307,7 +307,8 @@ class Engine(Protocol):
 
 class EngineDefaults:
     """The answers of an engine whose KV has no sliding window and no batch alignment (a
-    llama-server, a test's engine) to :class:`Engine`'s members about cutting the context."""
+    llama-server, a test's engine) to :class:`Engine`'s members about cutting the context,
+    and of one whose model runs elsewhere to those about its threads and scratch sequence."""
 
     batch_align: int = 1
     template_options: dict[str, object] = {}  # replaced whole, never changed in place
@@ -338,6 +339,16 @@ class EngineDefaults:
 
     def held_checkpoint(self, limit: int) -> int:
         return 0
+
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """Nothing: no scratch sequence here (a server's slot holds the conversation)."""
+        return None
+
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Nothing: the thread counts are set where the model runs."""
+        return {}
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

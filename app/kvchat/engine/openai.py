@@ -369,14 +369,6 @@ class OpenAIEngine(EngineDefaults):
     def state_load_file(self, path: Path) -> int:
         raise NotImplementedError(REMOTE_KV_NOTE)
 
-    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
-        return None
-
-    def measure_threads(
-        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
-    ) -> dict[str, dict[str, float]]:
-        return {}
-
     def close(self) -> None:
         """Nothing to release: the server keeps running."""
 

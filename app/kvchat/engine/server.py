@@ -465,15 +465,5 @@ class ServerEngine(EngineDefaults):
     def state_load_file(self, path: Path) -> int:
         raise NotImplementedError("llama-server keeps its KV: use slot files")
 
-    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
-        """Nothing: the server's one slot per session holds the conversation."""
-        return None
-
-    def measure_threads(
-        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
-    ) -> dict[str, dict[str, float]]:
-        """Nothing: the server's thread counts are set where it runs."""
-        return {}
-
     def close(self) -> None:
         """Nothing to release: the server keeps running (and keeps its slots)."""
