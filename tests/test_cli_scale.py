@@ -47,13 +47,15 @@ def test_list_into_a_pipe_prints_every_session(big_home):
 
 
 def test_list_loads_no_engine(big_home):
-    """`kvchat list` reads titles: llama.cpp's bindings (a third of its time) stay unloaded."""
+    """`kvchat list` reads titles: llama.cpp's bindings (a third of its time), numpy and
+    sqlite-utils (only the migrations use it: ~0.2 s to import) stay unloaded."""
     home, _ = big_home
     env = {**clean_env(), "KVCHAT_HOME": str(home)}
     code = (
         "import sys\nfrom kvchat.cli import main\n"
         "try:\n    main(['list', '--limit', '3'])\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('llama_cpp', 'kvchat.kvcache') if m in sys.modules))"
+        "print(sorted(m for m in ('llama_cpp', 'kvchat.kvcache', 'numpy', 'sqlite_utils')"
+        " if m in sys.modules))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True

@@ -159,7 +159,7 @@ def test_other_json_still_reads_whole_and_keeps_its_limit(service, tmp_path, mon
 
 
 def _fts_trigger(service: ChatService) -> str | None:
-    row = service.store.db.execute(
+    row = service.store.conn.execute(
         "SELECT sql FROM sqlite_master WHERE type='trigger' AND name='messages_ai'"
     ).fetchone()
     return row[0] if row else None
@@ -177,14 +177,15 @@ def test_an_import_indexes_its_messages_for_search_and_puts_the_trigger_back(ser
     # Every imported message is in the index once, and nothing else moved in it.
     hits = service.store.search(RARE_WORD, limit=100)
     assert len(hits) == rare_hits(40, 26) + 1
-    db = service.store.db
+    db = service.store.conn
     indexed = db.execute(
         "SELECT COUNT(*) FROM messages_fts WHERE messages_fts MATCH 'river'"
     ).fetchone()[0]
     stored = db.execute("SELECT COUNT(*) FROM messages WHERE content LIKE '%river%'").fetchone()
     assert indexed == stored[0] > 1000
     # FTS5's own check of the index against the messages (raises when they differ).
-    db.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('integrity-check', 1)")
+    with db:
+        db.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('integrity-check', 1)")
     service.add_message(session.id, "user", "a zebra after the import")  # the trigger works
     assert len(service.store.search(RARE_WORD, limit=100)) == rare_hits(40, 26) + 2
 

@@ -26,8 +26,8 @@ def _sessions(store: Store, n: int, *, start: int = 0) -> list[str]:
     for i in range(start, start + n):
         session = store.create_session(f"Topic {i}")
         stamp = f"2026-01-01T{i // 60:02d}:{i % 60:02d}:00.000+00:00"
-        store.db.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session.id))
-        store.db.conn.commit()
+        store.conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session.id))
+        store.conn.commit()
         ids.append(session.id)
     return ids
 
@@ -56,8 +56,8 @@ def test_pages_walk_every_session_once_newest_first(store):
 
 def test_sessions_with_the_same_update_time_are_neither_lost_nor_repeated(store):
     ids = [store.create_session(f"Same {i}").id for i in range(7)]
-    store.db.execute("UPDATE sessions SET updated='2026-01-01T00:00:00.000+00:00'")
-    store.db.conn.commit()
+    store.conn.execute("UPDATE sessions SET updated='2026-01-01T00:00:00.000+00:00'")
+    store.conn.commit()
     walked = [i for page in _pages(store, 2) for i in page]
     assert sorted(walked) == sorted(ids) and len(walked) == 7
     assert walked == list(reversed(ids))  # the newest made first, as the whole list has it
@@ -69,9 +69,9 @@ def test_a_page_reads_a_range_of_the_updated_index_not_the_table(store):
         "EXPLAIN QUERY PLAN SELECT s.* FROM sessions s INDEXED BY sessions_by_updated"
         " WHERE (s.updated, s.rowid) < (?, ?) ORDER BY s.updated DESC, s.rowid DESC LIMIT 5"
     )
-    plan = " / ".join(row[3] for row in store.db.execute(sql, ("x", 1)).fetchall())
+    plan = " / ".join(row[3] for row in store.conn.execute(sql, ("x", 1)).fetchall())
     assert "USING INDEX sessions_by_updated" in plan and "TEMP B-TREE" not in plan
-    changed = store.db.execute(
+    changed = store.conn.execute(
         "EXPLAIN QUERY PLAN SELECT * FROM sessions WHERE changed > ? ORDER BY changed", (0,)
     ).fetchall()
     assert "USING INDEX sessions_by_changed" in changed[0][3]
@@ -135,13 +135,13 @@ def test_changes_since_a_stamp_name_what_was_made_changed_and_deleted(store, tmp
 def test_a_session_deleted_then_changed_back_is_not_reported_deleted(store):
     [a] = _sessions(store, 1)
     stamp = store.change_stamp()
-    row = store.db.execute("SELECT * FROM sessions WHERE id=?", (a,)).fetchone()
+    row = store.conn.execute("SELECT * FROM sessions WHERE id=?", (a,)).fetchone()
     store.delete_session(a)
-    store.db.execute(
+    store.conn.execute(
         "INSERT INTO sessions (id, title, settings, created, updated) VALUES (?, ?, '{}', ?, ?)",
         (a, "Back", row[4], row[5]),
     )
-    store.db.conn.commit()
+    store.conn.commit()
     changes = store.sessions_changed_since(stamp)
     assert [s.session.title for s in changes.changed] == ["Back"] and changes.deleted == []
 
@@ -214,7 +214,7 @@ def test_a_long_session_reads_back_a_page_at_a_time(store):
     assert [m.id for m in store.messages_page(session.id, 2, before=ids[5])] == ids[3:5]
     assert store.messages_page(session.id, 0) == []
     assert (store.message_count(session.id), store.message_count("nosuchid")) == (23, 0)
-    plan = store.db.execute(
+    plan = store.conn.execute(
         "EXPLAIN QUERY PLAN SELECT * FROM messages WHERE session_id=? AND id<?"
         " ORDER BY id DESC LIMIT 10",
         ("x", 5),

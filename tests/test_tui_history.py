@@ -144,8 +144,8 @@ async def test_sessions_are_grouped_by_date(kvhome: Path) -> None:
     for title, when in dates.items():
         session = service.new_session(title)
         service.add_message(session.id, "user", "hi", token_count=1)
-        with service.store.db.conn:
-            service.store.db.execute(
+        with service.store.conn:
+            service.store.conn.execute(
                 "UPDATE sessions SET updated = ? WHERE id = ?", (when.isoformat(), session.id)
             )
     service.close()

@@ -13,8 +13,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from kvchat.errors import KvchatError
 
 # Free space below which a disk counts as full (SQLite needs a few pages to open a file).
@@ -92,7 +90,7 @@ class SqlBase:
     """
 
     path: Path
-    db: sqlite_utils.Database
+    conn: sqlite3.Connection  # plain sqlite3: sqlite-utils only for migrations
     _lock: threading.RLock
     _damage: str | None = None
     # Set (under the lock) when the store is closed: a read or write still queued on another
@@ -120,7 +118,7 @@ class SqlBase:
         """The connection, to be used while holding the lock; raises once the store is closed."""
         if self._closed:
             raise KvchatError(f"the database {self.path} is closed")
-        return self.db.conn
+        return self.conn
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -1,13 +1,20 @@
-"""Ordered, named schema migrations; each runs once and is recorded in ``_migrations``."""
+"""Ordered, named schema migrations; each runs once and is recorded in ``_migrations``.
+
+sqlite-utils (whose import pulls in numpy: ~0.2 s) is imported only when a migration is
+due: what is applied is read with plain SQL first.
+"""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-import sqlite_utils
+if TYPE_CHECKING:
+    import sqlite_utils
 
-Migration = Callable[[sqlite_utils.Database], None]
+Migration = Callable[["sqlite_utils.Database"], None]
 
 
 def m001_sessions_and_messages(db: sqlite_utils.Database) -> None:
@@ -407,23 +414,36 @@ MIGRATIONS: list[Migration] = [
 ]
 
 
-def migrate(db: sqlite_utils.Database) -> list[str]:
+def applied_names(conn: sqlite3.Connection) -> set[str]:
+    """The migrations recorded in ``conn``'s database (none when it has no record yet)."""
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='_migrations'"
+    ).fetchone()
+    if found is None:
+        return set()
+    return {row[0] for row in conn.execute("SELECT name FROM _migrations")}
+
+
+def migrate(conn: sqlite3.Connection) -> list[str]:
     """Apply every migration not yet recorded; returns the names applied now.
 
     Each migration is idempotent (``if_not_exists`` / ``replace``), so one interrupted
     before it was recorded simply runs again.
     """
-    table = db["_migrations"]
-    if not table.exists():
+    done = applied_names(conn)
+    due = [m for m in MIGRATIONS if m.__name__ not in done]
+    if not due:
+        return []
+    import sqlite_utils
+
+    db = sqlite_utils.Database(conn)
+    if not db["_migrations"].exists():
         db["_migrations"].create({"name": str, "applied": str}, pk="name")
-    done = {row["name"] for row in db["_migrations"].rows}
     applied: list[str] = []
-    for migration in MIGRATIONS:
+    for migration in due:
         name = migration.__name__
-        if name in done:
-            continue
         migration(db)
-        with db.conn:
+        with conn:
             db["_migrations"].insert({"name": name, "applied": datetime.now(UTC).isoformat()})
         applied.append(name)
     return applied

@@ -9,8 +9,6 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
-import sqlite_utils
-
 from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.store.connection import (
@@ -63,9 +61,8 @@ def _create_database(path: Path) -> list[str]:
     try:
         conn = sqlite3.connect(tmp)
         try:
-            db = sqlite_utils.Database(conn)
-            db.execute("PRAGMA journal_mode=WAL")
-            applied = migrate(db)
+            _configure(conn, durable=False)
+            applied = migrate(conn)
         finally:
             conn.close()  # the last connection: the WAL is folded in and removed
         fd = os.open(tmp, os.O_RDONLY)
@@ -77,6 +74,17 @@ def _create_database(path: Path) -> list[str]:
     finally:
         tmp.unlink(missing_ok=True)
     return applied
+
+
+def _configure(conn: sqlite3.Connection, *, durable: bool = True) -> None:
+    """The connection's settings: WAL, and (for the store's own connection) full syncs and
+    foreign keys. Recursive triggers are on as sqlite-utils, which the store used to open
+    its connection through, sets them (a REPLACE then fires the delete triggers)."""
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA recursive_triggers=on")
+    if durable:
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
 
 
 def _close_keeping_wal(conn: sqlite3.Connection, path: Path) -> None:
@@ -163,13 +171,11 @@ class Store(
                 # its WAL in): False until a background quick check says so.
                 self._verified = self._checked.is_set()
                 conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
-                self.db = sqlite_utils.Database(conn)
+                self.conn = conn
                 try:
-                    self.db.execute("PRAGMA journal_mode=WAL")
-                    self.db.execute("PRAGMA synchronous=FULL")
-                    self.db.execute("PRAGMA foreign_keys=ON")
+                    _configure(conn)
                     with self._lock:
-                        self.applied_migrations = created + migrate(self.db)
+                        self.applied_migrations = created + migrate(conn)
                 except BaseException:
                     _close_keeping_wal(conn, path)  # a failed open changes nothing
                     raise
@@ -288,9 +294,9 @@ class Store(
                 return
             self._closed = True
             if self._damage is None and self._verified:
-                self.db.conn.close()
+                self.conn.close()
             else:
-                _close_keeping_wal(self.db.conn, self.path)
+                _close_keeping_wal(self.conn, self.path)
 
     def integrity_check(self) -> str:
         return str(self._rows("PRAGMA integrity_check")[0]["integrity_check"])
