@@ -7,6 +7,10 @@ The real app and the real model.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from kvchat.service.chat import ChatService
 from kvchat.tui import app as app_module
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.main.watch import WATCH_S
+from tests.conftest import REPO
 from tests.test_tui import SIZE, make_settings, ready, wait_until
 
 
@@ -68,3 +73,78 @@ async def test_an_idle_app_draws_nothing_and_reads_one_row_per_look(
 
         await pilot.press("b")  # awake: it blinks again
         assert main.prompt.cursor_blink and main.prompt.text.endswith("ab")
+
+
+def _home_of_five() -> str:
+    """Five sessions of two messages each ("Session 0" oldest); the app had "Session 1"
+    open at its last quit. Returns that session's id."""
+    service = ChatService(make_settings())
+    ids = []
+    for i in range(5):
+        session = service.new_session(f"Session {i}")
+        service.add_message(session.id, "user", f"question {i}", token_count=3)
+        service.add_message(session.id, "assistant", f"answer {i}", token_count=3)
+        ids.append(session.id)
+    service.remember_open(ids[1])
+    service.close()
+    return ids[1]
+
+
+async def test_the_first_paint_shows_sessions_while_the_engine_is_still_loading(
+    kvhome: Path,
+) -> None:
+    """The sidebar and the last-open session are drawn from the store before the service
+    (llama.cpp) opens; when it does, nothing drawn is drawn again or doubled, and what the
+    user typed meanwhile stays."""
+    opened = _home_of_five()
+    app = KvchatApp(make_settings(), cursor_blink=False)
+    gate = threading.Event()
+    # The engine thread is busy until the gate opens: the service cannot open before.
+    held = app.engine_thread.run(gate.wait)
+    async with app.run_test(size=SIZE) as pilot:
+        main = app.main
+        try:
+            await wait_until(lambda: main.status.turn_text.startswith("loading model"), 30)
+            assert app.service is None and main.shown_id == opened
+            titles = [row.summary.session.title for row in main.sessions.rows]
+            assert titles == [f"Session {i}" for i in (4, 3, 2, 1, 0)]
+            assert [v.text for v in main.conversation.views] == ["question 1", "answer 1"]
+            shown = list(main.conversation.views)
+            await pilot.press(*"hello")
+        finally:
+            gate.set()
+        await held
+        main = await ready(app)
+        await wait_until(lambda: main.feed.complete and main.last_restore is not None)
+        assert app.service is not None and app.backend.index is None
+        titles = [row.summary.session.title for row in main.sessions.rows]
+        assert titles == [f"Session {i}" for i in (4, 3, 2, 1, 0)]
+        assert main.conversation.views == shown  # the same views: not shown again
+        assert main.prompt.text == "hello"
+        assert app.backend.worker_errors == []
+
+
+def test_the_first_paint_reads_imports_neither_llama_cpp_nor_numpy_nor_sqlite_utils(
+    kvhome: Path,
+) -> None:
+    """What the app reads before the service opens comes through a store-only index."""
+    opened = _home_of_five()
+    code = (
+        "import sys\n"
+        "from kvchat.tui.backend import Backend\n"
+        "backend = Backend()\n"
+        "backend.open_index()\n"
+        "reader = backend.reader\n"
+        "last = reader.last_open_session()\n"
+        "print(last.id, len(reader.list_sessions_page(200).sessions),"
+        " [m.content for m in reader.message_window(last.id, 60).messages])\n"
+        "backend.close_index()\n"
+        "print(sorted(m for m in ('llama_cpp', 'numpy', 'sqlite_utils',"
+        " 'kvchat.service.chat', 'kvchat.kvcache') if m in sys.modules))"
+    )
+    env = {**os.environ, "KVCHAT_HOME": str(kvhome)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"{opened} 5 ['question 1', 'answer 1']", "[]"]

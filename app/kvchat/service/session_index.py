@@ -1,16 +1,53 @@
-"""The session list alone, over the store: what ``kvchat list`` reads.
+"""The session list and a session's pages alone, over the store: what ``kvchat list``
+reads, and what the app paints first while the engine loads.
 
-No engine and no KV tiers, so nothing here imports llama.cpp's bindings (about a third of
-a ``kvchat list``'s time went to importing them for a list of titles).
+No engine and no KV tiers, so nothing here imports llama.cpp's bindings, numpy or
+sqlite-utils (about a third of a ``kvchat list``'s time went to importing them for a list
+of titles; the app's first paint waited ~0.8 s for them).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from kvchat.errors import KvchatError
-from kvchat.service.checks import os_error_line
-from kvchat.store import SessionPage, Store
+from kvchat.service.checks import disk_full, os_error_line
+from kvchat.store import Message, MessageWindow, Session, SessionPage, Store
+from kvchat.store.store import DamagedDatabase, StoreFull
+
+# The meta keys the service's SessionBook keeps (the session the app had open at quit,
+# the last one used anywhere).
+OPEN_SESSION_KEY = "app_open_session"
+LAST_SESSION_KEY = "last_session"
+
+
+class SessionReads(Protocol):
+    """The reads the app's first paint and its paging need: the service has them, and so
+    has :class:`SessionIndex`."""
+
+    def list_sessions_page(
+        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
+    ) -> SessionPage: ...
+
+    def change_stamp(self) -> int: ...
+
+    def last_open_session(self) -> Session | None: ...
+
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]: ...
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow: ...
 
 
 class SessionIndex:
@@ -22,6 +59,14 @@ class SessionIndex:
             self.store = Store(database)
         except OSError as exc:
             raise KvchatError(os_error_line("cannot open the database", exc)) from None
+        except (StoreFull, DamagedDatabase):
+            raise
+        except KvchatError as exc:
+            # As ChatService says it: SQLite reports a disk with no room for its
+            # shared-memory file as an I/O error.
+            if disk_full(database.parent):
+                raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
+            raise
 
     def __enter__(self) -> SessionIndex:
         return self
@@ -39,3 +84,44 @@ class SessionIndex:
     def count_sessions(self, *, title: str | None = None) -> int:
         """How many sessions there are (whose title contains ``title``, when given)."""
         return self.store.count_sessions(title=title)
+
+    def change_stamp(self) -> int:
+        """The session list's change stamp (see SessionBook.change_stamp)."""
+        return self.store.change_stamp()
+
+    def last_open_session(self) -> Session | None:
+        """The session the app had open when it quit, else the last one used, else the
+        newest (as SessionBook.last_open_session)."""
+        for key in (OPEN_SESSION_KEY, LAST_SESSION_KEY):
+            session_id = self.store.get_meta(key)
+            if session_id:
+                try:
+                    return self.store.get_session(session_id)
+                except KvchatError:
+                    pass
+        newest = self.store.list_sessions_page(1).sessions
+        return newest[0].session if newest else None
+
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]:
+        """Up to ``limit`` of the session's messages just before message id ``before``."""
+        return self.store.messages_page(session_id, limit, before=before)
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow:
+        """What the app shows of a session (as SessionBook.message_window)."""
+        window = self.store.message_window(
+            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
+        )
+        last = window.messages[-1] if window.messages else None
+        if last is not None and last.role == "assistant" and window.later == 0:
+            window = replace(window, last_version=self.store.version_of(last.id))
+        return window

@@ -2,7 +2,9 @@
 
 Every call that touches the model goes to the engine thread; store reads and store-only
 writes go to the store thread. The UI thread only awaits their results. The service itself
-is opened on the engine thread after the first frame (importing it loads llama.cpp).
+is opened on the engine thread after the first frame (importing it loads llama.cpp); until
+it is, the first page of sessions and the open session's last page are read through a
+store-only :class:`~kvchat.service.session_index.SessionIndex` (no llama.cpp, no numpy).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     # Imported lazily at run time: pydantic and llama.cpp are not needed for the first frame.
     from kvchat.config import Settings
     from kvchat.service.chat import ChatService
+    from kvchat.service.session_index import SessionIndex, SessionReads
 
 T = TypeVar("T")
 
@@ -29,6 +32,8 @@ class Backend:
     def __init__(self, settings: Settings | None = None, service: ChatService | None = None):
         self._settings = settings
         self.service = service
+        # The store-only reads of the first paint, until the service is open (then closed).
+        self.index: SessionIndex | None = None
         self.engine_thread = SerialThread("engine")
         self.store_thread = SerialThread("store")
         # The app is quitting: background work ends quietly.
@@ -69,6 +74,30 @@ class Backend:
         service = self.service
         assert service is not None
         return service
+
+    @property
+    def reader(self) -> SessionReads:
+        """What reads of sessions and messages go through: the service once it is open,
+        else the store-only index opened for the first paint."""
+        if self.service is not None:
+            return self.service
+        index = self.index
+        assert index is not None
+        return index
+
+    def open_index(self) -> None:
+        """On the store thread: open the database for reading the session list and messages
+        without the engine (the first paint need not wait for llama.cpp's import)."""
+        from kvchat.config import data_dir
+        from kvchat.service.session_index import SessionIndex
+
+        self.index = SessionIndex(data_dir() / "kvchat.db")
+
+    def close_index(self) -> None:
+        """On the store thread (after every read queued through it): the service reads now."""
+        index, self.index = self.index, None
+        if index is not None:
+            index.store.close()
 
     def open_service(self) -> None:
         """On the engine thread: importing kvchat.service.chat loads llama.cpp's bindings.

@@ -1,7 +1,10 @@
 """Opening sessions on the main screen: start-up, switching, resume before Enter.
 
-A session is drawn first (only the messages that fill the screen), then its KV is brought
-back on the engine thread at once, before the user types: the first message after a
+At start-up the sessions list and the open session's last page are drawn from the
+store-only index before the service (llama.cpp) is even imported; the service then opens
+on the engine thread and the reads switch to it, nothing drawn again. A session is drawn
+first (only the messages that fill the screen), then its KV is brought back on the engine
+thread at once, before the user types: the first message after a
 switch or a relaunch then decodes only itself. The session the app has open is
 remembered, so a relaunch reopens it.
 """
@@ -49,15 +52,15 @@ class StorePages:
         self.session_id = session_id
 
     async def before(self, message_id: int, limit: int) -> list[Message]:
-        chat = self.backend.chat
+        reader = self.backend.reader
         return await self.backend.on_store(
-            chat.messages_page, self.session_id, limit, before=message_id
+            reader.messages_page, self.session_id, limit, before=message_id
         )
 
     async def opening(self, limit: int) -> tuple[list[Message], int]:
-        chat = self.backend.chat
+        reader = self.backend.reader
         window = await self.backend.on_store(
-            chat.message_window, self.session_id, limit, from_start=True
+            reader.message_window, self.session_id, limit, from_start=True
         )
         return window.messages, window.total
 
@@ -92,18 +95,18 @@ class SessionOpener:
     # --- start ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the service, show the session open at the last quit, load the model."""
+        """Show the session open at the last quit (read without the engine), open the
+        service, load the model."""
         backend, state = self.backend, self.state
         if backend.service is None:
             try:
-                await backend.on_engine(backend.open_service)
+                await backend.on_store(backend.open_index)
             except KvchatError as exc:
                 self.post(Fatal("kvchat cannot open its data", str(exc)))
                 return
-        service = backend.chat
         # The session the user was in when the app last quit (not the last one a CLI
         # `ask` or a fork touched).
-        last = await backend.on_store(service.last_open_session)
+        last = await backend.on_store(backend.reader.last_open_session)
         if last is not None:
             state.session_id = last.id
         # The list first (a page of rows, drawn at once), then the open session's messages
@@ -114,6 +117,21 @@ class SessionOpener:
         else:
             await self.conversation.show([])
         self.status.set_turn(f"loading model {backend.model_label}…", "busy")
+        if backend.service is None:
+            # After that frame: importing the service (llama.cpp, numpy) holds the
+            # interpreter's lock in long stretches.
+            await self._painted()
+            try:
+                await backend.on_engine(backend.open_service)
+            except KvchatError as exc:
+                self.post(Fatal("kvchat cannot open its data", str(exc)))
+                return
+            finally:
+                await backend.on_store(backend.close_index)
+            # A look through the service: what changed meanwhile, and where the KV is
+            # (only the rows that changed are drawn again).
+            await self.refresh()
+        service = backend.chat
         loading = backend.on_engine(backend.load_model)
         await self.conversation.fill()  # the earlier messages, while the model loads
         try:
@@ -208,14 +226,14 @@ class SessionOpener:
         """On the store thread: the messages to show (the window around ``highlight``, else
         the latest page), where they sit, when the session last changed and the version of
         its last reply."""
-        service = self.backend.chat
+        reader = self.backend.reader
         if highlight is not None:
-            window = service.message_window(
+            window = reader.message_window(
                 session_id, HIT_WINDOW, around=highlight, before_hit=BEFORE_HIT
             )
             if any(m.id == highlight for m in window.messages):
                 return window
-        return service.message_window(session_id, SHOWN)
+        return reader.message_window(session_id, SHOWN)
 
     async def open(
         self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
@@ -251,13 +269,19 @@ class SessionOpener:
                 self.prompt.screen.set_focus(self.prompt, scroll_visible=False)
         # For the next launch, on the store thread meanwhile (its commit waits for the
         # disk: tens of ms that the restore need not wait for).
-        service = self.backend.chat
-        remembered = asyncio.ensure_future(self.backend.on_store(service.remember_open, session_id))
+        # (Before the service is open, quitting remembers it.)
+        service = self.backend.service
+        remembered = (
+            asyncio.ensure_future(self.backend.on_store(service.remember_open, session_id))
+            if service is not None
+            else None
+        )
         # Resume before Enter: the restore starts as soon as the session is drawn (not
         # together with the drawing: both would share the interpreter's lock).
         await self._painted()
         await self.make_hot(session_id, started=started)
-        await remembered
+        if remembered is not None:
+            await remembered
         await self.conversation.fill()
 
     async def _painted(self) -> None:

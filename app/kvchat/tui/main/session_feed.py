@@ -8,6 +8,10 @@ any process that makes, changes or deletes a session moves), and where the KV is
 few sessions whose KV can have moved without their row changing: the open one and those
 shown hot or in RAM. So a look costs the same with ten sessions or ten thousand, and the
 watch's poll (:meth:`SessionFeed.poll`) is one row read while nothing changes.
+
+Before the service is open (the first paint does not wait for llama.cpp), the first page
+is read through the store-only index: each row then says disk or none, as the list says,
+and the first look through the service adds where the KV is (only changed rows redraw).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
     from kvchat.service.chat import ChatService, SessionChanges, SessionPage, SessionSummary
+    from kvchat.service.session_index import SessionReads
 
 # Sessions read per store call (the first page is all a first paint waits for).
 PAGE = 200
@@ -33,11 +38,14 @@ SHOW_EVERY = 10
 KvNow = tuple[str, int]
 
 
-def _first_page(service: ChatService, ids: list[str]) -> tuple[int, SessionPage, dict[str, KvNow]]:
+def _first_page(
+    reader: SessionReads, service: ChatService | None, ids: list[str]
+) -> tuple[int, SessionPage, dict[str, KvNow]]:
     """On the store thread: the stamp (read first: a change during the read shows in the
-    next look), the first page, and where the KV is for ``ids``."""
-    stamp = service.change_stamp()
-    return stamp, service.list_sessions_page(PAGE), _kv_now(service, ids)
+    next look), the first page, and where the KV is for ``ids`` (once the service is open)."""
+    stamp = reader.change_stamp()
+    page = reader.list_sessions_page(PAGE)
+    return stamp, page, _kv_now(service, ids) if service is not None else {}
 
 
 def _look(
@@ -98,12 +106,16 @@ class SessionFeed:
         it. Nothing is applied until every read is back, so a cancelled refresh loses
         nothing: the next one reads from the same stamp."""
         backend = self.backend
-        service = backend.chat
+        if self._stamp is not None and backend.service is None:
+            return  # the first page is shown; the next look goes through the service
         if self._stamp is None:
-            stamp, page, kv = await backend.on_store(_first_page, service, self._tracked())
+            stamp, page, kv = await backend.on_store(
+                _first_page, backend.reader, backend.service, self._tracked()
+            )
             self._add_page(page)
             self._stamp = stamp
         else:
+            service = backend.chat
             changes, kv = await backend.on_store(_look, service, self._stamp, self._tracked())
             self._apply(changes)
         self._apply_kv(kv)
@@ -114,7 +126,7 @@ class SessionFeed:
         backend = self.backend
         pages = 0
         while not self.complete and self._next is not None:
-            page = await backend.on_store(backend.chat.list_sessions_page, PAGE, self._next)
+            page = await backend.on_store(backend.reader.list_sessions_page, PAGE, self._next)
             self._add_page(page)
             pages += 1
             # Each show lays out every row (plain data, no drawing): at thousands of rows,
@@ -124,7 +136,7 @@ class SessionFeed:
 
     async def poll(self) -> bool:
         """One row read: whether the list changed since the last look (then look)."""
-        if self._stamp is None:
+        if self._stamp is None or self.backend.service is None:
             return False
         backend = self.backend
         stamp = await backend.on_store(backend.chat.change_stamp)
