@@ -11,21 +11,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from dataclasses import replace
 from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat, export_session
 from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
+from kvchat.service.session_index import LAST_SESSION_KEY, OPEN_SESSION_KEY, SessionReader
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import (
     Message,
-    MessageWindow,
     SearchHit,
     Session,
     SessionChanges,
-    SessionPage,
     SessionSummary,
     Store,
 )
@@ -39,14 +37,11 @@ DEFAULT_TITLE = "New chat"
 _BRANCH_PREFIX = re.compile(r"^(?:Fork at|Edit of) #\d+(?: \((\d+)\))?: ")
 # What a fork added to its parent's title before kvchat named branches by what they are.
 _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
-LAST_SESSION_KEY = "last_session"
 # How many sessions a branch's title check reads at a time.
 BRANCH_PAGE = 500
-# The session the app had open last (set by the app alone: a CLI `ask` never moves it).
-OPEN_SESSION_KEY = "app_open_session"
 
 
-class SessionBook:
+class SessionBook(SessionReader):
     """Sessions, messages, forks, edits and reply versions over the store."""
 
     def __init__(self, store: Store, locks: SessionLocks, host: EngineHost) -> None:
@@ -75,16 +70,6 @@ class SessionBook:
     def list_sessions(self) -> list[SessionSummary]:
         return self.store.list_sessions()
 
-    def last_session(self) -> Session | None:
-        session_id = self.store.get_meta(LAST_SESSION_KEY)
-        if session_id:
-            try:
-                return self.store.get_session(session_id)
-            except KvchatError:
-                pass
-        newest = self.store.list_sessions_page(1).sessions  # one row, however many there are
-        return newest[0].session if newest else None
-
     def remember_open(self, session_id: str) -> None:
         """Note that the app opened this session: the next launch opens it again.
 
@@ -95,17 +80,6 @@ class SessionBook:
             self.store.set_meta(OPEN_SESSION_KEY, session_id)
         except StoreFull:
             pass
-
-    def last_open_session(self) -> Session | None:
-        """The session the app had open when it quit, if it still exists; else, for a
-        first launch, :meth:`last_session`."""
-        session_id = self.store.get_meta(OPEN_SESSION_KEY)
-        if session_id:
-            try:
-                return self.store.get_session(session_id)
-            except KvchatError:
-                pass
-        return self.last_session()
 
     def messages(self, session_id: str) -> list[Message]:
         return self.store.messages(session_id)
@@ -330,52 +304,7 @@ class SessionBook:
 
     # --- the session list at scale (issue 26) -------------------------------------------------
 
-    def list_sessions_page(
-        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
-    ) -> SessionPage:
-        """Up to ``limit`` sessions, most recently updated first, after the cursor ``after``
-        (the previous page's ``next``); only titles containing ``title`` when given."""
-        return self.store.list_sessions_page(limit, after, title=title)
-
-    def count_sessions(self, *, title: str | None = None) -> int:
-        """How many sessions there are (whose title contains ``title``, when given)."""
-        return self.store.count_sessions(title=title)
-
-    def change_stamp(self) -> int:
-        """The session list's change stamp: it moves when any process makes, changes or
-        deletes a session (one row read)."""
-        return self.store.change_stamp()
-
     def sessions_changed_since(self, stamp: int) -> SessionChanges:
         """Sessions made or changed after ``stamp`` and those deleted, by any process, with
         the stamp to ask from next (indexed reads of what changed, never the whole list)."""
         return self.store.sessions_changed_since(stamp)
-
-    def messages_page(
-        self, session_id: str, limit: int, *, before: int | None = None
-    ) -> list[Message]:
-        """Up to ``limit`` of the session's messages just before message id ``before`` (the
-        last ones when None), in order: a long session opens at its end and pages back."""
-        return self.store.messages_page(session_id, limit, before=before)
-
-    def message_window(
-        self,
-        session_id: str,
-        limit: int,
-        *,
-        around: int | None = None,
-        before_hit: int = 0,
-        from_start: bool = False,
-    ) -> MessageWindow:
-        """What an app shows of a session, never reading the whole of it: up to ``limit``
-        messages (the last ones; the first ones with ``from_start``; ``before_hit`` before
-        the message id ``around``, it and those after), where they sit (the messages before
-        and the total), when the session last changed, and the version of its last reply
-        when the window ends with it."""
-        window = self.store.message_window(
-            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
-        )
-        last = window.messages[-1] if window.messages else None
-        if last is not None and last.role == "assistant" and window.later == 0:
-            window = replace(window, last_version=self.store.version_of(last.id))
-        return window

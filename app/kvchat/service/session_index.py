@@ -17,8 +17,8 @@ from kvchat.service.checks import disk_full, os_error_line
 from kvchat.store import Message, MessageWindow, Session, SessionPage, Store
 from kvchat.store.store import DamagedDatabase, StoreFull
 
-# The meta keys the service's SessionBook keeps (the session the app had open at quit,
-# the last one used anywhere).
+# The meta keys: the session the app had open at quit (set by the app alone: a CLI `ask`
+# never moves it), and the last one used anywhere.
 OPEN_SESSION_KEY = "app_open_session"
 LAST_SESSION_KEY = "last_session"
 
@@ -50,7 +50,81 @@ class SessionReads(Protocol):
     ) -> MessageWindow: ...
 
 
-class SessionIndex:
+class SessionReader:
+    """The session list and a session's pages over ``store``: :class:`SessionIndex` reads
+    them alone, the service's SessionBook among its other work."""
+
+    store: Store
+
+    def list_sessions_page(
+        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
+    ) -> SessionPage:
+        """Up to ``limit`` sessions, most recently updated first, after the cursor ``after``
+        (the previous page's ``next``); only titles containing ``title`` when given."""
+        return self.store.list_sessions_page(limit, after, title=title)
+
+    def count_sessions(self, *, title: str | None = None) -> int:
+        """How many sessions there are (whose title contains ``title``, when given)."""
+        return self.store.count_sessions(title=title)
+
+    def change_stamp(self) -> int:
+        """The session list's change stamp: it moves when any process makes, changes or
+        deletes a session (one row read)."""
+        return self.store.change_stamp()
+
+    def last_session(self) -> Session | None:
+        """The session used last, by any process, else the newest; None in an empty home."""
+        session_id = self.store.get_meta(LAST_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        newest = self.store.list_sessions_page(1).sessions  # one row, however many there are
+        return newest[0].session if newest else None
+
+    def last_open_session(self) -> Session | None:
+        """The session the app had open when it quit, if it still exists; else, for a
+        first launch, :meth:`last_session`."""
+        session_id = self.store.get_meta(OPEN_SESSION_KEY)
+        if session_id:
+            try:
+                return self.store.get_session(session_id)
+            except KvchatError:
+                pass
+        return self.last_session()
+
+    def messages_page(
+        self, session_id: str, limit: int, *, before: int | None = None
+    ) -> list[Message]:
+        """Up to ``limit`` of the session's messages just before message id ``before`` (the
+        last ones when None), in order: a long session opens at its end and pages back."""
+        return self.store.messages_page(session_id, limit, before=before)
+
+    def message_window(
+        self,
+        session_id: str,
+        limit: int,
+        *,
+        around: int | None = None,
+        before_hit: int = 0,
+        from_start: bool = False,
+    ) -> MessageWindow:
+        """What an app shows of a session, never reading the whole of it: up to ``limit``
+        messages (the last ones; the first ones with ``from_start``; ``before_hit`` before
+        the message id ``around``, it and those after), where they sit (the messages before
+        and the total), when the session last changed, and the version of its last reply
+        when the window ends with it."""
+        window = self.store.message_window(
+            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
+        )
+        last = window.messages[-1] if window.messages else None
+        if last is not None and last.role == "assistant" and window.later == 0:
+            window = replace(window, last_version=self.store.version_of(last.id))
+        return window
+
+
+class SessionIndex(SessionReader):
     """Pages of the session list and its count, read from the database at ``database``
     (opened with the store's checks, closed on leaving a ``with`` block)."""
 
@@ -73,55 +147,3 @@ class SessionIndex:
 
     def __exit__(self, *_exc: object) -> None:
         self.store.close()
-
-    def list_sessions_page(
-        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
-    ) -> SessionPage:
-        """Up to ``limit`` sessions, most recently updated first, after the cursor ``after``
-        (the previous page's ``next``); only titles containing ``title`` when given."""
-        return self.store.list_sessions_page(limit, after, title=title)
-
-    def count_sessions(self, *, title: str | None = None) -> int:
-        """How many sessions there are (whose title contains ``title``, when given)."""
-        return self.store.count_sessions(title=title)
-
-    def change_stamp(self) -> int:
-        """The session list's change stamp (see SessionBook.change_stamp)."""
-        return self.store.change_stamp()
-
-    def last_open_session(self) -> Session | None:
-        """The session the app had open when it quit, else the last one used, else the
-        newest (as SessionBook.last_open_session)."""
-        for key in (OPEN_SESSION_KEY, LAST_SESSION_KEY):
-            session_id = self.store.get_meta(key)
-            if session_id:
-                try:
-                    return self.store.get_session(session_id)
-                except KvchatError:
-                    pass
-        newest = self.store.list_sessions_page(1).sessions
-        return newest[0].session if newest else None
-
-    def messages_page(
-        self, session_id: str, limit: int, *, before: int | None = None
-    ) -> list[Message]:
-        """Up to ``limit`` of the session's messages just before message id ``before``."""
-        return self.store.messages_page(session_id, limit, before=before)
-
-    def message_window(
-        self,
-        session_id: str,
-        limit: int,
-        *,
-        around: int | None = None,
-        before_hit: int = 0,
-        from_start: bool = False,
-    ) -> MessageWindow:
-        """What the app shows of a session (as SessionBook.message_window)."""
-        window = self.store.message_window(
-            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
-        )
-        last = window.messages[-1] if window.messages else None
-        if last is not None and last.role == "assistant" and window.later == 0:
-            window = replace(window, last_version=self.store.version_of(last.id))
-        return window
