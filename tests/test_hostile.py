@@ -258,7 +258,7 @@ def test_the_cli_turns_os_and_sqlite_errors_into_one_line(
 def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    import kvchat.service.chat
+    import kvchat.service.checks
 
     ChatService(Settings()).close()  # the home exists
 
@@ -266,7 +266,7 @@ def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
         raise KvchatError(f"database error in {path}: disk I/O error")
 
     monkeypatch.setattr(Store, "__init__", io_error)
-    monkeypatch.setattr(kvchat.service.chat, "disk_full", lambda _directory: True)
+    monkeypatch.setattr(kvchat.service.checks, "disk_full", lambda _directory: True)
     for args in (["list"], ["cache"], ["export", "x"], ["ask", "Hi"], ["doctor"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2, (args, result.output)

@@ -35,7 +35,7 @@ def doctor(do_salvage: bool) -> None:
     Exit status 0: the database is sound (or was salvaged); 2: it is damaged.
     """
     # Imported here: `kvchat --version` loads no store.
-    from kvchat.service.chat import disk_full
+    from kvchat.service.checks import disk_full
     from kvchat.store.integrity import check, salvage
 
     path = data_dir() / "kvchat.db"

@@ -30,7 +30,7 @@ from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.tiers import CacheGc, KVTiers, SnapshotWrite, Tiers
 from kvchat.planner.defaults import DefaultsChoice
 from kvchat.service.book import SessionBook
-from kvchat.service.checks import disk_full, os_error_line
+from kvchat.service.checks import open_store
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat
 from kvchat.service.model_choices import ModelChoice, ModelChoices, SessionModel
@@ -55,15 +55,12 @@ from kvchat.store import (
     SessionChanges,
     SessionPage,
     SessionSummary,
-    Store,
 )
 from kvchat.store.locks import SessionLocks
-from kvchat.store.store import DamagedDatabase, StoreFull
 from kvchat.text import check_text
 
 __all__ = [
     "CacheGc",
-    "disk_full",
     "ChatService",
     "Housekeeping",
     "Message",
@@ -102,17 +99,7 @@ class ChatService:
         leaves it open: whoever created it closes it.
         """
         directory = home or data_dir()
-        try:
-            self.store = Store(directory / "kvchat.db")
-        except OSError as exc:
-            raise KvchatError(os_error_line("cannot open the database", exc)) from None
-        except (StoreFull, DamagedDatabase):
-            raise
-        except KvchatError as exc:
-            # SQLite reports a disk with no room for its shared-memory file as an I/O error.
-            if disk_full(directory):
-                raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
-            raise
+        self.store = open_store(directory / "kvchat.db")
         try:
             tiers = KVTiers.open(directory / "snapshots", self.store, settings)
         except BaseException:

@@ -8,9 +8,28 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.engine import Engine
+from kvchat.errors import KvchatError
+from kvchat.store import Store
 
 # disk_full is the store's (it names SQLite's "disk I/O error" on a full disk as such).
 from kvchat.store.connection import disk_full as disk_full
+from kvchat.store.store import DamagedDatabase, StoreFull
+
+
+def open_store(database: Path) -> Store:
+    """The store at ``database``, or one clear line for why it cannot open (a full disk
+    named as such: SQLite reports a disk with no room for its shared-memory file as an I/O
+    error)."""
+    try:
+        return Store(database)
+    except OSError as exc:
+        raise KvchatError(os_error_line("cannot open the database", exc)) from None
+    except (StoreFull, DamagedDatabase):
+        raise
+    except KvchatError as exc:
+        if disk_full(database.parent):
+            raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
+        raise
 
 
 def check_engine_config(engine: Engine, wanted: Any, explicit: set[str]) -> None:

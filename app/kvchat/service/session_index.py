@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 from kvchat.errors import KvchatError
-from kvchat.service.checks import disk_full, os_error_line
+from kvchat.service.checks import open_store
 from kvchat.store import Message, MessageWindow, Session, SessionPage, Store
-from kvchat.store.store import DamagedDatabase, StoreFull
 
 # The meta keys: the session the app had open at quit (set by the app alone: a CLI `ask`
 # never moves it), and the last one used anywhere.
@@ -129,18 +128,7 @@ class SessionIndex(SessionReader):
     (opened with the store's checks, closed on leaving a ``with`` block)."""
 
     def __init__(self, database: Path) -> None:
-        try:
-            self.store = Store(database)
-        except OSError as exc:
-            raise KvchatError(os_error_line("cannot open the database", exc)) from None
-        except (StoreFull, DamagedDatabase):
-            raise
-        except KvchatError as exc:
-            # As ChatService says it: SQLite reports a disk with no room for its
-            # shared-memory file as an I/O error.
-            if disk_full(database.parent):
-                raise StoreFull(f"the disk is full: cannot open the database ({exc})") from None
-            raise
+        self.store = open_store(database)
 
     def __enter__(self) -> SessionIndex:
         return self
