@@ -46,6 +46,7 @@ from kvchat.service.reports import (
     WindowShift,
     generation_params,
 )
+from kvchat.service.session_index import SessionReader
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
     Message,
@@ -84,8 +85,9 @@ __all__ = [
 STREAM_SAVE_EVERY_S = 1.0
 
 
-class ChatService:
-    """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine."""
+class ChatService(SessionReader):
+    """Sessions and turns over one store, the KV tiers and one (lazily loaded) engine (the
+    session list and a session's pages: :class:`SessionReader`'s reads)."""
 
     def __init__(
         self, settings: Settings, home: Path | None = None, *, engine: Engine | None = None
@@ -386,15 +388,9 @@ class ChatService:
     def list_sessions(self) -> list[SessionSummary]:
         return self.sessions.list_sessions()
 
-    def last_session(self) -> Session | None:
-        return self.sessions.last_session()
-
     def remember_open(self, session_id: str) -> None:
         """Note that the app opened this session: the next launch opens it again."""
         self.sessions.remember_open(session_id)
-
-    def last_open_session(self) -> Session | None:
-        return self.sessions.last_open_session()
 
     def messages(self, session_id: str) -> list[Message]:
         return self.sessions.messages(session_id)
@@ -497,46 +493,9 @@ class ChatService:
 
     # --- the session list at scale (issue 26) -------------------------------------------------
 
-    def list_sessions_page(
-        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
-    ) -> SessionPage:
-        """A page of the session list, newest first (keyset: pass ``page.next`` as ``after``);
-        only titles containing ``title`` when given."""
-        return self.sessions.list_sessions_page(limit, after, title=title)
-
-    def count_sessions(self, *, title: str | None = None) -> int:
-        return self.sessions.count_sessions(title=title)
-
-    def change_stamp(self) -> int:
-        """The session list's change stamp now (one row read)."""
-        return self.sessions.change_stamp()
-
     def sessions_changed_since(self, stamp: int) -> SessionChanges:
         """What another process (or this one) made, changed or deleted after ``stamp``."""
         return self.sessions.sessions_changed_since(stamp)
-
-    def messages_page(
-        self, session_id: str, limit: int, *, before: int | None = None
-    ) -> list[Message]:
-        """Up to ``limit`` messages before message id ``before`` (the last ones when None)."""
-        return self.sessions.messages_page(session_id, limit, before=before)
-
-    def message_window(
-        self,
-        session_id: str,
-        limit: int,
-        *,
-        around: int | None = None,
-        before_hit: int = 0,
-        from_start: bool = False,
-    ) -> MessageWindow:
-        """Up to ``limit`` of a session's messages (the last; the first with ``from_start``;
-        ``before_hit`` before the message id ``around`` and on from it) with where they sit
-        and the session's summary (its count, when it changed, the last reply's version):
-        a 5,000-message session opens reading a page."""
-        return self.sessions.message_window(
-            session_id, limit, around=around, before_hit=before_hit, from_start=from_start
-        )
 
 
 @contextmanager
