@@ -64,14 +64,9 @@ def counts_problem(
 def check_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
     """Why ``session_id``'s messages disagree with its row (damage), or None (also when
     there is no such session)."""
-    row = conn.execute(_COUNTS_SQL, (session_id,)).fetchone()
-    if row is None or row[0] != session_id:
-        hidden = conn.execute(
-            "SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)
-        ).fetchone()
-        if row is None and hidden is None:
-            return None
-        return _hidden_session(session_id)
+    row, problem = _own_row(conn, _COUNTS_SQL, session_id)
+    if row is None:
+        return problem
     return counts_problem(row[1:4], row[4:], session_id)
 
 
@@ -88,20 +83,29 @@ FROM sessions s WHERE s.id = ?
 def check_index_counts(conn: sqlite3.Connection, session_id: str) -> str | None:
     """Why the (session, id) index disagrees with the session's row on how many messages
     it has and which is last (damage), or None (also when there is no such session)."""
-    row = conn.execute(_INDEX_COUNTS_SQL, (session_id,)).fetchone()
-    if row is None or row[0] != session_id:
-        hidden = conn.execute(
-            "SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)
-        ).fetchone()
-        if row is None and hidden is None:
-            return None
-        return _hidden_session(session_id)
+    row, problem = _own_row(conn, _INDEX_COUNTS_SQL, session_id)
+    if row is None:
+        return problem
     if tuple(row[1:3]) == tuple(row[3:5]):
         return None
     return (
         f"session {session_id} records {row[1]} messages (last #{row[2]}) but its index finds"
         f" {row[3]} (last #{row[4]}): an index of the file is damaged"
     )
+
+
+def _own_row(
+    conn: sqlite3.Connection, sql: str, session_id: str
+) -> tuple[tuple[Any, ...] | None, str | None]:
+    """The row ``sql`` reads for ``session_id`` when it is that session's own, else (None,
+    None) for no such session or (None, why) when the id index hides or misplaces it."""
+    row = conn.execute(sql, (session_id,)).fetchone()
+    if row is not None and row[0] == session_id:
+        return tuple(row), None
+    hidden = conn.execute("SELECT 1 FROM sessions NOT INDEXED WHERE id=?", (session_id,)).fetchone()
+    if row is None and hidden is None:
+        return None, None
+    return None, _hidden_session(session_id)
 
 
 def _hidden_session(session_id: str) -> str:
