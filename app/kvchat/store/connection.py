@@ -134,6 +134,24 @@ class SqlBase:
         except UnicodeDecodeError:  # SQLite's message about a damaged file quotes its bytes
             raise self._found_damage("SQLite's report of the damage is not even text") from None
 
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """Hold the connection for reads that must see one moment (one read transaction,
+        unless the caller's is open); SQLite's errors as one clear line."""
+        try:
+            with self._lock:
+                conn = self._open_conn()
+                began = not conn.in_transaction
+                if began:
+                    conn.execute("BEGIN")
+                try:
+                    yield conn
+                finally:
+                    if began:
+                        conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise _translate(self.path, exc) from None
+
     def _rows(
         self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()
     ) -> list[dict[str, Any]]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.store.connection import SqlBase, _translate, now
+from kvchat.store.connection import SqlBase, now
 from kvchat.store.rows import Message, MessageWindow, SearchHit
 from kvchat.store.sessions_sql import (
     TRUE_ID,
@@ -185,24 +183,6 @@ class MessagesSql(SqlBase):
         problem = check_index_counts(conn, session_id)
         if problem is not None:
             raise self._found_damage(problem)
-
-    @contextmanager
-    def _reading(self) -> Iterator[sqlite3.Connection]:
-        """Hold the connection for reads that must see one moment (one read transaction,
-        unless the caller's is open); SQLite's errors as one clear line."""
-        try:
-            with self._lock:
-                conn = self._open_conn()
-                began = not conn.in_transaction
-                if began:
-                    conn.execute("BEGIN")
-                try:
-                    yield conn
-                finally:
-                    if began:
-                        conn.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            raise _translate(self.path, exc) from None
 
     def delete_message(self, message_id: int) -> None:
         with self._tx() as conn:

@@ -104,27 +104,19 @@ class SessionListSql(SqlBase):
         """Sessions made or changed after ``stamp`` (oldest change first) and the ids
         deleted after it, with the stamp to pass next time: indexed reads of what changed,
         never the whole list. Read in one transaction, so nothing falls between two looks."""
-        with self._lock:
-            conn = self._open_conn()
-            began = not conn.in_transaction
-            if began:
-                conn.execute("BEGIN")
-            try:
-                now = self.change_stamp()
-                rows = self._rows(
-                    f"SELECT {_SUMMARY_COLUMNS} FROM sessions s INDEXED BY sessions_by_changed"
-                    " LEFT JOIN kv_snapshots k ON k.session_id = s.id"
-                    " WHERE s.changed > ? AND s.changed <= ? ORDER BY s.changed",
-                    (stamp, now),
-                )
-                deleted = self._rows(
-                    "SELECT id FROM sessions_deleted WHERE changed > ? AND changed <= ?"
-                    " ORDER BY changed",
-                    (stamp, now),
-                )
-            finally:
-                if began:
-                    conn.execute("COMMIT")
+        with self._reading():
+            now = self.change_stamp()
+            rows = self._rows(
+                f"SELECT {_SUMMARY_COLUMNS} FROM sessions s INDEXED BY sessions_by_changed"
+                " LEFT JOIN kv_snapshots k ON k.session_id = s.id"
+                " WHERE s.changed > ? AND s.changed <= ? ORDER BY s.changed",
+                (stamp, now),
+            )
+            deleted = self._rows(
+                "SELECT id FROM sessions_deleted WHERE changed > ? AND changed <= ?"
+                " ORDER BY changed",
+                (stamp, now),
+            )
         return SessionChanges(now, self._summaries(rows), [r["id"] for r in deleted])
 
     def message_count(self, session_id: str) -> int:
