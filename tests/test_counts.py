@@ -13,8 +13,9 @@ import llama_cpp
 import llama_cpp._internals as internals
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import load_settings
 from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
+from kvchat.paths import bundled_model_path
 from kvchat.service.chat import ChatService
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path
 from kvchat.engine.api import EngineConfig
 from kvchat.engine.probe import ProbeBook, measured_speed, run_probe
+from kvchat.paths import bundled_model_path
 from kvchat.planner import read_gguf
 from kvchat.planner.catalog import find_entry, info_from_catalog, load_catalog
 from kvchat.planner.cpu import Measured, cpu_fit, ram_needed

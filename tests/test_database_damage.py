@@ -282,3 +282,41 @@ def test_closing_stops_a_background_check_that_starts_after_it(tmp_path, monkeyp
     go.set()
     closer.join(10)
     assert not closer.is_alive() and outcomes == ["interrupted"], outcomes
+
+
+def test_reads_do_not_wait_for_the_check_that_gates_writes(tmp_path, monkeypatch):
+    """A big file's quick_check gates writes, not reads: while it runs, what the app's first
+    paint reads (the session list and the open session's last page, with its last reply's
+    version) comes back at once. The first paint at 10,000 conversations waited ~0.3-0.5 s
+    for the check in the reply's version."""
+    session_id, _ = _home(tmp_path / "kvchat.db")
+    monkeypatch.setattr(store_module, "FULL_CHECK_AT_OPEN_BYTES", 0)
+    checking, go = threading.Event(), threading.Event()
+    real_pragma = Store._pragma_ok
+
+    def held(self: Store, check: str) -> bool:
+        checking.set()
+        go.wait(10)
+        return real_pragma(self, check)
+
+    monkeypatch.setattr(Store, "_pragma_ok", held)
+    store = Store(tmp_path / "kvchat.db")
+    try:
+        assert checking.wait(10)
+        read: list[object] = []
+        reader = threading.Thread(
+            target=lambda: read.extend(
+                [
+                    len(store.list_sessions_page(50).sessions),
+                    [m.content for m in store.message_window(session_id, 2).messages],
+                    store.version_of(store.message_window(session_id, 1).messages[-1].id),
+                ]
+            )
+        )
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "a read waited for the integrity check"
+        assert read == [2, ["m4", "m5"], (1, 1)]
+    finally:
+        go.set()
+        store.close()

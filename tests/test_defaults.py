@@ -18,8 +18,9 @@ from click.testing import CliRunner
 
 import kvchat.planner.defaults as defaults
 from kvchat.cli import main
-from kvchat.config import Settings, bundled_model_path, load_settings, models_dir
+from kvchat.config import Settings, load_settings
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path, models_dir
 from kvchat.planner import find_entry, info_from_catalog, load_catalog, read_gguf
 from kvchat.planner.defaults import AUTO_CTX_CAP, GOOD_CTX, GpuBudget, find_budget, plan_defaults
 from kvchat.planner.plan import GiB, PlanConfig, max_context, memory_at

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import load_settings
 from kvchat.engine.api import EngineConfig
 from kvchat.engine.llama import FA_TILE_ROWS
+from kvchat.paths import bundled_model_path
 from kvchat.service.chat import ChatService
 
 CONFIGS = [("f16", False), ("f16", True), ("q8_0", True), ("q4_0", True)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path
+from kvchat.paths import bundled_model_path
 from tests.conftest import FAST
 
 NEXT = "And then?"

@@ -23,10 +23,11 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import load_settings
 from kvchat.engine import EngineCapabilities, EngineConfig, EngineDefaults
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
+from kvchat.paths import bundled_model_path
 from kvchat.planner import kv_bytes_per_token, read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, state_bytes_per_token
 from kvchat.planner.templates import BUILTIN, CHATML, choose_template, load_template

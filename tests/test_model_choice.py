@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from textual.widgets import Label, OptionList
 
-from kvchat.config import Settings, bundled_model_path, models_dir
+from kvchat.config import Settings
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path, models_dir
 from kvchat.planner.defaults import GpuBudget, plan_defaults
 from kvchat.planner.gguf_info import read_gguf
 from kvchat.service.chat import ChatService

@@ -17,9 +17,9 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from kvchat.config import bundled_model_path
 from kvchat.engine import EngineConfig
 from kvchat.engine.llama import SEQ_ID, LlamaEngine
+from kvchat.paths import bundled_model_path
 from kvchat.service.chat import ChatService
 from tests.helpers import greedy_service
 

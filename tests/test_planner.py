@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvchat.cli.model_commands import models_group, resolve_model
-from kvchat.config import bundled_model_path
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path
 from kvchat.planner import (
     PlanConfig,
     find_entry,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import Settings, bundled_model_path, load_settings
+from kvchat.config import Settings, load_settings
 from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
 from kvchat.engine.probe import (
     ProbeBook,
@@ -33,6 +33,7 @@ from kvchat.engine.probe import (
     thread_candidates,
 )
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path
 from kvchat.planner.defaults import DefaultsChoice, retry_plan
 from tests.conftest import FAST, REPO, clean_env, run_cli
 
@@ -331,7 +332,8 @@ def test_a_reply_far_slower_than_measured_makes_the_engine_measure_again():
 # message whose reply is long; the test kills it mid-reply.
 _APP_SCRIPT = """
 import asyncio, sys
-from kvchat.config import Settings, data_dir
+from kvchat.config import Settings
+from kvchat.paths import data_dir
 from kvchat.crashes import start_crash_log
 from kvchat.tui.app import KvchatApp
 

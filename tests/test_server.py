@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path, load_settings
+from kvchat.config import load_settings
 from kvchat.engine.server_build import ServerPlan, find_binary
 from kvchat.engine.server_http import ServerError, normalize_url
 from kvchat.kvcache.server_tiers import identity_mismatch, slot_file_name
+from kvchat.paths import bundled_model_path
 from tests.conftest import REPO, clean_env, run_cli
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
+from kvchat.paths import ensure_private_dir
 from kvchat.store import Store
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.rows import SnapshotRow, pack_tokens

@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvchat.config import Settings, bundled_model_path
+from kvchat.config import Settings
 from kvchat.engine import EngineConfig
 from kvchat.engine.llama import LlamaEngine
 from kvchat.kvcache.state import ranges as kvlayout
+from kvchat.paths import bundled_model_path
 from kvchat.service.chat import ChatService
 
 SMALL_CHUNKS = dict(temperature=0, max_tokens=16, n_ctx=1024, chunk_tokens=32)

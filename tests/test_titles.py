@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.config import bundled_model_path
 from kvchat.engine.api import EngineConfig
+from kvchat.paths import bundled_model_path
 from kvchat.text import TITLE_WORDS, model_title, short_title
 from tests.helpers import greedy_service
 

@@ -22,7 +22,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvchat.config import bundled_model_path
+from kvchat.paths import bundled_model_path
 
 # Query and key projections' std, and Gemma 3's query/key norm weights: attention logits
 # with a std of a few units, so each query picks out a few cells (measured: at 0.05 a

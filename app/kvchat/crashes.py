@@ -63,7 +63,7 @@ def start_crash_log(directory: Path) -> Path | None:
     ``directory/crashes``; it is removed when the process exits normally. None when the
     directory cannot be written (then nothing is logged)."""
     global _current
-    from kvchat.config import ensure_private_dir
+    from kvchat.paths import ensure_private_dir
 
     if _current is not None:
         return _current[0]

@@ -41,8 +41,8 @@ def main(ctx: click.Context, **flags: Any) -> None:
     """
     ctx.obj = {k: v for k, v in flags.items() if v is not None}
     if ctx.invoked_subcommand in MODEL_COMMANDS:
-        from kvchat.config import data_dir
         from kvchat.crashes import start_crash_log
+        from kvchat.paths import data_dir
 
         start_crash_log(data_dir())
     if ctx.invoked_subcommand is None:
@@ -295,7 +295,7 @@ def _stream(piece: str) -> None:
 
 def _database_exists() -> bool:
     """Whether there is a database to read (a read-only command makes none)."""
-    from kvchat.config import data_dir
+    from kvchat.paths import data_dir
 
     return (data_dir() / "kvchat.db").exists()
 
@@ -363,7 +363,7 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
         _print("[]" if as_json else 'No sessions yet. Start one with: kvchat ask --new "Hello"')
         return
     items: list[dict[str, Any]] = []  # --json: one list, printed at the end
-    from kvchat.config import data_dir
+    from kvchat.paths import data_dir
     from kvchat.service.session_index import SessionIndex
 
     settings_from(ctx)  # a broken configuration is said here as by every command
@@ -609,7 +609,7 @@ def bench(
 @click.pass_context
 def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     """The effective settings and where each came from (flag, env, config file, plan, default)."""
-    from kvchat.config import config_file
+    from kvchat.paths import config_file
     from kvchat.planner.defaults import plan_defaults
 
     settings = settings_from(ctx, **flags)

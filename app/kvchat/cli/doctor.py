@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import click
 
-from kvchat.config import data_dir
 from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
+from kvchat.paths import data_dir
 from kvchat.text import one_line
 
 # Lines of what could not be read shown after a salvage (the count is always shown).

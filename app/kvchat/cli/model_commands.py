@@ -21,8 +21,8 @@ from typing import Any
 import click
 
 from kvchat.cli.group import KvchatGroup, shown
-from kvchat.config import bundled_model_path, data_dir, ensure_private_dir
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path, data_dir, ensure_private_dir
 from kvchat.planner.gguf_info import (
     CatalogEntry,
     ModelInfo,

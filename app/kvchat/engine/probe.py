@@ -252,7 +252,7 @@ def probe_file(directory: Path | None = None) -> Path:
     if shared:
         return Path(shared).expanduser()
     if directory is None:
-        from kvchat.config import data_dir
+        from kvchat.paths import data_dir
 
         directory = data_dir()
     return directory / PROBE_FILE
@@ -347,7 +347,7 @@ class ProbeBook:
 
     def put(self, outcome: ProbeOutcome) -> None:
         """Keep ``outcome`` (best effort: an unwritable directory means probing again)."""
-        from kvchat.config import ensure_private_dir
+        from kvchat.paths import ensure_private_dir
 
         outcomes = self.read()
         outcomes[outcome.key] = outcome.to_json()

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import platformdirs
 
-from kvchat.config import Settings, data_dir, ensure_private_dir
+from kvchat.config import Settings
 from kvchat.errors import KvchatError
+from kvchat.paths import data_dir, ensure_private_dir
 
 BINARY_NAME = "llama-server"
 # Overrides where the binary is looked for (a llama-server built some other way).

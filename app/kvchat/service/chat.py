@@ -22,12 +22,13 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvchat.config import Settings, data_dir
+from kvchat.config import Settings
 from kvchat.engine import CancelCheck, Engine
 from kvchat.engine.probe import ProbeOutcome
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.tiers import CacheGc, KVTiers, SnapshotWrite, Tiers
+from kvchat.paths import data_dir
 from kvchat.planner.defaults import DefaultsChoice
 from kvchat.service.book import SessionBook
 from kvchat.service.checks import open_store

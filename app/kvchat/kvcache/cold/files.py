@@ -8,7 +8,7 @@ Nothing here follows a symbolic link: a directory is used only when it is a real
 directory (:func:`dir_problem`), a file is read only when it is a regular file opened
 with ``O_NOFOLLOW``, and only regular files are ever removed (:func:`remove_file`).
 Existing directories are never chmod-ed; new ones are made 0700 by
-:func:`kvchat.config.ensure_private_dir`.
+:func:`kvchat.paths.ensure_private_dir`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvchat.config import ensure_private_dir
 from kvchat.errors import KvchatError
 from kvchat.kvcache.rejected import SnapshotRejected
+from kvchat.paths import ensure_private_dir
 
 TEMP_SUFFIX = ".tmp"
 # Test hook: seconds to stall halfway through writing a snapshot file, so a test can kill

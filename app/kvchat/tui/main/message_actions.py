@@ -144,6 +144,6 @@ class MessageActions:
 
 def _route_and_deliver(text: str) -> CopyOutcome:
     """On a worker thread: find how to copy here and do it."""
-    from kvchat.config import data_dir  # pydantic: not before the first frame
+    from kvchat.paths import data_dir
 
     return deliver(choose_route(), text, data_dir())

@@ -167,7 +167,7 @@ class SessionActions:
         self.app.notify(f"Exported to {request.path}", markup=False)
 
     async def settings(self) -> None:
-        from kvchat.config import config_file  # pydantic: not before the first frame
+        from kvchat.paths import config_file
         from kvchat.tui.presets import load_presets
         from kvchat.tui.screens.dialogs import SettingsDialog, reread_note
 
@@ -258,7 +258,7 @@ class SessionActions:
 
 def _write_text(path: Path, text: str, replace: bool) -> None:
     """Write an export readable by its owner only; never over a file unless ``replace``."""
-    from kvchat.config import ensure_private_dir
+    from kvchat.paths import ensure_private_dir
 
     if path.parent == exports_dir():
         ensure_private_dir(path.parent)
@@ -271,6 +271,6 @@ def _write_text(path: Path, text: str, replace: bool) -> None:
 
 def exports_dir() -> Path:
     """Where exports go by default: ``exports/`` in the data directory."""
-    from kvchat.config import data_dir  # pydantic: not before the first frame
+    from kvchat.paths import data_dir
 
     return data_dir() / "exports"

@@ -10,7 +10,7 @@ from textual.widgets import Footer, Label, Markdown
 
 
 def fix_text(model: str | None) -> str:
-    from kvchat.config import config_file
+    from kvchat.paths import config_file
 
     config = config_file()
     if model:
