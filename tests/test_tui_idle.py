@@ -124,6 +124,56 @@ async def test_the_first_paint_shows_sessions_while_the_engine_is_still_loading(
         assert app.backend.worker_errors == []
 
 
+async def test_the_session_list_is_drawn_before_the_open_session_is_built(
+    kvhome: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first paint draws the list's first page before the open session's messages are
+    built (their Markdown takes longer than the list), and the list's other pages are read
+    only once the open session is drawn (at 10,000 sessions, laying them out as they came
+    delayed the first frame)."""
+    from kvchat.tui.main import session_feed
+    from kvchat.tui.widgets.conversation import Conversation
+
+    monkeypatch.setattr(session_feed, "PAGE", 2)  # five sessions: a first page and more
+    opened = _home_of_five()
+    events: list[str] = []
+    show = Conversation.show
+
+    async def showing(self: Conversation, messages: list[Any], *args: Any, **kwargs: Any) -> None:
+        if messages and "messages built" not in events:
+            events.append("messages built")
+        await show(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Conversation, "show", showing)
+    app = KvchatApp(make_settings(), cursor_blink=False)
+    display = app._display
+
+    def displayed(screen: Any, renderable: Any) -> None:
+        display(screen, renderable)
+        if renderable is not None and "list drawn" not in events:
+            text = "".join(s.text for s in app.console.render(renderable) if not s.control)
+            if "Session 4" in text:
+                events.append("list drawn")
+
+    monkeypatch.setattr(app, "_display", displayed)
+    on_store = app.backend.on_store
+
+    def stored(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if getattr(fn, "__name__", "") == "list_sessions_page":
+            events.append("more sessions read")
+        return on_store(fn, *args, **kwargs)
+
+    monkeypatch.setattr(app.backend, "on_store", stored)
+    async with app.run_test(size=SIZE):
+        main = app.main
+        await wait_until(lambda: main.shown_id == opened and main.feed.complete, 30)
+        assert events[:3] == ["list drawn", "messages built", "more sessions read"], events
+        titles = [row.summary.session.title for row in main.sessions.rows]
+        assert titles == [f"Session {i}" for i in (4, 3, 2, 1, 0)]
+        assert [v.text for v in main.conversation.views] == ["question 1", "answer 1"]
+        assert app.backend.worker_errors == []
+
+
 def test_the_first_paint_reads_import_no_engine_no_numpy_no_settings(kvhome: Path) -> None:
     """What the app reads before the service opens comes through a store-only index: no
     llama.cpp, numpy or sqlite-utils, and no settings (pydantic: ~0.2-0.3 s to import), since

@@ -221,6 +221,9 @@ class KvchatApp(App[None]):
                 self.service.interrupt_housekeeping()
             self.engine_thread.call(self._close_service)
         self.engine_thread.shutdown()
+        # A quit before the service opened: the first paint's index closes (its integrity
+        # check of a big file stops).
+        self.store_thread.call(self.backend.close_index)
         self.store_thread.shutdown()
         self.collector.stop()
 

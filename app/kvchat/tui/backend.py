@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,6 +47,12 @@ class Backend:
         # runs only when none is in flight, and not once a later one was queued.
         self.engine_actions = 0
         self.engine_jobs = 0
+        # Opening the index (importing the store, opening the database) starts with the app,
+        # while Textual starts on the UI thread: the first paint waits for the later of the
+        # two, not for both one after the other.
+        self._index_opening: Future[None] | None = (
+            self.store_thread.submit(self.open_index) if service is None else None
+        )
 
     @property
     def settings(self) -> Settings:
@@ -84,6 +91,12 @@ class Backend:
         index = self.index
         assert index is not None
         return index
+
+    async def index_opened(self) -> None:
+        """Wait for the store-only index that the app's construction began opening (a
+        KvchatError if the database cannot be opened)."""
+        if self._index_opening is not None:
+            await asyncio.wrap_future(self._index_opening)
 
     def open_index(self) -> None:
         """On the store thread: open the database for reading the session list and messages

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +28,11 @@ class SerialThread:
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args, **kwargs)``; await the result on the UI loop without blocking it."""
         return asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Queue a call before the UI loop runs (at the app's construction); await it later
+        with :func:`asyncio.wrap_future`."""
+        return self._executor.submit(fn, *args, **kwargs)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Queue a call and block until it returns (only for shutdown)."""

@@ -97,10 +97,16 @@ class SessionOpener:
     async def start(self) -> None:
         """Show the session open at the last quit (read without the engine), open the
         service, load the model."""
+        try:
+            await self._start()
+        finally:
+            self.state.painted.set()  # a start that failed shows an error screen
+
+    async def _start(self) -> None:
         backend, state = self.backend, self.state
         if backend.service is None:
             try:
-                await backend.on_store(backend.open_index)
+                await backend.index_opened()
             except KvchatError as exc:
                 self.post(Fatal("kvchat cannot open its data", str(exc)))
                 return
@@ -110,17 +116,19 @@ class SessionOpener:
         if last is not None:
             state.session_id = last.id
         # The list first (a page of rows, drawn at once), then the open session's messages
-        # (their Markdown takes longer to build).
+        # (their Markdown takes longer to build: the list's frame does not wait for them).
         await self.refresh()
         if last is not None:
+            await self._painted()
             await self.show_stored(last.id)
         else:
             await self.conversation.show([])
+        await self._painted()
+        state.painted.set()
         self.status.set_turn(f"loading model {backend.model_label}…", "busy")
         if backend.service is None:
             # After that frame: importing the service (llama.cpp, numpy) holds the
             # interpreter's lock in long stretches.
-            await self._painted()
             try:
                 await backend.on_engine(backend.open_service)
             except KvchatError as exc:

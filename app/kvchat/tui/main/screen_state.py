@@ -6,6 +6,7 @@ each reads it and writes the fields it owns (see their docstrings). Nothing here
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -64,6 +65,9 @@ class ScreenState:
     seen_change: tuple[str, str] | None = None
     # The model is loaded (and not being switched): messages may be sent.
     ready: bool = False
+    # The start-up has drawn the session list's first page and the open session (set by
+    # the opener): the list's other pages, read in the background, wait for it.
+    painted: asyncio.Event = field(default_factory=asyncio.Event)
     turn: ActiveTurn | None = None
     last_turn: ActiveTurn | None = None
     last_report: TurnReport | None = None

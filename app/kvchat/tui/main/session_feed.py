@@ -122,7 +122,10 @@ class SessionFeed:
         await self.show()
 
     async def load_rest(self) -> None:
-        """Read the pages after the first, one store call each, showing each as it comes."""
+        """Read the pages after the first, one store call each, showing each as it comes;
+        once the start-up has drawn the open session (at thousands of sessions, laying out
+        the rows read so far delayed that first frame)."""
+        await self.state.painted.wait()
         backend = self.backend
         pages = 0
         while not self.complete and self._next is not None:
