@@ -11,13 +11,8 @@ from typing import Any
 
 import click
 
-from kvchat.cli.cache import cache
-from kvchat.cli.doctor import doctor
 from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
-from kvchat.cli.model_commands import models_group
-from kvchat.cli.transfer_commands import export_bundle, import_cmd
 from kvchat.config import Settings
-from kvchat.engine.probe import probe_words
 from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.service.exports import FORMATS
@@ -431,6 +426,8 @@ def export(
     if session_ref is None:
         raise KvchatError("name the session to export (see `kvchat list`), or use --all -o DIR")
     if fmt == "bundle":
+        from kvchat.cli.transfer_commands import export_bundle
+
         return export_bundle(ctx, session_ref, output)  # text + KV, see kvchat.transfer
     settings = settings_from(ctx)
     if not _database_exists():  # reads only: no database is made to say there is nothing
@@ -609,6 +606,7 @@ def bench(
 @click.pass_context
 def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     """The effective settings and where each came from (flag, env, config file, plan, default)."""
+    from kvchat.engine.probe import probe_words
     from kvchat.paths import config_file
     from kvchat.planner.defaults import plan_defaults
 
@@ -690,10 +688,11 @@ def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: b
         click.echo(f"{child.id}  {one_line(child.title)}  ({messages} messages)")
 
 
-main.add_command(cache)
-main.add_command(doctor)
-main.add_command(models_group)
-main.add_command(import_cmd)
+main.add_lazy("cache", "kvchat.cli.cache:cache")
+main.add_lazy("doctor", "kvchat.cli.doctor:doctor")
+main.add_lazy("models", "kvchat.cli.model_commands:models_group")
+main.add_lazy("import", "kvchat.cli.transfer_commands:import_cmd")
+main.add_lazy("server", "kvchat.cli.server_commands:server")
 
 
 def _probe_rows(settings: Settings, path: Path, rows: dict[str, dict[str, Any]]) -> Any:

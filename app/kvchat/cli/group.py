@@ -40,7 +40,32 @@ class KvchatGroup(click.Group):
 
     So do the operating system's and SQLite's errors that reach it (a full disk, a file
     that cannot be read): a fault is one clear line, never a traceback.
+
+    Commands added with :meth:`add_lazy` are imported when named (or listed by
+    ``--help``): ``kvchat`` alone, the app, does not import the planner, the engine probe
+    or the transfer formats before its first frame.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lazy: dict[str, str] = {}
+
+    def add_lazy(self, name: str, target: str) -> None:
+        """Add the command ``name``, found at ``target`` ("module:attribute") on first use."""
+        self._lazy[name] = target
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = self._lazy.get(cmd_name)
+        if target is not None and cmd_name not in self.commands:
+            import importlib
+
+            module, _, attribute = target.partition(":")
+            command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
