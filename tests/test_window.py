@@ -86,6 +86,54 @@ def test_a_last_message_too_long_for_the_context_is_an_error() -> None:
         fit_window(render, HEAD, chat, n_ctx=300, reserve=20)
 
 
+def newest_that_fit(chat: Chat, n_ctx: int, reserve: int) -> int:
+    """What fit_window must answer, one window at a time: the fewest messages left out
+    such that the rest fits and does not start with a reply (-1: none fits)."""
+    for dropped in range(len(chat)):
+        window = chat[dropped:]
+        if window[0]["role"] != "assistant" and len(render(HEAD + window)) <= n_ctx - reserve:
+            return dropped
+    return -1
+
+
+def test_the_window_is_the_newest_that_fit_for_any_history_and_budget() -> None:
+    import random
+
+    rng = random.Random(26)
+    for _ in range(300):
+        roles = ["user" if i == 0 or rng.random() < 0.6 else "assistant" for i in range(40)]
+        chat = [
+            {"role": role, "content": "w" * rng.randint(0, 60)}
+            for role in roles[: rng.randint(1, 40)]
+        ]
+        n_ctx, reserve = rng.randint(30, 1500), rng.randint(0, 20)
+        expected = newest_that_fit(chat, n_ctx, reserve)
+        if expected < 0:
+            with pytest.raises(KvchatError, match="does not fit the context"):
+                fit_window(render, HEAD, chat, n_ctx, reserve)
+            continue
+        tokens, dropped = fit_window(render, HEAD, chat, n_ctx, reserve)
+        assert (dropped, tokens) == (expected, render(HEAD + chat[expected:])), (chat, n_ctx)
+
+
+def test_a_history_of_thousands_costs_a_few_window_sized_renders() -> None:
+    """An imported 5,000-message session: the first reply used to render the whole history
+    once per message left out (hours with a real template); now a few renders, none much
+    bigger than the window."""
+    chat = chat_of(*(f"message {i} " * 3 for i in range(5000)))
+    sizes: list[int] = []
+
+    def counted(messages: Sequence[dict[str, str]]) -> list[int]:
+        sizes.append(len(messages))
+        return render(messages)
+
+    n_ctx = len(render(HEAD + chat[-40:])) + 100
+    tokens, dropped = fit_window(counted, HEAD, chat, n_ctx=n_ctx, reserve=100)
+    assert dropped == 4960 and tokens == render(HEAD + chat[-40:])
+    assert len(sizes) <= 2 * 13  # doubling to 64 messages, then halving back to 40
+    assert max(sizes) <= 1 + 2 * 40 and sum(sizes) <= 10 * 40  # one render each: 12.5 million
+
+
 def held_after_turn(chat: Chat) -> list[int]:
     """What the context holds after replying to ``chat``: history, reply, next user's opening."""
     previous = render(HEAD + chat[:-1])

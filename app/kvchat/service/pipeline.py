@@ -18,7 +18,7 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.service.book import DEFAULT_TITLE, SessionBook
 from kvchat.service.checks import os_error_line
-from kvchat.service.context_window import fit_window, plan_shift, system_head
+from kvchat.service.context_window import fit_window, plan_shift, reply_reserve, system_head
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
 from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, as_written, split_reasoning
@@ -105,21 +105,34 @@ class TurnPipeline:
             return text  # the server fits its own context (a refusal keeps the message)
         engine = self.host.load()
         head = system_head(system_prompt or self.host.settings.system_prompt)
-        reserve = min(max_tokens, engine.n_ctx // 4)
+        reserve = reply_reserve(max_tokens, engine.n_ctx)
         fit_window(
             engine.chat_tokens, head, [{"role": "user", "content": text}], engine.n_ctx, reserve
         )
         return text
 
     def history_tokens(self, session_id: str) -> list[int] | None:
-        """The session's whole history as prompt tokens (None when it has no messages)."""
+        """The session's history as its next turn's prompt starts: the newest messages that
+        fit the context (all of them, mostly; rendering all of a 5,000-message import to
+        look for a shared prefix took ~8 s). None when it has no messages, or when not even
+        its last one fits."""
         history = self.store.messages(session_id)
         if not history:
             return None
         session = self.store.get_session(session_id)
         thinks = self.host.reasoning_style.thinks
-        chat = self.head(session) + [m.as_chat(thinks) for m in history]
-        return self.host.engine.chat_tokens(chat)
+        chat = [m.as_chat(thinks) for m in history]
+        engine = self.host.engine
+        reserve = reply_reserve(
+            generation_params(self.host.settings, session.settings, {}).max_tokens, engine.n_ctx
+        )
+        try:
+            tokens, _ = fit_window(
+                engine.chat_tokens, self.head(session), chat, engine.n_ctx, reserve
+            )
+        except KvchatError:
+            return None
+        return tokens
 
     def make_hot(
         self, session_id: str, *, no_restore: bool = False, prompt: list[int] | None = None
@@ -356,7 +369,7 @@ class TurnPipeline:
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
         chat = [m.as_chat(style.thinks) for m in history]
-        reserve = min(params.max_tokens, engine.n_ctx // 4)
+        reserve = reply_reserve(params.max_tokens, engine.n_ctx)
         head = self.head(session)
         prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
         read = self._hot_prompt(
