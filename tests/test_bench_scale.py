@@ -1,7 +1,8 @@
 """`kvchat bench --ui --sessions`'s machinery at CI size (issue 26): homes of 100 and 1,000
 imported conversations, and the growth between them of the app's first paint (the newest
-session drawn) and of that process's memory. The full run (10,000 sessions, the running app)
-is the stress test at the end."""
+session drawn) and of that process's memory; the long session's switches, search jump and
+typing while a reply streams, at CI size. The full run (10,000 sessions, the running app, a
+5,000-message session) is the stress test at the end."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ import json
 
 import pytest
 
-from kvchat.bench.export_gen import RARE_WORD, rare_hits
+from kvchat.bench.export_gen import LONG_TITLE, RARE_WORD, rare_hits
 from kvchat.bench.paint import first_paint
-from kvchat.bench.scale import NEWEST_TITLE, build_home, measure_list, measure_search
+from kvchat.bench.scale import (
+    LONG_KEYS,
+    LONG_MESSAGES,
+    LONG_ROUNDS,
+    NEWEST_TITLE,
+    add_long_session,
+    build_home,
+    format_long,
+    measure_list,
+    measure_long,
+    measure_search,
+)
 from kvchat.config import Settings
 from tests.conftest import run_cli
 
@@ -48,6 +60,37 @@ def test_search_and_list_figures_count_what_they_read(tmp_path):
     assert RARE_WORD not in NEWEST_TITLE
 
 
+def test_long_session_switches_jumps_and_streams_as_the_scale_bench_times_it(tmp_path):
+    """The long-session part of the scale bench at CI size: a few sessions and one of 300
+    one-word messages, in a 768-token context (the oldest messages leave the window, as a
+    5,000-message session's do, and the prompt read stays short). What the machine's load
+    does not move: the switches happened each way, the jump landed on message #1, every
+    key was timed while the reply streamed."""
+    home = tmp_path / "home"
+    build_home(home, 4, 2, tmp_path)
+    long = add_long_session(home, 300, tmp_path, sizes=(1, 1))
+    assert long.messages == 300
+    listed = run_cli(home, "list", "--json").json
+    assert listed[0]["title"].startswith(NEWEST_TITLE)  # the long one second, reachable
+    assert listed[1]["title"].startswith(LONG_TITLE) and listed[1]["messages"] == 300
+    measure_long(home, long, keys=20, rounds=1, n_ctx=768)
+    print("\n" + "\n".join(format_long(long)))
+    assert long.error is None, long.error
+    assert len(long.to_long) == len(long.from_long) == 1
+    for switch in long.switches:
+        assert switch.drawn_ms > 0 and switch.ready_ms >= switch.drawn_ms > 0
+    assert long.jump_landed and long.jump_number == 1 and long.jump_ms > 0
+    assert 0 < long.jump_mounted < 150  # the window around the hit, not the whole session
+    assert len(long.echo_ms) == 20 and min(long.echo_ms) > 0
+    assert long.echo_streamed > 0  # the reply went on streaming while the keys were timed
+    data = long.to_json()
+    assert set(data["bounds"]) == {"switch_over_restore_ms", "jump_ms", "echo_p95_ms"}
+    assert all(b["measured"] is not None for b in data["bounds"].values())
+    assert data["bounds"]["switch_over_restore_ms"]["bound"] == 50.0
+    assert data["bounds"]["jump_ms"]["bound"] == 200.0
+    assert data["bounds"]["echo_p95_ms"]["bound"] == 50.0
+
+
 def check_full_run(report: dict) -> None:
     """The issue's bounds that a shared machine's load does not move: counts, ratios to
     the one-conversation baseline, memory growth, idle CPU."""
@@ -63,6 +106,19 @@ def check_full_run(report: dict) -> None:
     assert big["idle_cpu"] < 0.01
     # Peak memory of the import does not grow with the file (4 MB -> 413 MB of JSON).
     assert big["import_peak_rss_mb"] < 1.2 * homes[100]["import_peak_rss_mb"]
+    # The long session, in the largest home only: every step happened.
+    assert [n for n, h in homes.items() if "long_session" in h] == [10000]
+    long = big["long_session"]
+    assert long["messages"] == LONG_MESSAGES and long["error"] is None
+    assert len(long["to_long"]) == len(long["from_long"]) == LONG_ROUNDS
+    assert long["jump_landed"] and long["jump_number"] == 1
+    assert long["echo_keys"] == LONG_KEYS and long["echo_streamed"] > 0
+    bounds = long["bounds"]
+    assert [bounds[k]["bound"] for k in ("switch_over_restore_ms", "jump_ms", "echo_p95_ms")] == [
+        50.0,
+        200.0,
+        50.0,
+    ]
 
 
 @pytest.mark.stress

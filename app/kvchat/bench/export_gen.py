@@ -5,6 +5,10 @@ Every conversation is a chain of ``messages`` nodes under a hidden empty root, a
 exports them; the text is deterministic (seeded) prose. One message in every
 :data:`RARE_EVERY` holds :data:`RARE_WORD` (a search with a few hits); :data:`COMMON_WORD`
 is in every message (a search with as many hits as there are messages).
+
+:func:`write_long_export` writes one long conversation (what the scale bench switches to,
+jumps into and streams a reply into): second in the sidebar, after the newest, with
+:data:`JUMP_WORD` only in its first message.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 RARE_WORD = "zebra"
 RARE_EVERY = 997
@@ -23,6 +28,11 @@ _WORDS = (
 ).split()
 # The newest conversation's update time; each older one is a minute earlier.
 NEWEST = 1_760_000_000.0
+# Words in a user message / a reply.
+SIZES = (30, 130)
+# The long conversation: its title's start, and the word only its first message holds.
+LONG_TITLE = "Long conversation:"
+JUMP_WORD = "quokka"
 
 
 def _text(rng: random.Random, words: int, rare: bool) -> str:
@@ -34,16 +44,28 @@ def _text(rng: random.Random, words: int, rare: bool) -> str:
     return sentence[0].upper() + sentence[1:] + "."
 
 
-def conversation(number: int, messages: int, rng: random.Random, counter: list[int]) -> dict:
-    """Conversation ``number`` (0 = the newest) with ``messages`` user/assistant turns."""
-    updated = NEWEST - 60.0 * number
+def conversation(
+    number: int,
+    messages: int,
+    rng: random.Random,
+    counter: list[int],
+    *,
+    sizes: tuple[int, int] = SIZES,
+    rare: bool = True,
+    updated: float | None = None,
+) -> dict[str, Any]:
+    """Conversation ``number`` (0 = the newest) with ``messages`` user/assistant turns of
+    ``sizes`` words; ``rare``: :data:`RARE_WORD` in every :data:`RARE_EVERY` th message;
+    ``updated``: its update time (by default :data:`NEWEST` less a minute per number)."""
+    updated = NEWEST - 60.0 * number if updated is None else updated
     created = updated - 10.0 * messages
-    mapping: dict[str, dict] = {
+    mapping: dict[str, dict[str, Any]] = {
         "root": {"id": "root", "message": None, "parent": None, "children": ["n0"]}
     }
     for i in range(messages):
         node_id = f"n{i}"
         counter[0] += 1
+        words = sizes[i % 2]
         mapping[node_id] = {
             "id": node_id,
             "message": {
@@ -52,7 +74,7 @@ def conversation(number: int, messages: int, rng: random.Random, counter: list[i
                 "create_time": created + 10.0 * i,
                 "content": {
                     "content_type": "text",
-                    "parts": [_text(rng, 30 if i % 2 == 0 else 130, counter[0] % RARE_EVERY == 0)],
+                    "parts": [_text(rng, words, rare and counter[0] % RARE_EVERY == 0)],
                 },
                 "metadata": {},
                 "recipient": "all",
@@ -90,3 +112,26 @@ def write_chatgpt_export(path: Path, sessions: int, messages: int, seed: int = 0
 def rare_hits(sessions: int, messages: int) -> int:
     """How many messages of such an export hold :data:`RARE_WORD`."""
     return sessions * messages // RARE_EVERY
+
+
+def long_conversation(
+    messages: int, sizes: tuple[int, int] = SIZES, seed: int = 1
+) -> dict[str, Any]:
+    """One conversation of ``messages`` messages titled :data:`LONG_TITLE`, updated between
+    the newest conversation and the next (second in the sidebar); its first message, and
+    no other, holds :data:`JUMP_WORD` (and none holds :data:`RARE_WORD`)."""
+    rng = random.Random(seed)
+    data = conversation(0, messages, rng, [0], sizes=sizes, rare=False, updated=NEWEST - 30.0)
+    first = data["mapping"]["n0"]["message"]["content"]["parts"]
+    first[0] = f"The {JUMP_WORD} question. {first[0]}"
+    data["title"] = f"{LONG_TITLE} {messages:,} messages"
+    data["conversation_id"] = data["id"] = "bench-long"
+    return data
+
+
+def write_long_export(path: Path, messages: int, sizes: tuple[int, int] = SIZES) -> int:
+    """Write an export of the one :func:`long_conversation` to ``path``; returns its size."""
+    with path.open("w", encoding="utf-8") as out:
+        out.write(json.dumps([long_conversation(messages, sizes)]))
+        out.write("\n")
+    return path.stat().st_size

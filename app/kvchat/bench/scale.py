@@ -14,6 +14,14 @@ process: its rate and peak RSS), then measured:
   message; ``kvchat list`` (one screen, and --all) in fresh processes.
 
 Every figure is also given against the baseline's, measured in the same run.
+
+Then, in the largest home only (the longest sidebar and the largest search index, the
+worst case; each long-session run reads a long prompt and streams a reply), one long
+session (:data:`LONG_MESSAGES` messages, through the import path, second in the sidebar)
+is added after every figure above is taken, and a second app process measures, against
+the bounds of ``kvchat bench --ui``: session switches to and from it (drawn minus the
+restore each started), a search jump to a hit in its first message, and keystroke echo
+while a reply (temperature 0, a few hundred tokens) streams into it.
 """
 
 from __future__ import annotations
@@ -31,8 +39,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvchat.bench.export_gen import COMMON_WORD, RARE_WORD, write_chatgpt_export
+from kvchat.bench.export_gen import (
+    COMMON_WORD,
+    JUMP_WORD,
+    LONG_TITLE,
+    RARE_WORD,
+    SIZES,
+    write_chatgpt_export,
+    write_long_export,
+)
 from kvchat.bench.paint import SIZE, first_paint
+from kvchat.bench.ui_report import Switch, verdict_lines, verdicts
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -44,6 +61,81 @@ NEWEST_TITLE = "Conversation 0:"
 # whose title the first paint could wait for).
 BASELINE = 1
 LIST_SCREEN = 40  # `kvchat list --limit` as one screen
+# The long session: its messages, the keys timed while a reply streams into it, and the
+# switches timed each way (to it, and from it to the newest session).
+LONG_MESSAGES = 5000
+LONG_KEYS = 60
+LONG_ROUNDS = 2
+# The long session's first reply reads a whole context of its history (no KV was ever
+# made for an imported session): minutes on a busy CPU.
+LONG_READ_S = 900.0
+
+
+@dataclass
+class LongFigures:
+    """The long session's figures, in a home of many (see the module docstring)."""
+
+    messages: int = 0  # imported into it
+    import_s: float = 0.0
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's load average: start, end
+    to_long: list[Switch] = field(default_factory=list)  # from the newest session to it
+    from_long: list[Switch] = field(default_factory=list)  # from it to the newest session
+    jump_ms: float = 0.0  # Enter on the hit in its first message → the hit drawn
+    jump_mounted: int = 0  # messages mounted after the jump
+    jump_number: int | None = None  # the number of the message it landed on (1 asked)
+    jump_landed: bool = False  # the message drawn and focused is the hit Enter was on
+    echo_ms: list[float] = field(default_factory=list)  # keys timed while a reply streams
+    echo_streamed: int = 0  # reply pieces drawn after the first timed key's frame
+    error: str | None = None  # the step that failed, and why (figures after it missing)
+
+    @property
+    def switches(self) -> list[Switch]:
+        return [*self.to_long, *self.from_long]
+
+    @property
+    def switch_over_restore_ms(self) -> float | None:
+        """The worst switch's time beyond its restore (None: none measured)."""
+        return max((s.over_restore_ms for s in self.switches), default=None)
+
+    @property
+    def echo_p95_ms(self) -> float | None:
+        from kvchat.bench.ui_report import _percentile
+
+        return _percentile(self.echo_ms, 95) if self.echo_ms else None
+
+    def bounds(self) -> dict[str, dict[str, Any]]:
+        return verdicts(
+            {
+                "switch_over_restore_ms": self.switch_over_restore_ms,
+                # A jump that landed elsewhere did not time what was asked.
+                "jump_ms": self.jump_ms if self.jump_landed else None,
+                "echo_p95_ms": self.echo_p95_ms,
+            }
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        from kvchat.bench.ui_report import _percentile
+
+        over = self.switch_over_restore_ms
+        return {
+            "messages": self.messages,
+            "import_s": round(self.import_s, 3),
+            "load": [round(x, 2) for x in self.load],
+            "to_long": [s.to_json() for s in self.to_long],
+            "from_long": [s.to_json() for s in self.from_long],
+            "switch_over_restore_ms": round(over, 1) if over is not None else None,
+            "jump_ms": round(self.jump_ms, 1),
+            "jump_mounted": self.jump_mounted,
+            "jump_number": self.jump_number,
+            "jump_landed": self.jump_landed,
+            "echo_keys": len(self.echo_ms),
+            "echo_streamed": self.echo_streamed,
+            "echo_p50_ms": round(_percentile(self.echo_ms, 50), 1),
+            "echo_p95_ms": round(_percentile(self.echo_ms, 95), 1),
+            "echo_max_ms": round(max(self.echo_ms, default=0.0), 1),
+            "error": self.error,
+            "bounds": self.bounds(),
+        }
 
 
 @dataclass
@@ -67,6 +159,7 @@ class HomeFigures:
     search_hits: dict[str, int] = field(default_factory=dict)
     list_ms: float = 0.0
     list_all_ms: float = 0.0
+    long: LongFigures | None = None  # the long session's figures (the largest home)
 
     @property
     def import_rate(self) -> float:
@@ -85,11 +178,15 @@ class HomeFigures:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("echo_ms")
+        data.pop("long")
         data["echo_keys"] = len(self.echo_ms)
         data["echo_p95_ms"] = self.echo_p95_ms
         data["import_rate"] = self.import_rate
         data["import_cpu_rate"] = self.import_cpu_rate
-        return _rounded(data)
+        rounded = _rounded(data)
+        if self.long is not None:
+            rounded["long_session"] = self.long.to_json()
+        return rounded
 
 
 @dataclass
@@ -173,6 +270,17 @@ def build_home(home: Path, sessions: int, messages: int, scratch: Path) -> HomeF
     figures = HomeFigures(sessions, messages)
     export = scratch / f"conversations-{sessions}x{messages}.json"
     figures.export_mb = write_chatgpt_export(export, sessions, messages) / 1e6
+    done = _import(home, export)
+    figures.import_s = done["seconds"]
+    figures.import_cpu_s = done["cpu_seconds"]
+    figures.imported = done["messages"]
+    figures.import_peak_rss_mb = done["rss_kb"] / 1024
+    return figures
+
+
+def _import(home: Path, export: Path) -> dict[str, Any]:
+    """Import ``export`` into ``home`` in a process of its own (the file removed after):
+    its figures (see :func:`_import_child`)."""
     code = "from kvchat.bench.scale import _import_child; _import_child()"
     try:
         proc = subprocess.run(
@@ -187,12 +295,18 @@ def build_home(home: Path, sessions: int, messages: int, scratch: Path) -> HomeF
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"bench: the import failed: {proc.stderr[-2000:]}")
-    done = json.loads(lines[-1])
-    figures.import_s = done["seconds"]
-    figures.import_cpu_s = done["cpu_seconds"]
-    figures.imported = done["messages"]
-    figures.import_peak_rss_mb = done["rss_kb"] / 1024
-    return figures
+    return dict(json.loads(lines[-1]))
+
+
+def add_long_session(
+    home: Path, messages: int, scratch: Path, sizes: tuple[int, int] = SIZES
+) -> LongFigures:
+    """Import one conversation of ``messages`` messages (``sizes`` words a user message /
+    a reply) into ``home``, second in its sidebar (see ``export_gen.long_conversation``)."""
+    export = scratch / f"long-{messages}.json"
+    write_long_export(export, messages, sizes)
+    done = _import(home, export)
+    return LongFigures(messages=done["messages"], import_s=done["seconds"])
 
 
 def _import_child() -> None:
@@ -336,6 +450,144 @@ def _app_child() -> None:
     asyncio.run(drive())
 
 
+def measure_long(
+    home: Path,
+    figures: LongFigures,
+    *,
+    keys: int = LONG_KEYS,
+    rounds: int = LONG_ROUNDS,
+    start_s: float | None = None,
+    read_s: float = LONG_READ_S,
+    n_ctx: int | None = None,
+    say: Say | None = None,
+) -> None:
+    """In an app process of its own over ``home`` (with its long session): switch to the
+    long session and back ``rounds`` times, jump to the search hit in its first message,
+    then time ``keys`` keys while a reply streams into it (its prompt's read started
+    within ``start_s`` seconds, its first piece ``read_s`` after); ``n_ctx``: the
+    context's size, else the settings'."""
+    from kvchat.bench.ui import REPLY, REPLY_START_S
+
+    load = os.getloadavg()[0]
+    code = "from kvchat.bench.scale import _long_child; _long_child()"
+    env = _env(home)
+    env.update({f"KVCHAT_{name.upper()}": str(value) for name, value in REPLY.items()})
+    if n_ctx is not None:
+        env["KVCHAT_N_CTX"] = str(n_ctx)
+    env["KVCHAT_BENCH_KEYS"] = str(keys)
+    env["KVCHAT_BENCH_ROUNDS"] = str(rounds)
+    env["KVCHAT_BENCH_START_S"] = str(REPLY_START_S if start_s is None else start_s)
+    env["KVCHAT_BENCH_READ_S"] = str(read_s)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    done: dict[str, Any] | None = None
+    try:
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # not one of the child's lines
+            if "say" in message and say is not None:
+                say(f"scale: long session: {message['say']}")
+            if "long" in message:
+                done = message["long"]
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    figures.load = (load, os.getloadavg()[0])
+    if done is None:
+        figures.error = f"the app process ended (exit {proc.returncode}) before its figures"
+        return
+    figures.to_long = [Switch(**s) for s in done["to_long"]]
+    figures.from_long = [Switch(**s) for s in done["from_long"]]
+    for name in ("jump_ms", "jump_mounted", "jump_number", "echo_ms", "echo_streamed", "error"):
+        if name in done:
+            setattr(figures, name, done[name])
+    figures.jump_landed = bool(done.get("jump_landed"))
+
+
+def _long_child() -> None:
+    """Run in a fresh process: the app over KVCHAT_HOME, the newest session open; switch to
+    the long session and back, jump into it, type while a reply streams into it; print the
+    figures (and what went wrong, with the figures before it)."""
+    from kvchat.bench.ui import REPLY_START_S, _echo, _Frames, _jump, _switch, _wait
+    from kvchat.tui.app import KvchatApp
+
+    keys = int(os.environ.get("KVCHAT_BENCH_KEYS", str(LONG_KEYS)))
+    rounds = int(os.environ.get("KVCHAT_BENCH_ROUNDS", str(LONG_ROUNDS)))
+    start_s = float(os.environ.get("KVCHAT_BENCH_START_S", str(REPLY_START_S)))
+    read_s = float(os.environ.get("KVCHAT_BENCH_READ_S", str(LONG_READ_S)))
+    app = KvchatApp(None, cursor_blink=False)
+    out: dict[str, Any] = {"to_long": [], "from_long": []}
+
+    def say(line: str) -> None:
+        print(json.dumps({"say": line}), flush=True)
+
+    async def steps() -> None:
+        main = app.main
+        frames = _Frames(app)
+        await _wait(lambda: main.ready, 900)
+        service = app.service
+        if service is not None:  # a big file's integrity check runs after the open
+            await asyncio.get_running_loop().run_in_executor(None, service.store.wait_for_check)
+        await _wait(lambda: main.session_id is not None and main.hot_id == main.session_id)
+        rows = main.sessions.rows
+        long_id = next(r.id for r in rows if r.summary.session.title.startswith(LONG_TITLE))
+        newest_id = next(r.id for r in rows if r.summary.session.title.startswith(NEWEST_TITLE))
+        if main.session_id != newest_id:
+            await _switch(app, frames, newest_id)
+        out["step"] = "switches"
+        for i in range(rounds):
+            say(f"switch {i + 1} of {rounds} to it and back…")
+            out["to_long"].append(asdict(await _switch(app, frames, long_id)))
+            out["from_long"].append(asdict(await _switch(app, frames, newest_id)))
+        out["step"] = "search jump"
+        say("search jump to its first message…")
+        jump = await _jump(app, frames, JUMP_WORD)
+        out.update(
+            jump_ms=jump.ms,
+            jump_mounted=jump.mounted,
+            jump_number=jump.landed_number,
+            jump_landed=jump.landed_id == jump.hit_id and jump.landed_number == 1,
+        )
+        # Its latest messages again, as a user who goes back to it to write.
+        await _switch(app, frames, newest_id)
+        await _switch(app, frames, long_id)
+        out["step"] = "typing while a reply streams"
+        say(f"typing while a reply streams ({keys} keys)…")
+        echo = await _echo(app, frames, keys, say, start_s, read_s)
+        out.update(echo_ms=echo.ms, echo_streamed=echo.streamed)
+        out.pop("step")
+
+    async def drive() -> None:
+        async with app.run_test(size=SIZE):
+            try:
+                await steps()
+            except Exception as exc:  # the figures so far, and why the rest are missing
+                turn = app.main.turn
+                where = ""
+                if turn is not None:
+                    read = turn.progress
+                    where = (
+                        f"; the reply had {turn.pieces} pieces, its prompt read"
+                        f" {read[0]:,} of {read[1]:,} tokens in {read[2]:.0f} s"
+                        if read is not None
+                        else f"; the reply had {turn.pieces} pieces, its prompt not yet read"
+                    )
+                out["error"] = f"{out.get('step', 'start')}: {exc}{where}"
+            print(json.dumps({"long": out}), flush=True)
+            os._exit(0)  # measured: no shutdown to wait for
+
+    asyncio.run(drive())
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -348,11 +600,13 @@ def run_scale_bench(
     keys: int = 30,
     runs: int = 3,
     app: bool = True,
+    long_messages: int = LONG_MESSAGES,
     progress: Say | None = None,
 ) -> ScaleReport:
     """Measure the baseline home (one conversation) and a home of each size in
     ``sessions`` (× ``messages``); ``app=False`` leaves out the running app (idle CPU,
-    RSS, echo: a model load each)."""
+    RSS, echo: a model load each) and the long session; ``long_messages=0`` leaves out
+    only the long session."""
     say = progress or (lambda _line: None)
     report = ScaleReport(idle_s=idle_s)
     report.machine = {
@@ -401,6 +655,20 @@ def run_scale_bench(
                     f" a core, RSS {figures.rss_mb:.0f} MB, echo p95 {figures.echo_p95_ms:.0f} ms"
                 )
             report.homes.append(figures)
+        if app and long_messages and len(homes) > 1:
+            # After every other figure: nothing above met the long session.
+            home, figures = max(homes, key=lambda pair: pair[1].sessions)
+            say(f"scale: {figures.sessions:,} sessions: a {long_messages:,}-message session…")
+            figures.long = add_long_session(home, long_messages, root)
+            measure_long(home, figures.long, say=say)
+            long_bounds = figures.long.bounds()
+            say(
+                "scale: long session: "
+                + ", ".join(
+                    f"{name} {b['measured'] if b['measured'] is not None else 'n/a'}"
+                    for name, b in long_bounds.items()
+                )
+            )
     return report
 
 
@@ -433,4 +701,38 @@ def format_scale_report(report: ScaleReport) -> str:
         f" with its model, over {report.idle_s:.0f} s; search: a rare word / a word in every"
         f" message; list: `kvchat list --limit {LIST_SCREEN}` / `--all`.",
     ]
+    for h in report.homes:
+        if h.long is not None:
+            lines += ["", f"In the {h.sessions:,}-session home:", *format_long(h.long)]
     return "\n".join(lines)
+
+
+def format_long(long: LongFigures) -> list[str]:
+    """The long session's figures as lines, each bound's verdict last."""
+    data = long.to_json()
+    lines = [
+        f"a session of {long.messages:,} messages (imported in {long.import_s:.1f} s;"
+        f" load {long.load[0]:.1f} → {long.load[1]:.1f}):"
+    ]
+    for name, switches in (("to it", long.to_long), ("from it", long.from_long)):
+        for s in switches:
+            lines.append(
+                f"  switch {name:<7}: drawn {s.drawn_ms:6,.0f} ms · restore {s.source}"
+                f" {s.restore_ms:,.1f} ms (drawn − restore {s.over_restore_ms:+,.0f} ms)"
+                f" · KV ready {s.ready_ms:,.0f} ms"
+            )
+    if long.jump_number is not None:
+        landed = "the hit" if long.jump_landed else "NOT the hit"
+        lines.append(
+            f"  search jump to message #1: {long.jump_ms:,.0f} ms, landed on"
+            f" #{long.jump_number} ({landed}), {long.jump_mounted} messages mounted"
+        )
+    if long.echo_ms:
+        lines.append(
+            f"  keystroke echo while a reply streams into it: p50 {data['echo_p50_ms']:,.0f} ms,"
+            f" p95 {data['echo_p95_ms']:,.0f} ms, max {data['echo_max_ms']:,.0f} ms"
+            f" ({data['echo_keys']} keys, {long.echo_streamed} reply pieces drawn meanwhile)"
+        )
+    if long.error:
+        lines.append(f"  failed at {long.error}")
+    return [*lines, *verdict_lines(data["bounds"])]

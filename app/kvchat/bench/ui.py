@@ -36,7 +36,32 @@ if TYPE_CHECKING:
 
 SEARCH_WORD = "zebra"
 STORY = "Write a long story about a river village, in many short paragraphs."
+# The reply typed over: a few hundred tokens, the same each run.
+REPLY = {"temperature": 0.0, "seed": 0, "max_tokens": 400}
+# How long a sent message may take until its prompt's read starts (or its reply's first
+# piece comes), and from then to the first piece.
+REPLY_START_S = 300.0
+REPLY_READ_S = 300.0
 Say = Callable[[str], None]
+
+
+@dataclass
+class Jump:
+    """A search jump: Enter on a hit → the hit drawn, and where it landed."""
+
+    ms: float
+    mounted: int  # messages mounted after it
+    hit_id: int  # the store id of the hit Enter was pressed on
+    landed_id: int | None  # the message focused and drawn in the viewport
+    landed_number: int | None  # its number in its session (1: the first)
+
+
+@dataclass
+class Echo:
+    """Keystroke echo while a reply streams."""
+
+    ms: list[float]  # each key's press → the frame that shows it
+    streamed: int  # reply pieces drawn after the first timed key's frame
 
 
 # --- the scratch home ---------------------------------------------------------------------
@@ -124,11 +149,14 @@ def _drawn(main: MainScreen) -> bool:
     return True
 
 
-async def _wait(predicate: Callable[[], object], timeout: float = 300) -> None:
+async def _wait(
+    predicate: Callable[[], object], timeout: float = 300, what: str | None = None
+) -> None:
+    """Until ``predicate()`` holds; a RuntimeError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"bench --ui: timed out waiting for {predicate}")
+            raise RuntimeError(f"bench --ui: timed out waiting for {what or predicate}")
         await asyncio.sleep(0.01)
 
 
@@ -178,7 +206,8 @@ async def _switch(app: KvchatApp, frames: _Frames, session_id: str) -> Switch:
     )
 
 
-async def _jump(app: KvchatApp, frames: _Frames) -> tuple[float, int]:
+async def _jump(app: KvchatApp, frames: _Frames, word: str = SEARCH_WORD) -> Jump:
+    """Ctrl+F, ``word`` (one hit), Enter: the time to the frame that draws the hit."""
     from kvchat.tui.screens.search import SearchScreen
     from kvchat.tui.widgets.conversation import MessageView
 
@@ -187,31 +216,55 @@ async def _jump(app: KvchatApp, frames: _Frames) -> tuple[float, int]:
     await _wait(lambda: app.focused is main.prompt)
     _press(app, "ctrl+f")
     await _wait(lambda: isinstance(app.screen, SearchScreen))
-    for ch in SEARCH_WORD:
+    for ch in word:
         _press(app, ch, ch)
     await _wait(lambda: len(getattr(app.screen, "hits", ())) == 1)
     await asyncio.sleep(0.2)
+    hit_id = app.screen.hits[0].message.id  # type: ignore[attr-defined]
+    landed: list[MessageView] = []
 
     def shown() -> bool:
         focused = app.focused
-        if not isinstance(focused, MessageView) or SEARCH_WORD not in focused.text:
+        if not isinstance(focused, MessageView) or word not in focused.text:
             return False
         area = main.conversation.region
         inside = area.y <= focused.region.y < area.bottom
-        return inside and bool(focused.body.children)
+        if inside and focused.body.children:
+            landed.append(focused)
+            return True
+        return False
 
     hit = frames.when(shown)
     started = time.perf_counter()
     _press(app, "enter")
     hit_at = await asyncio.wait_for(hit, 300)
     await _wait(lambda: main.hot_id == main.session_id)
-    return (hit_at - started) * 1000, len(main.conversation.views)
+    view = landed[0]
+    return Jump(
+        ms=(hit_at - started) * 1000,
+        mounted=len(main.conversation.views),
+        hit_id=hit_id,
+        landed_id=view.message_id,
+        landed_number=view.number,
+    )
 
 
-async def _echo(app: KvchatApp, frames: _Frames, keys: int, say: Say) -> list[float]:
-    """Type while a reply streams; each key's time to the frame that shows it."""
+async def _echo(
+    app: KvchatApp,
+    frames: _Frames,
+    keys: int,
+    say: Say,
+    start_s: float = REPLY_START_S,
+    read_s: float = REPLY_READ_S,
+) -> Echo:
+    """Type while a reply streams (sent in the open session: its prompt's read starts
+    within ``start_s`` seconds, its first piece comes ``read_s`` seconds after); each key's
+    time to the frame that shows it. A key counts only
+    when the reply drew a piece after that frame: the keys typed after its last piece
+    (the reply done, its turn still being stored) are not typed while it streams."""
     main = app.main
     latencies: list[float] = []
+    streamed = 0
     for _attempt in range(3):
         main.prompt.focus()
         await _wait(lambda: app.focused is main.prompt)  # focus moves after this frame
@@ -219,10 +272,23 @@ async def _echo(app: KvchatApp, frames: _Frames, keys: int, say: Say) -> list[fl
         main.prompt.insert(STORY)
         before = main.last_turn
         _press(app, "enter")
-        await _wait(lambda: main.turn is not None and main.turn.pieces > 0)
+        await _wait(
+            lambda: main.turn is not None and (main.turn.pieces or main.turn.progress),
+            start_s,
+            f"the prompt's read to start ({start_s:.0f} s)",
+        )
+        await _wait(
+            lambda: main.turn is not None and main.turn.pieces > 0,
+            read_s,
+            f"the reply's first piece ({read_s:.0f} s after the read started)",
+        )
+        turn = main.turn
+        assert turn is not None
         main.prompt.focus()
         typed = ""
-        while len(latencies) < keys and main.turn is not None:
+        timed: list[tuple[float, int]] = []  # each key's echo, and the reply's pieces then
+        wanted = keys - len(latencies)
+        while main.turn is turn and sum(p < turn.pieces for _, p in timed) < wanted:
             ch = "abcdefghijklmnopqrstuvwxyz"[len(typed) % 26]
             expected = main.prompt.text + ch
             echoed = frames.when(lambda expected=expected: main.prompt.text == expected)  # type: ignore[misc]
@@ -230,17 +296,22 @@ async def _echo(app: KvchatApp, frames: _Frames, keys: int, say: Say) -> list[fl
             _press(app, ch, ch)
             at = await asyncio.wait_for(echoed, 30)
             typed += ch
-            if main.turn is not None:  # still streaming when it was drawn
-                latencies.append((at - started) * 1000)
+            if main.turn is turn:  # still its turn when it was drawn
+                timed.append(((at - started) * 1000, turn.pieces))
             await asyncio.sleep(0.06)  # a fast typist: ~10 keys a second
-        if main.turn is not None:
+        if main.turn is turn:
             _press(app, "escape")
         await _wait(lambda before=before: main.turn is None and main.last_turn is not before)  # type: ignore[misc]
+        # Pieces only grow: the keys with a piece drawn after them come first.
+        counted = [(ms, p) for ms, p in timed if p < turn.pieces][:wanted]
+        latencies += [ms for ms, _ in counted]
+        if counted:
+            streamed += turn.pieces - counted[0][1]
         main.prompt.clear()
         if len(latencies) >= keys:
             break
         say(f"ui: the reply ended after {len(latencies)} keys; another one…")
-    return latencies
+    return Echo(latencies, streamed)
 
 
 async def _drive(app: KvchatApp, homes: Homes, rounds: int, keys: int, say: Say) -> UiReport:
@@ -258,10 +329,11 @@ async def _drive(app: KvchatApp, homes: Homes, rounds: int, keys: int, say: Say)
             for session_id in (homes.a, homes.b):  # from RAM
                 report.switches.append(await _switch(app, frames, session_id))
         say("ui: search jump…")
-        report.jump_ms, report.jump_messages = await _jump(app, frames)
+        jump = await _jump(app, frames)
+        report.jump_ms, report.jump_messages = jump.ms, jump.mounted
         await _switch(app, frames, homes.a)
         say("ui: typing while a reply streams…")
-        report.echo_ms = await _echo(app, frames, keys, say)
+        report.echo_ms = (await _echo(app, frames, keys, say)).ms
         # Quit as a user does, from the app's own loop: awaiting action_quit from here
         # raced run_test's shutdown with the app's exit, and the exit never finished.
         _press(app, "ctrl+q")
@@ -279,7 +351,7 @@ def run_ui_bench(
     from kvchat.tui.app import KvchatApp
 
     say = progress or (lambda _line: None)
-    settings = settings.model_copy(update={"temperature": 0.0, "seed": 0, "max_tokens": 400})
+    settings = settings.model_copy(update=REPLY)
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-ui-") as scratch:
         home = Path(scratch)
         service = ChatService(settings, home=home)
