@@ -524,7 +524,9 @@ def _write_private(path: Path, text: str) -> None:
 @click.option(
     "--sessions",
     help="With --ui: homes of N sessions (comma-separated) imported and measured against an "
-    "empty one: first paint, idle CPU, RSS, echo, search, kvchat list, import rate.",
+    "empty one: first paint, idle CPU, RSS, echo, search, kvchat list, import rate; the "
+    "largest also gets a 5,000-message session: switches, a search jump and echo while a "
+    "reply streams into it.",
 )
 @click.option(
     "--messages", default=50, show_default=True, type=click.IntRange(min=1), help="Per session."
