@@ -49,7 +49,7 @@ from kvchat.bench.export_gen import (
     write_long_export,
 )
 from kvchat.bench.paint import SIZE, first_paint
-from kvchat.bench.ui_report import Switch, verdict_lines, verdicts
+from kvchat.bench.ui_report import Switch, _percentile, verdict_lines, verdicts
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -99,8 +99,6 @@ class LongFigures:
 
     @property
     def echo_p95_ms(self) -> float | None:
-        from kvchat.bench.ui_report import _percentile
-
         return _percentile(self.echo_ms, 95) if self.echo_ms else None
 
     def bounds(self) -> dict[str, dict[str, Any]]:
@@ -114,8 +112,6 @@ class LongFigures:
         )
 
     def to_json(self) -> dict[str, Any]:
-        from kvchat.bench.ui_report import _percentile
-
         over = self.switch_over_restore_ms
         return {
             "messages": self.messages,
@@ -171,8 +167,6 @@ class HomeFigures:
 
     @property
     def echo_p95_ms(self) -> float:
-        from kvchat.bench.ui_report import _percentile
-
         return _percentile(self.echo_ms, 95)
 
     def to_json(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class SerialThread:
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args, **kwargs)``; await the result on the UI loop without blocking it."""
-        return asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+        return asyncio.wrap_future(self.submit(fn, *args, **kwargs))
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Queue a call before the UI loop runs (at the app's construction); await it later
