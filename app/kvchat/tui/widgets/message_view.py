@@ -8,6 +8,7 @@ on first use, not with the app: the first frame needs none of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING
 
 from textual import events
@@ -33,19 +34,35 @@ if TYPE_CHECKING:
 PLAIN_TEXT_RULES = ("html_inline", "html_block", "entity")
 
 
+@cache
 def message_parser() -> MarkdownIt:
-    """The Markdown parser of every message (Textual's default, less the rules above)."""
+    """The Markdown parser of every message (Textual's default, less the rules above).
+
+    One parser for all: building one costs more than parsing a short message, and a
+    session switch builds a page of them. Parsing keeps its state apart from the parser
+    (only the rule chains are compiled on first use, done here), so threads can share it.
+    """
+    return _warmed(_new_parser())
+
+
+@cache
+def user_parser() -> MarkdownIt:
+    """The parser of your own messages: :func:`message_parser`'s rules, and every line
+    break you typed is kept (each soft break becomes a hard one, so lists, headings and
+    tables that follow a line still render, and no backslash is added to the text)."""
+    parser = _new_parser()
+    parser.core.ruler.push("typed_line_breaks", _typed_line_breaks)
+    return _warmed(parser)
+
+
+def _new_parser() -> MarkdownIt:
     from markdown_it import MarkdownIt
 
     return MarkdownIt("gfm-like").disable(PLAIN_TEXT_RULES)
 
 
-def user_parser() -> MarkdownIt:
-    """The parser of your own messages: :func:`message_parser`, and every line break you
-    typed is kept (each soft break becomes a hard one, so lists, headings and tables that
-    follow a line still render, and no backslash is added to the text)."""
-    parser = message_parser()
-    parser.core.ruler.push("typed_line_breaks", _typed_line_breaks)
+def _warmed(parser: MarkdownIt) -> MarkdownIt:
+    parser.parse("*a*\n\n- b\n\n| c |\n| - |\n")  # compiles the rule chains now
     return parser
 
 
