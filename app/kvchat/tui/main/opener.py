@@ -147,7 +147,6 @@ class SessionOpener:
         except KvchatError as exc:
             self.post(Fatal("The model could not be loaded", str(exc)))
             return
-        state.ready = True
         # The last run's crash, the engine probe's choice: said once.
         for notice in await backend.on_store(service.startup_notices):
             self.app.notify(notice, severity="warning", timeout=20, markup=False)
@@ -155,6 +154,7 @@ class SessionOpener:
         self.status.set_context(0)
         self.prompt.placeholder = READY_PLACEHOLDER
         self.status.set_turn(f"ready · {note}" if note else "ready")
+        state.ready = True  # after the status says so: a turn begun now is never shown as loading
         backend.ready_at = time.perf_counter()
         if state.session_id is not None:
             # Resume before Enter: the reopened session's KV comes back before the first
