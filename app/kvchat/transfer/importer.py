@@ -22,9 +22,7 @@ import hashlib
 import itertools
 import json
 import os
-import queue
 import stat
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,66 +219,6 @@ def _store_sessions(
         result.sessions.append(SessionImport(session_id, title, n_messages, new, skipped=skipped))
 
 
-# Sessions a large file's reader parses ahead of the store's inserts (memory: this many).
-READ_AHEAD = 16
-_DONE = object()
-
-
-class ReadAhead:
-    """``sessions``, parsed in a thread of their own up to :data:`READ_AHEAD` ahead of the
-    one taking them: SQLite lets go of the GIL while it inserts, so reading the file and
-    storing it overlap on two cores. What the reader raises is raised where the taker
-    reaches it; :meth:`close` (or the end) stops the reader and waits for it, so the file
-    can be closed. :attr:`bytes_done` is ``mark()`` as it was when the session last taken
-    was read (progress says what is stored, not what was read ahead)."""
-
-    def __init__(self, sessions: Iterable[ImportedSession], mark: Callable[[], int]) -> None:
-        self._sessions = sessions
-        self._mark = mark
-        self._ahead: queue.Queue[Any] = queue.Queue(READ_AHEAD)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.bytes_done = 0
-
-    def __iter__(self) -> Iterator[ImportedSession]:
-        self._thread = threading.Thread(target=self._read, name="kvchat-import-read", daemon=True)
-        self._thread.start()
-        try:
-            while True:
-                item, self.bytes_done = self._ahead.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._ahead.put((item, self._mark()), timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self) -> None:
-        try:
-            for session in self._sessions:
-                if not self._put(session):
-                    return
-        except BaseException as exc:  # handed to the taker, raised there
-            self._put(exc)
-        else:
-            self._put(_DONE)
-
-
 def _chatgpt_stream(path: Path, fh: Any) -> tuple[ArrayReader, Iterator[Any]] | None:
     """A ChatGPT ``conversations.json`` (a list whose first element is a conversation),
     read one conversation at a time; None for any other JSON (read whole, as before)."""
@@ -430,20 +368,14 @@ def import_file(
         if stream is not None:
             reader, conversations = stream
             result.format = chatgpt.NAME
-            ahead = ReadAhead(
-                _some(path, chatgpt.sessions(path, conversations)), lambda: reader.bytes_done
+            _store_sessions(
+                service,
+                result,
+                _some(path, chatgpt.sessions(path, conversations)),
+                progress=progress,
+                bytes_done=lambda: reader.bytes_done,
+                total=info.st_size,
             )
-            try:
-                _store_sessions(
-                    service,
-                    result,
-                    ahead,
-                    progress=progress,
-                    bytes_done=lambda: ahead.bytes_done,
-                    total=info.st_size,
-                )
-            finally:
-                ahead.close()  # the reader thread is done with the file before it closes
             _kv_reasons(result, f"{chatgpt.NAME} carries no KV")
             return result
         if fmt == llm_logs.NAME:
