@@ -110,7 +110,8 @@ class Conversation(VerticalScroll, can_focus=False):
         self.first = 0  # messages of the session before the first one shown
         self.later = 0  # messages of the session after the last one shown
         self.cursor: MessageView | None = None
-        # Shown but not mounted yet (lazy show): mounted above the others by fill().
+        # Shown but not mounted yet (lazy show): mounted above the others by fill() (below
+        # them after Home or a jump).
         self.pending: list[MessageView] = []
         self._shows = 0  # counts show() calls: a fill stops when another show begins
         self._page: ConversationPage | None = None
@@ -143,9 +144,9 @@ class Conversation(VerticalScroll, can_focus=False):
         ``messages`` is the whole session, or (with ``pages``, where the rest comes from)
         a window of it: ``first`` messages before it, ``total`` in all.
 
-        ``lazy`` (the latest messages only): mount now just those that fill the screen, and
-        keep the others in :attr:`pending` for :meth:`fill`, so that a session is drawn in
-        the time a few messages take to build, whatever its length.
+        ``lazy``: mount now just those that fill the screen (after a jump: from the hit
+        down), and keep the others in :attr:`pending` for :meth:`fill`, so that a session
+        is drawn in the time a few messages take to build, whatever its length.
         """
         self._shows += 1
         self._messages, self._base, self.pages = messages, first, pages
@@ -167,8 +168,13 @@ class Conversation(VerticalScroll, can_focus=False):
         ]
         if views and not self.later and views[-1].finish_reason == "length":
             views[-1].cut = True  # the session's last reply: F12 continues it
-        self._pending_below = from_start
-        if lazy and from_start:
+        self._pending_below = from_start or (lazy and index is not None)
+        if lazy and index is not None:
+            # A jump: the hit is scrolled to the top, so the messages before it and those
+            # from it that fill the screen now; the rest of the window by fill().
+            keep = index - start + self._screenful(views[index - start :])
+            shown, self.pending = views[:keep], views[keep:]
+        elif lazy and from_start:
             # The first messages that fill the screen now; those after them by fill().
             now = len(views) - self._screenful(views)
             self.pending, shown = views[len(views) - now :], views[: len(views) - now]
