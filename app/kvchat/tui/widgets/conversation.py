@@ -168,18 +168,17 @@ class Conversation(VerticalScroll, can_focus=False):
         ]
         if views and not self.later and views[-1].finish_reason == "length":
             views[-1].cut = True  # the session's last reply: F12 continues it
-        self._pending_below = from_start or (lazy and index is not None)
-        if lazy and index is not None:
-            # A jump: the hit is scrolled to the top, so the messages before it and those
-            # from it that fill the screen now; the rest of the window by fill().
-            keep = index - start + self._screenful(views[index - start :])
+        # After Home or a jump the window's top is on screen (a jump scrolls the hit to the
+        # top): the rest of it is mounted below; else the latest are, and the rest above.
+        self._pending_below = from_start or index is not None
+        if lazy and self._pending_below:
+            # Those before the hit, and from it (or the first) those that fill the screen
+            # now; those after them by fill().
+            top = index - start if index is not None else 0
+            keep = top + self._screenful(views[top:])
             shown, self.pending = views[:keep], views[keep:]
-        elif lazy and from_start:
-            # The first messages that fill the screen now; those after them by fill().
-            now = len(views) - self._screenful(views)
-            self.pending, shown = views[len(views) - now :], views[: len(views) - now]
         else:
-            now = self._left_for_later(views) if lazy and index is None else 0
+            now = self._left_for_later(views) if lazy else 0
             self.pending, shown = views[:now], views[now:]
         widgets: list[Widget] = []
         if self.first:
