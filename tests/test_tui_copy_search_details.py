@@ -275,7 +275,7 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
     """Record every frame drawn from now on: (messages mounted, the hit shown, when).
 
     The hit is shown when its view is in the conversation's viewport with its Markdown
-    blocks mounted (a view without them draws as a blank box).
+    rendered (not a note that a thread is drawing it).
     """
     frames: list[tuple[int, bool, float]] = []
     display = app._display
@@ -286,11 +286,7 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
             views = [v for v in main.conversation.query(MessageView) if v.parent.display]
             hit = next((v for v in views if v.text == hit_text), None)
             area = main.conversation.region
-            shown = (
-                hit is not None
-                and area.y <= hit.region.y < area.bottom
-                and bool(hit.query("MarkdownBlock"))
-            )
+            shown = hit is not None and area.y <= hit.region.y < area.bottom and hit.body.rendered
             frames.append((len(views), shown, time.perf_counter()))
         display(screen, renderable)
 

@@ -135,13 +135,6 @@ async def test_a_message_too_long_for_the_context_goes_back_to_the_input(kvhome:
 async def test_your_markdown_renders_without_stray_backslashes_and_tables_render(
     kvhome: Path,
 ) -> None:
-    from textual.widgets._markdown import (
-        MarkdownBlock,
-        MarkdownBulletList,
-        MarkdownH2,
-        MarkdownTable,
-    )
-
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
@@ -164,13 +157,14 @@ async def test_your_markdown_renders_without_stray_backslashes_and_tables_render
         await pilot.pause()
         mine = next(v for v in main.conversation.views if v.role == "user")
         assert mine.text == "\n".join(lines)  # stored and copied as typed
-        body = mine.body
-        assert body.query(MarkdownBulletList) and body.query(MarkdownH2)
-        assert body.query(MarkdownTable)
-        shown = [str(b._content.plain) for b in body.query(MarkdownBlock)]
-        assert not any("\\" in text for text in shown), shown
-        assert not any("|" in text for text in shown), shown  # the table is not raw
-        assert any(text.startswith("Shopping:") for text in shown)
+        shown = [line.strip() for line in mine.body.shown_text.splitlines()]
+        assert "• eggs" in shown and "Notes" in shown, shown  # a list, and a heading
+        assert not any("#" in line or "\\" in line for line in shown), shown
+        assert not any("|" in line for line in shown), shown  # the table is not raw
+        header = next(k for k, line in enumerate(shown) if line.startswith("item"))
+        assert shown[header].endswith("qty") and set(shown[header + 1]) == {"─"}, shown
+        assert shown[header + 2].startswith("eggs") and shown[header + 2].endswith("6"), shown
+        assert shown[0] == "Shopping:"
 
         # Lines of a paragraph keep their breaks (Ctrl+J means a new line).
         main.prompt.insert("first line")
@@ -180,8 +174,7 @@ async def test_your_markdown_renders_without_stray_backslashes_and_tables_render
         await wait_until(lambda: main.turn is None and len(main.conversation.views) == 4)
         await pilot.pause()
         second = main.conversation.views[2]
-        text = "".join(str(b._content.plain) for b in second.body.query(MarkdownBlock))
-        assert "first line\nsecond line" in text
+        assert "first line\nsecond line" in second.body.shown_text
 
 
 # --- item 3: F8 in the sessions list deletes the highlighted session ---------------------------
@@ -306,10 +299,8 @@ def _screen_lines(app: object) -> list[str]:
 
 
 def _body_text(view: MessageView) -> str:
-    """The text of a message's rendered Markdown blocks."""
-    from textual.widgets._markdown import MarkdownBlock
-
-    return "\n".join(str(b._content.plain) for b in view.body.query(MarkdownBlock))
+    """The text of a message's rendered Markdown."""
+    return view.body.shown_text
 
 
 def _shown_text(widget: object) -> str:

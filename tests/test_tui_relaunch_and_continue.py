@@ -425,12 +425,15 @@ HEAVY = (
     "kvchat.service.chat",
     "kvchat.planner",
     "markdown_it",
+    "rich.markdown",
+    "pygments",
 )
 
 
 def test_nothing_heavy_is_imported_with_the_app() -> None:
     """The first frame is drawn before the settings (pydantic), the service (llama.cpp),
-    the catalog and the Markdown parser are imported: the app module needs none of them."""
+    the catalog, the Markdown parser and Rich's Markdown (with Pygments) are imported: the
+    app module needs none of them."""
     code = (
         "import sys, kvchat.tui.app, kvchat.bench.ui\n"
         f"print(sorted(m for m in sys.modules if m.startswith({HEAVY!r})))"

@@ -44,6 +44,21 @@ def _text(rng: random.Random, words: int, rare: bool) -> str:
     return sentence[0].upper() + sentence[1:] + "."
 
 
+def _reply(rng: random.Random, words: int, number: int) -> str:
+    """A reply of about ``words`` words shaped as a model writes one: a sentence, a bold
+    heading line, a list of four points, and in every third reply a short code block."""
+    lead = _text(rng, max(4, words // 4), False)
+    points = [_text(rng, max(3, words // 8), False) for _ in range(4)]
+    rest = _text(rng, max(4, words - words // 4 - 4 * (words // 8)), False)
+    parts = [lead, "", f"**{rng.choice(_WORDS).title()} {rng.choice(_WORDS)}**", ""]
+    parts += [f"- {point}" for point in points]
+    if number % 3 == 0:
+        name = rng.choice(_WORDS)
+        parts += ["", "```python", f"def {name}(x):", f'    return x + "{name}"', "```"]
+    parts += ["", rest]
+    return "\n".join(parts)
+
+
 def conversation(
     number: int,
     messages: int,
@@ -53,10 +68,12 @@ def conversation(
     sizes: tuple[int, int] = SIZES,
     rare: bool = True,
     updated: float | None = None,
+    markdown: bool = False,
 ) -> dict[str, Any]:
     """Conversation ``number`` (0 = the newest) with ``messages`` user/assistant turns of
     ``sizes`` words; ``rare``: :data:`RARE_WORD` in every :data:`RARE_EVERY` th message;
-    ``updated``: its update time (by default :data:`NEWEST` less a minute per number)."""
+    ``updated``: its update time (by default :data:`NEWEST` less a minute per number);
+    ``markdown``: replies shaped as a model's (a list, some code: see :func:`_reply`)."""
     updated = NEWEST - 60.0 * number if updated is None else updated
     created = updated - 10.0 * messages
     mapping: dict[str, dict[str, Any]] = {
@@ -66,6 +83,10 @@ def conversation(
         node_id = f"n{i}"
         counter[0] += 1
         words = sizes[i % 2]
+        if markdown and i % 2:
+            text = _reply(rng, words, i // 2)
+        else:
+            text = _text(rng, words, rare and counter[0] % RARE_EVERY == 0)
         mapping[node_id] = {
             "id": node_id,
             "message": {
@@ -74,7 +95,7 @@ def conversation(
                 "create_time": created + 10.0 * i,
                 "content": {
                     "content_type": "text",
-                    "parts": [_text(rng, words, rare and counter[0] % RARE_EVERY == 0)],
+                    "parts": [text],
                 },
                 "metadata": {},
                 "recipient": "all",
@@ -118,10 +139,13 @@ def long_conversation(
     messages: int, sizes: tuple[int, int] = SIZES, seed: int = 1
 ) -> dict[str, Any]:
     """One conversation of ``messages`` messages titled :data:`LONG_TITLE`, updated between
-    the newest conversation and the next (second in the sidebar); its first message, and
-    no other, holds :data:`JUMP_WORD` (and none holds :data:`RARE_WORD`)."""
+    the newest conversation and the next (second in the sidebar); its replies are shaped
+    as a model's (Markdown: a list, some code); its first message, and no other, holds
+    :data:`JUMP_WORD` (and none holds :data:`RARE_WORD`)."""
     rng = random.Random(seed)
-    data = conversation(0, messages, rng, [0], sizes=sizes, rare=False, updated=NEWEST - 30.0)
+    data = conversation(
+        0, messages, rng, [0], sizes=sizes, rare=False, updated=NEWEST - 30.0, markdown=True
+    )
     first = data["mapping"]["n0"]["message"]["content"]["parts"]
     first[0] = f"The {JUMP_WORD} question. {first[0]}"
     data["title"] = f"{LONG_TITLE} {messages:,} messages"

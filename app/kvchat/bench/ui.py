@@ -133,8 +133,8 @@ class _Frames:
 
 
 def _drawn(main: MainScreen) -> bool:
-    """Every message in the conversation's viewport has its Markdown blocks (a view
-    without them draws as a blank box)."""
+    """Every message in the conversation's viewport has its Markdown rendered (not a note
+    that a thread is drawing it)."""
     conversation = main.conversation
     area = conversation.region
     views = conversation.views
@@ -144,7 +144,7 @@ def _drawn(main: MainScreen) -> bool:
         region = view.region
         if region.bottom <= area.y or region.y >= area.bottom:
             continue
-        if view.text and not view.body.children:
+        if view.text and not view.body.rendered:
             return False
     return True
 
@@ -229,7 +229,7 @@ async def _jump(app: KvchatApp, frames: _Frames, word: str = SEARCH_WORD) -> Jum
             return False
         area = main.conversation.region
         inside = area.y <= focused.region.y < area.bottom
-        if inside and focused.body.children:
+        if inside and focused.body.rendered:
             landed.append(focused)
             return True
         return False

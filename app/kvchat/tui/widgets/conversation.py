@@ -20,7 +20,7 @@ from textual.widget import Widget
 from textual.widgets import Label
 from textual.worker import Worker, WorkerState
 
-from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, markdown_widget
+from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, body_widget, message_parser
 from kvchat.tui.widgets.thought import ThoughtFigures
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ROLE_NAMES", "Conversation", "ConversationPage", "MessagePages", "MessageView"]
 
-# Messages mounted when a session opens: Markdown widgets cost a few ms each to build.
+# Messages mounted when a session opens (each renders its Markdown when laid out).
 SHOWN = 60
 # Opening a session mounts first only the latest messages that fill the screen (at least
 # this many), then the rest of the SHOWN above them, this many at a time (see fill()).
@@ -191,7 +191,7 @@ class Conversation(VerticalScroll, can_focus=False):
                 Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
             )
         if not total:
-            widgets.append(markdown_widget()(WELCOME, id="welcome"))
+            widgets.append(body_widget()(WELCOME, id="welcome", parser_factory=message_parser))
         # One batch: the old messages stay on screen until the new ones are in place. The
         # old page is hidden, and removed only once the new one is drawn (removing some
         # sixty messages' widgets costs about as much as building the few now shown).

@@ -1,8 +1,8 @@
 """One message of the conversation: its role line and its Markdown, and what a key on it
 asks for (copy, details, branch, edit, versions), as typed Messages to the screen.
 
-Textual's Markdown widget (and the parser and syntax highlighter behind it) is imported
-on first use, not with the app: the first frame needs none of it.
+The Markdown body (``body.py``: Rich's Markdown and the syntax highlighter behind it) is
+imported on first use, not with the app: the first frame needs none of it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from kvchat.tui.widgets.thought import Thought, ThoughtFigures
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt
     from markdown_it.rules_core import StateCore
-    from textual.widgets import Markdown
-    from textual.widgets._markdown import MarkdownStream
 
     from kvchat.service.chat import Message
+    from kvchat.tui.widgets.body import BodyStream, MessageBody
 
 # Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
 # and no character references (``&amp;`` stays as typed); formatting still renders.
@@ -73,15 +72,8 @@ def _typed_line_breaks(state: StateCore) -> None:
                 child.type, child.tag = "hardbreak", "br"
 
 
-def markdown_widget() -> type[Markdown]:
-    """Textual's Markdown widget class, imported on first use (see the module docstring)."""
-    from textual.widgets import Markdown
-
-    return Markdown
-
-
-def body_widget() -> type[Markdown]:
-    """A message's Markdown widget class (built as composed), imported on first use."""
+def body_widget() -> type[MessageBody]:
+    """A message's Markdown widget class, imported on first use."""
     from kvchat.tui.widgets.body import MessageBody
 
     return MessageBody
@@ -186,7 +178,7 @@ class MessageView(Vertical, can_focus=True):
         self.partial = partial
         self.streaming = streaming
         self.number = number  # 1-based position in the session's messages
-        self.stream: MarkdownStream | None = None
+        self.stream: BodyStream | None = None
         # Why the reply ended, as stored ("length": stopped at the token limit).
         self.finish_reason = finish_reason
         self.cut = False  # the session's last reply, stopped at the token limit: F12 goes on
@@ -258,7 +250,7 @@ class MessageView(Vertical, can_focus=True):
         if not self.foldable:
             return
         self.folded = not self.folded
-        await self.body.update(self._shown(self.text))
+        self.body.update(self._shown(self.text))
         for note in self.query(".fold-note").results(Label):
             note.update(self._fold_note())
 
@@ -345,7 +337,7 @@ class MessageView(Vertical, can_focus=True):
         self.cut = message.finish_reason == "length"  # only the last reply has versions
         self.version = (position, count)
         await self.set_reasoning(message.reasoning, figures or ThoughtFigures())
-        await self.body.update(self._shown(self.text))
+        self.body.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
         self._show_header()
 
@@ -363,13 +355,13 @@ class MessageView(Vertical, can_focus=True):
             self._show_header()
 
     @property
-    def body(self) -> Markdown:
-        return self.query_one(".message-body", markdown_widget())
+    def body(self) -> MessageBody:
+        return self.query_one(".message-body", body_widget())
 
-    def start_stream(self) -> MarkdownStream:
+    def start_stream(self) -> BodyStream:
         self.streaming = True
         self._show_header()  # a continued reply shows it is streaming again
-        self.stream = markdown_widget().get_stream(self.body)
+        self.stream = self.body.start_stream()
         return self.stream
 
     async def write(self, text: str) -> None:
@@ -401,9 +393,7 @@ class MessageView(Vertical, can_focus=True):
         self.text = text
         if reasoning is not None or self.thought is not None:
             await self.set_reasoning(self.reasoning if reasoning is None else reasoning)
-        shown = self._shown(text)
-        if self.body.source != shown:  # e.g. a chunk raced the end of the stream
-            await self.body.update(shown)
+        self.body.update(self._shown(text))  # e.g. a chunk raced the end of the stream
         self.set_class(partial, "-partial")
         self._show_header()
 
