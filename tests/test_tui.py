@@ -25,7 +25,7 @@ from kvchat.tui.screens.dialogs import ConfirmDialog, EditDialog, ExportDialog, 
 from kvchat.tui.screens.error import ErrorScreen
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.screens.search import SearchScreen
-from kvchat.tui.widgets.conversation import MessageView
+from kvchat.tui.widgets.conversation import SHOWN, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
 
 SIZE = (100, 30)
@@ -415,11 +415,12 @@ async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(ho
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
         views = main.conversation.views
-        assert len(views) == 60 and views[-1].text == "line 69"
-        assert "10 earlier messages" in str(main.conversation.query_one("#earlier", Label).render())
+        assert len(views) == SHOWN and views[-1].text == "line 69"
+        earlier = f"{70 - SHOWN} earlier messages"
+        assert earlier in str(main.conversation.query_one("#earlier", Label).render())
         await pilot.press("ctrl+f")
         await wait_until(lambda: isinstance(app.screen, SearchScreen))
-        await pilot.press(*'"line 3"', "enter")  # one hit: message 3, not among the last 60
+        await pilot.press(*'"line 3"', "enter")  # one hit: message 3, not among the last shown
         await wait_until(lambda: isinstance(app.focused, MessageView))
         assert isinstance(app.focused, MessageView) and app.focused.text == "line 3"
         # A window around the hit (#4), not everything from it to the end.

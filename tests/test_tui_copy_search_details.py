@@ -35,7 +35,7 @@ from kvchat.tui.screens.dialogs import ConfirmDialog, ExportDialog, SettingsDial
 from kvchat.tui.screens.error import ErrorScreen
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.screens.search import SearchScreen, hit_content
-from kvchat.tui.widgets.conversation import MessageView
+from kvchat.tui.widgets.conversation import SHOWN, MessageView
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.sidebar import row_lines
 from tests.test_tui_branches import sidebar_lines
@@ -223,14 +223,15 @@ async def test_copy_under_tmux_external_writes_the_file_and_says_where(
 
 async def test_messages_show_their_number_in_the_session(service: StandInService) -> None:
     session = service.new_session("Long")
-    add_pairs(service, session.id, 35)  # 70 messages: the last 60 are shown
+    add_pairs(service, session.id, 35)  # 70 messages: the last SHOWN are shown
     app, run = start(service)
     async with run as pilot:
         await _settled(pilot)
         main = app.main
         stored = service.messages(session.id)
         views = main.conversation.views
-        assert views[0].number == 11 and header(views[0]) == "You · #11"
+        first = 70 - SHOWN + 1
+        assert views[0].number == first and header(views[0]) == f"You · #{first}"
         assert header(views[-1]) == "Assistant · #70"
         for view in views:  # the number is the 1-based position `kvchat fork --at` takes
             assert view.number is not None and stored[view.number - 1].id == view.message_id
@@ -346,7 +347,7 @@ async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(
         views[-1].focus()
         await pilot.pause()
         await pilot.press("down")
-        await _wait(lambda: main.conversation.later == 0 and len(main.conversation.views) == 60)
+        await _wait(lambda: main.conversation.later == 0 and len(main.conversation.views) == SHOWN)
         assert main.conversation.views[-1].number == 300
 
 

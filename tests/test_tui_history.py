@@ -258,8 +258,11 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
         conversation = main.conversation
         await wait_until(lambda: not conversation.pending)  # the first page, all mounted
         views = conversation.views
-        assert len(views) == SHOWN and views[-1].number == 500 and conversation.first == 440
-        assert "440 earlier messages" in str(conversation.query_one("#earlier", Label).content)
+        earlier = 500 - SHOWN
+        assert len(views) == SHOWN and views[-1].number == 500 and conversation.first == earlier
+        assert f"{earlier} earlier messages" in str(
+            conversation.query_one("#earlier", Label).content
+        )
 
         # PgUp on the messages: at the top of the window the page before comes in, and the
         # message that was on top stays on screen (the place is kept).
@@ -268,11 +271,11 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
         top = views[0]
         for _ in range(60):
             await pilot.press("pageup")
-            if conversation.first < 440:
+            if conversation.first < earlier:
                 break
-        await wait_until(lambda: conversation.first == 440 - EARLIER_PAGE)
+        await wait_until(lambda: conversation.first == earlier - EARLIER_PAGE)
         await pilot.pause()
-        assert conversation.views[0].number == 441 - EARLIER_PAGE
+        assert conversation.views[0].number == earlier + 1 - EARLIER_PAGE
         assert conversation.region.overlaps(top.region), (conversation.region, top.region)
 
         # Home: message #1, focused, drawn before the rest of its page is built; End: the

@@ -1,7 +1,7 @@
 """KvchatApp: owns the service and its two threads; the main screen does the presenting.
 
 Nothing heavy is imported before the first frame: the settings (pydantic), the service
-(llama.cpp) and the Markdown widget load after it, on first use.
+(llama.cpp) and the Markdown renderer load after it, on first use.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["ROLE_NAMES", "Conversation", "ConversationPage", "MessagePages", "MessageView"]
 
 # Messages mounted when a session opens (each renders its Markdown when laid out).
-SHOWN = 60
+SHOWN = 24
 # Opening a session mounts first only the latest messages that fill the screen (at least
 # this many), then the rest of the SHOWN above them, this many at a time (see fill()).
 FIRST_AT_LEAST = 2
