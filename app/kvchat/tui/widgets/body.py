@@ -6,8 +6,9 @@ session switch's time. This body is one widget: its Markdown is parsed with kvch
 parsers (raw HTML and character references stay text) and rendered by Rich into lines,
 once per width, and :meth:`MessageBody.render_line` hands those lines out. A reply
 streaming in re-renders only its last block (the ones before it are kept as lines), and
-lays the screen out again only when its number of lines changes; a very long message
-renders a part at a time between keys and frames, with a note in its place until done.
+lays the screen out again only when its number of lines changes (it grows by STREAM_SLACK
+lines at a time); a very long message renders a part at a time between keys and frames,
+with a note in its place until done.
 Imported on first use (see ``message_view.py``): Rich's Markdown imports Pygments.
 """
 
@@ -44,6 +45,9 @@ PART_CHARS = 2_000
 # Parts are rendered for PART_S at most, then the loop has PAUSE_S for keys and frames.
 PART_S = 0.010
 PAUSE_S = 0.004
+# While a reply streams in, its body ends in blank lines up to a multiple of this many: the
+# screen is laid out again once every STREAM_SLACK lines the reply gains, not at each one.
+STREAM_SLACK = 4
 
 
 class _LeftHeading(Heading):
@@ -337,7 +341,8 @@ class MessageBody(Widget):
                 lines.append(Strip.blank(renderer.width, renderer.base))
             lines += rendered
         self._done = done
-        return lines
+        slack = -len(lines) % STREAM_SLACK
+        return lines + [Strip.blank(renderer.width, renderer.base)] * slack
 
     def _render_in_parts(self, key: tuple[object, ...], renderer: _Renderer) -> None:
         """Render a very long source a part at a time on the UI loop, keys and frames
