@@ -6,6 +6,7 @@ Nothing heavy is imported before the first frame: the settings (pydantic), the s
 
 from __future__ import annotations
 
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -35,6 +36,17 @@ COLLECT_CHECK_S = 0.5
 # The input's cursor stops blinking after this long idle (a blink redraws it twice a
 # second: an idle app draws nothing); a key makes it blink again.
 BLINK_REST_S = 10.0
+
+
+def _warm_highlighting(code_theme: str) -> None:
+    """Load the code highlighter's common lexers (see ``body.warm_highlighting``) off the UI
+    thread. Only time is at stake: a failure here shows up, if ever, when a block is drawn."""
+    try:
+        from kvchat.tui.widgets.body import warm_highlighting
+
+        warm_highlighting(code_theme)
+    except Exception:  # a thread's traceback would be printed over the app
+        pass
 
 
 class KvchatApp(App[None]):
@@ -132,6 +144,10 @@ class KvchatApp(App[None]):
             self.collector.tick()
         elif self.ready_at is not None:  # the model is loaded: the app is up
             self.collector.start()
+            theme = "monokai" if self.current_theme.dark else "default"
+            threading.Thread(
+                target=_warm_highlighting, args=(theme,), name="kvchat-warm", daemon=True
+            ).start()
         self._rest_cursor()
 
     def _rest_cursor(self) -> None:
