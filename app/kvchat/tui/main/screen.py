@@ -20,7 +20,6 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
 from kvchat.errors import KvchatError
@@ -45,6 +44,7 @@ from kvchat.tui.main.signals import (
 from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.footer import KeysFooter
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.sidebar import SessionList
 from kvchat.tui.widgets.status import StatusBar
@@ -161,7 +161,7 @@ class MainScreen(Screen[None]):
                 yield self.conversation
                 yield self.prompt
         yield self.status
-        yield Footer(compact=True)
+        yield KeysFooter(compact=True)
 
     def on_mount(self) -> None:
         self.prompt.focus()
@@ -401,7 +401,7 @@ class MainScreen(Screen[None]):
         self._show_sidebar()
         self.set_class(event.size.width < NARROW_COLUMNS, "-narrow")  # see kvchat.tcss
         # A narrow footer: the palette's key, docked right, would overlap the others.
-        footer = self.query_one(Footer)
+        footer = self.query_one(KeysFooter)
         wide = event.size.width >= NARROW_COLUMNS
         if footer.show_command_palette != wide:
             footer.show_command_palette = wide
