@@ -15,7 +15,7 @@ from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Input
 
-from kvchat.tui.widgets import body as body_module
+from kvchat.tui.widgets import markdown_render
 from kvchat.tui.widgets.body import PARTS_CHARS, STREAM_SLACK, MessageBody
 from kvchat.tui.widgets.message_view import MessageView, message_parser
 
@@ -86,13 +86,13 @@ async def test_a_streamed_reply_renders_its_last_block_only_and_ends_as_stored(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rendered: list[int] = []  # the number of tokens each render was given
-    lines = body_module._Renderer.lines
+    lines = markdown_render.Renderer.lines
 
-    def counting(self: body_module._Renderer, tokens: list[object]) -> list[object]:
+    def counting(self: markdown_render.Renderer, tokens: list[object]) -> list[object]:
         rendered.append(len(tokens))
         return lines(self, tokens)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(body_module._Renderer, "lines", counting)
+    monkeypatch.setattr(markdown_render.Renderer, "lines", counting)
     streamed = MessageBody(parser_factory=message_parser)
     app = Host(streamed)
     async with app.run_test(size=(100, 60)) as pilot:

@@ -276,7 +276,7 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
     """Record every frame drawn from now on: (messages mounted, the hit shown, when).
 
     The hit is shown when its view is in the conversation's viewport with its Markdown
-    rendered (not a note that a thread is drawing it).
+    rendered (not a note that it is being drawn in parts).
     """
     frames: list[tuple[int, bool, float]] = []
     display = app._display

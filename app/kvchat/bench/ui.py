@@ -134,7 +134,7 @@ class _Frames:
 
 def _drawn(main: MainScreen) -> bool:
     """Every message in the conversation's viewport has its Markdown rendered (not a note
-    that a thread is drawing it)."""
+    that it is being drawn in parts)."""
     conversation = main.conversation
     area = conversation.region
     views = conversation.views

@@ -39,10 +39,10 @@ BLINK_REST_S = 10.0
 
 
 def _warm_highlighting(code_theme: str) -> None:
-    """Load the code highlighter's common lexers (see ``body.warm_highlighting``) off the UI
+    """Load the code highlighter's common lexers (see ``markdown_render``) off the UI
     thread. Only time is at stake: a failure here shows up, if ever, when a block is drawn."""
     try:
-        from kvchat.tui.widgets.body import warm_highlighting
+        from kvchat.tui.widgets.markdown_render import warm_highlighting
 
         warm_highlighting(code_theme)
     except Exception:  # a thread's traceback would be printed over the app
