@@ -38,13 +38,13 @@ COLLECT_CHECK_S = 0.5
 BLINK_REST_S = 10.0
 
 
-def _warm_highlighting(code_theme: str) -> None:
+def _warm_highlighting(dark: bool) -> None:
     """Load the code highlighter's common lexers (see ``markdown_render``) off the UI
     thread. Only time is at stake: a failure here shows up, if ever, when a block is drawn."""
     try:
         from kvchat.tui.widgets.markdown_render import warm_highlighting
 
-        warm_highlighting(code_theme)
+        warm_highlighting(dark)
     except Exception:  # a thread's traceback would be printed over the app
         pass
 
@@ -144,9 +144,9 @@ class KvchatApp(App[None]):
             self.collector.tick()
         elif self.ready_at is not None:  # the model is loaded: the app is up
             self.collector.start()
-            theme = "monokai" if self.current_theme.dark else "default"
+            dark = self.current_theme.dark
             threading.Thread(
-                target=_warm_highlighting, args=(theme,), name="kvchat-warm", daemon=True
+                target=_warm_highlighting, args=(dark,), name="kvchat-warm", daemon=True
             ).start()
         self._rest_cursor()
 

@@ -184,9 +184,7 @@ class MessageBody(Widget):
                 rendered = renderer.lines(block)
             if not last:
                 done[key] = rendered
-            if lines and rendered:
-                lines.append(Strip.blank(renderer.width, renderer.base))
-            lines += rendered
+            renderer.extend(lines, rendered)
         self._done = done
         slack = -len(lines) % STREAM_SLACK
         return lines + [Strip.blank(renderer.width, renderer.base)] * slack
@@ -200,10 +198,7 @@ class MessageBody(Widget):
             lines: list[Strip] = []
             since = time.perf_counter()
             for part in parts(source):
-                rendered = renderer.lines(plain_autolinks(parser().parse(part)))
-                if lines and rendered:
-                    lines.append(Strip.blank(renderer.width, renderer.base))
-                lines += rendered
+                renderer.extend(lines, renderer.lines(plain_autolinks(parser().parse(part))))
                 if time.perf_counter() - since > PART_S:
                     await asyncio.sleep(PAUSE_S)  # a key's way to the input takes a few hops
                     since = time.perf_counter()

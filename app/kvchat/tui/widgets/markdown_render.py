@@ -34,13 +34,18 @@ PART_CHARS = 2_000
 WARM_LANGUAGES = ("python", "bash", "javascript", "json", "text")
 
 
-def warm_highlighting(code_theme: str = "monokai") -> None:
-    """Load the lexers of WARM_LANGUAGES and ``code_theme`` now (the app does it in a thread
+def code_theme(dark: bool) -> str:
+    """The Pygments theme of code blocks, on a dark or a light app theme."""
+    return "monokai" if dark else "default"
+
+
+def warm_highlighting(dark: bool) -> None:
+    """Load the lexers of WARM_LANGUAGES and the code theme now (the app does it in a thread
     once it is up): the first Python block drawn took 26 ms more than the next."""
     from pygments.lexers import get_lexer_by_name
     from pygments.styles import get_style_by_name
 
-    get_style_by_name(code_theme)
+    get_style_by_name(code_theme(dark))
     for name in WARM_LANGUAGES:
         get_lexer_by_name(name)
 
@@ -195,7 +200,7 @@ class MarkdownStyle:
         self.console = Console(
             file=io.StringIO(), theme=self.theme, force_terminal=True, color_system="truecolor"
         )
-        self.code_theme = "monokai" if dark else "default"
+        self.code_theme = code_theme(dark)
         self.code_background = code_background
 
 
@@ -207,6 +212,12 @@ class Renderer:
         self, options: ConsoleOptions, style: MarkdownStyle, base: Style, width: int
     ) -> None:
         self.options, self.style, self.base, self.width = options, style, base, width
+
+    def extend(self, lines: list[Strip], more: list[Strip]) -> None:
+        """Add the lines of one more block (or part) to ``lines``, a blank line between."""
+        if lines and more:
+            lines.append(Strip.blank(self.width, self.base))
+        lines += more
 
     def lines(self, tokens: list[Token]) -> list[Strip]:
         """The lines of ``tokens``, without the empty line Rich puts before a list (or a
