@@ -33,6 +33,7 @@ from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli
 pytestmark = pytest.mark.e2e
 
 STRESS_CASES = int(os.environ.get("KVCHAT_STRESS_CASES", "2000"))
+DEFAULT_CASES = 40
 STRESS_KILLS = int(os.environ.get("KVCHAT_STRESS_KILLS", "200"))
 GREEDY = dict(temperature=0.0, max_tokens=8, n_ctx=1024)
 GREEDY_FLAGS = [*FAST, "--max-tokens", "8"]  # the same, for the CLI (the last flag wins)
@@ -294,20 +295,32 @@ def _swap_files(home: Path, rng: random.Random) -> str:
     return f"swap {a.name} and {b.name}"
 
 
-def _damage(home: Path, rng: random.Random) -> str:
-    kind = rng.choice(["flip", "flip", "truncate", "row", "row", "swap", "delete"])
+DAMAGE_KINDS = ["flip", "flip", "truncate", "row", "row", "swap", "delete"]
+
+
+def _damage(home: Path, rng: random.Random, kinds: set[str] | None = None) -> str:
+    """One random damage to ``home``'s snapshots or their rows (its kind added to
+    ``kinds`` once done): what was done, in words."""
+    kind = rng.choice(DAMAGE_KINDS)
     files = _snapshot_files(home)
     if kind == "row" or not files:
-        return _edit_row(home, rng)
-    if kind == "swap":
-        return _swap_files(home, rng)
-    target = rng.choice(files)
-    if kind == "flip":
-        return _flip(target, rng)
-    if kind == "truncate":
-        return _truncate(target, rng)
-    target.unlink()
-    return f"delete {target.name}"
+        kind, what = "row", _edit_row(home, rng)
+    elif kind == "swap":
+        what = _swap_files(home, rng)
+        if len(files) < 2:
+            kind = "none"
+    else:
+        target = rng.choice(files)
+        if kind == "flip":
+            what = _flip(target, rng)
+        elif kind == "truncate":
+            what = _truncate(target, rng)
+        else:
+            target.unlink()
+            what = f"delete {target.name}"
+    if kinds is not None:
+        kinds.add(kind)
+    return what
 
 
 @pytest.fixture(scope="module")
@@ -329,10 +342,10 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str],
     return home, [a, b], expected
 
 
-def _damage_cases(pristine, tmp_path: Path, n: int, seed: int) -> dict[str, int]:
+def _damage_cases(pristine, tmp_path: Path, n: int, seed: int) -> dict[str, Any]:
     home, sessions, expected = pristine
     rng = random.Random(seed)
-    tally = {"cases": 0, "resumed": 0, "fallbacks": 0}
+    tally: dict[str, Any] = {"cases": 0, "resumed": 0, "fallbacks": 0, "kinds": set()}
     # One loaded model for every case: each case is its own home and its own service.
     owner = ChatService(Settings(**GREEDY), home=tmp_path / "engine-owner")
     engine = owner.engine
@@ -352,13 +365,13 @@ def _damage_case(
     case: int,
     rng: random.Random,
     engine: Any,
-    tally: dict[str, int],
+    tally: dict[str, Any],
 ) -> None:
     """Copy the pristine home, damage it, and run one greedy turn on it."""
     target = tmp_path / f"case{case % 4}"
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(home, target)
-    what = "; ".join(_damage(target, rng) for _ in range(rng.choice([1, 1, 2])))
+    what = "; ".join(_damage(target, rng, tally["kinds"]) for _ in range(rng.choice([1, 1, 2])))
     session = rng.choice(sessions)
     service = ChatService(Settings(**GREEDY), home=target, engine=engine)
     try:
@@ -377,8 +390,11 @@ def _damage_case(
 
 
 def test_damaged_snapshots_and_rows_resume_exactly_or_fall_back(pristine, tmp_path: Path):
-    tally = _damage_cases(pristine, tmp_path, n=100, seed=1)
-    assert tally["cases"] == 100 and tally["resumed"] and tally["fallbacks"]
+    # 40 cases (each a greedy turn, ~0.5 s) try every kind of damage and both outcomes;
+    # `pytest -m stress` runs STRESS_CASES of them.
+    tally = _damage_cases(pristine, tmp_path, n=DEFAULT_CASES, seed=1)
+    assert tally["cases"] == DEFAULT_CASES and tally["resumed"] and tally["fallbacks"]
+    assert set(DAMAGE_KINDS) <= tally["kinds"], tally["kinds"]
 
 
 @pytest.mark.stress
