@@ -283,10 +283,8 @@ def _edit_row(home: Path, rng: random.Random) -> str:
         db.close()
 
 
-def _swap_files(home: Path, rng: random.Random) -> str:
-    files = _snapshot_files(home)
-    if len(files) < 2:
-        return "too few files"
+def _swap_files(files: list[Path], rng: random.Random) -> str:
+    """Swap the contents of two of ``files`` (at least two) by renaming them."""
     a, b = rng.sample(files, 2)
     tmp = a.with_name(a.name + ".swap")
     a.rename(tmp)
@@ -298,17 +296,17 @@ def _swap_files(home: Path, rng: random.Random) -> str:
 DAMAGE_KINDS = ["flip", "flip", "truncate", "row", "row", "swap", "delete"]
 
 
-def _damage(home: Path, rng: random.Random, kinds: set[str] | None = None) -> str:
+def _damage(home: Path, rng: random.Random, kinds: set[str]) -> str:
     """One random damage to ``home``'s snapshots or their rows (its kind added to
     ``kinds`` once done): what was done, in words."""
     kind = rng.choice(DAMAGE_KINDS)
     files = _snapshot_files(home)
     if kind == "row" or not files:
         kind, what = "row", _edit_row(home, rng)
+    elif kind == "swap" and len(files) < 2:
+        kind, what = "none", "too few files to swap"
     elif kind == "swap":
-        what = _swap_files(home, rng)
-        if len(files) < 2:
-            kind = "none"
+        what = _swap_files(files, rng)
     else:
         target = rng.choice(files)
         if kind == "flip":
@@ -318,8 +316,7 @@ def _damage(home: Path, rng: random.Random, kinds: set[str] | None = None) -> st
         else:
             target.unlink()
             what = f"delete {target.name}"
-    if kinds is not None:
-        kinds.add(kind)
+    kinds.add(kind)
     return what
 
 
