@@ -59,7 +59,8 @@ def start(service: StandInService, size: tuple[int, int] = SIZE) -> tuple[Kvchat
 
 
 def header(view: MessageView) -> str:
-    return str(view.query_one(".message-role", Label).content)
+    """The role line the message draws (its first line)."""
+    return view.drawn_lines[0].strip()
 
 
 def notices(app: KvchatApp) -> list[str]:

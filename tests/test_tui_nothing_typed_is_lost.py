@@ -507,8 +507,6 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
 
 @pytest.mark.e2e
 async def test_a_long_paste_shows_folded_and_enter_unfolds_it(kvhome: Path) -> None:
-    from textual.widgets import Label
-
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
@@ -520,8 +518,7 @@ async def test_a_long_paste_shows_folded_and_enter_unfolds_it(kvhome: Path) -> N
         await pilot.pause()
         mine = main.conversation.views[0]
         assert mine.text == paste  # stored and copied whole
-        note = mine.query_one(".fold-note", Label)
-        assert "80 more lines" in str(note.render())
+        assert "80 more lines" in mine.drawn_lines[-1]
         assert mine.size.height < 30  # not the whole screen and more
         shown = _body_text(mine)
         assert "row 20:" in shown and "row 21:" not in shown
@@ -536,7 +533,8 @@ async def test_a_long_paste_shows_folded_and_enter_unfolds_it(kvhome: Path) -> N
         assert "row 21:" not in _body_text(mine)
         # A short message of yours has no fold.
         await send(pilot, main, "Short one.")
-        assert not main.conversation.views[2].query(".fold-note")
+        short = main.conversation.views[2]
+        assert not short.fold_note and "Enter" not in short.drawn_lines[-1]
 
 
 # --- item 15: small windows --------------------------------------------------------------------

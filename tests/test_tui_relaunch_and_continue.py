@@ -58,7 +58,8 @@ def texts(main: MainScreen) -> list[str]:
 
 
 def header(view: MessageView) -> str:
-    return str(view.query_one(".message-role").render())
+    """The role line the message draws (its first line)."""
+    return view.drawn_lines[0].strip()
 
 
 # --- issue 11.2: relaunch opens the session the user was in -----------------------------------

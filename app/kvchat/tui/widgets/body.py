@@ -10,7 +10,12 @@ streaming in re-renders only its last block (the ones before it are kept as line
 lays the screen out again only when its number of lines changes (it grows by STREAM_SLACK
 lines at a time); a very long message renders a part at a time between keys and frames,
 with a note in its place until done.
-Imported on first use (see ``message_view.py``): Rich's Markdown imports Pygments.
+A subclass can draw lines above and below the Markdown (:meth:`MessageBody._head`,
+:meth:`MessageBody._foot`): a message's role line, its folded reasoning, a fold note, so a
+message is one widget (a container and its children cost three times as much to lay out and
+composite at each switch). The Markdown rendering (``markdown_render.py``: Rich's Markdown
+imports Pygments) is imported when a body first renders, not with this module: the app's
+first frame needs none of it.
 """
 
 from __future__ import annotations
@@ -26,18 +31,11 @@ from textual.geometry import Size
 from textual.strip import Strip
 from textual.widget import Widget
 
-from kvchat.tui.widgets.markdown_render import (
-    MarkdownStyle,
-    Renderer,
-    block_signature,
-    parts,
-    plain_autolinks,
-    top_blocks,
-)
-
 if TYPE_CHECKING:
     from markdown_it import MarkdownIt
     from textual.selection import Selection
+
+    from kvchat.tui.widgets.markdown_render import MarkdownStyle, Renderer
 
 # A source longer than this renders a part at a time (see markdown_render.parts), keys and
 # frames between (a note shows until it is done): Rich renders ~0.5 MB of Markdown a second
@@ -79,6 +77,8 @@ class MessageBody(Widget):
         self._lines_key: tuple[object, ...] | None = None
         self._done: dict[tuple[object, ...], list[Strip]] = {}  # finished blocks' lines
         self._rendering: tuple[object, ...] | None = None  # being rendered in parts
+        # The head, Markdown and foot lists last joined, and the joined lines (see _drawn).
+        self._drawn_key: tuple[list[Strip], list[Strip], list[Strip], list[Strip]] | None = None
 
     @property
     def source(self) -> str:
@@ -121,6 +121,17 @@ class MessageBody(Widget):
                 return
         self.refresh(layout=True)
 
+    def _frame_changed(self) -> None:
+        """A subclass's lines above or below the Markdown changed: redraw, and lay the screen
+        out again only if the number of lines drawn changed."""
+        width = self.content_region.width
+        if width and self._drawn_key is not None:
+            before = self._drawn_key[-1]
+            if len(self._drawn(width)) == len(before):
+                self.refresh()
+                return
+        self.refresh(layout=True)
+
     @property
     def rendered(self) -> bool:
         """Its lines are rendered for its width (not a note that they are being drawn)."""
@@ -128,15 +139,47 @@ class MessageBody(Widget):
 
     @property
     def shown_text(self) -> str:
-        """What it shows at its width, as plain text (lines without trailing spaces)."""
+        """The Markdown as it shows at its width, as plain text (lines without trailing
+        spaces; not the lines a subclass draws above or below it)."""
         width = self.content_region.width or self.size.width
         if not width:
             return ""
-        return "\n".join(line.text.rstrip() for line in self._lines_for(width))
+        return _plain(self._lines_for(width))
+
+    @property
+    def drawn_text(self) -> str:
+        """Every line it draws at its width, as plain text (what a mouse selection reads)."""
+        width = self.content_region.width or self.size.width
+        return _plain(self._drawn(width)) if width else ""
+
+    # --- lines above and below the Markdown (for a subclass) ---------------------------------
+
+    def _head(self, width: int) -> list[Strip]:
+        """Lines drawn above the Markdown (none here). A subclass caches what it returns:
+        the same list object while nothing changed."""
+        return []
+
+    def _foot(self, width: int) -> list[Strip]:
+        """Lines drawn below the Markdown (none here); cached as :meth:`_head`'s."""
+        return []
+
+    def _drawn(self, width: int) -> list[Strip]:
+        """The head, the Markdown's lines and the foot, joined once while none changes."""
+        head, body, foot = self._head(width), self._lines_for(width), self._foot(width)
+        if not head and not foot:
+            return body
+        known = self._drawn_key
+        if known is not None and known[0] is head and known[1] is body and known[2] is foot:
+            return known[3]
+        drawn = head + body + foot
+        self._drawn_key = (head, body, foot, drawn)
+        return drawn
 
     # --- rendering ---------------------------------------------------------------------------
 
     def _style(self) -> MarkdownStyle:
+        from kvchat.tui.widgets.markdown_render import MarkdownStyle
+
         app = self.app
         style = self._styles_by_theme.get(app.theme)
         if style is None:
@@ -162,6 +205,8 @@ class MessageBody(Widget):
         return self._lines
 
     def _renderer(self, width: int, base: Style) -> Renderer:
+        from kvchat.tui.widgets.markdown_render import Renderer
+
         app = self.app
         options = app.console_options.update(width=width, height=None, highlight=False)
         return Renderer(options, self._style(), base, width)
@@ -169,6 +214,8 @@ class MessageBody(Widget):
     def _render(self, renderer: Renderer) -> list[Strip]:
         if not self._source:
             return []
+        from kvchat.tui.widgets.markdown_render import block_signature, plain_autolinks, top_blocks
+
         tokens = plain_autolinks(self._parser_factory().parse(self._source))
         if not self._streaming:
             return renderer.lines(tokens)
@@ -192,6 +239,8 @@ class MessageBody(Widget):
     def _render_in_parts(self, key: tuple[object, ...], renderer: Renderer) -> None:
         """Render a very long source a part at a time on the UI loop, keys and frames
         between the parts (a thread would hold the GIL: the UI would starve as much)."""
+        from kvchat.tui.widgets.markdown_render import parts, plain_autolinks
+
         source, parser = self._source, self._parser_factory
 
         async def render() -> None:
@@ -215,11 +264,11 @@ class MessageBody(Widget):
         return container.width
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(self._lines_for(width)) if width > 0 else 0
+        return len(self._drawn(width)) if width > 0 else 0
 
     def render_line(self, y: int) -> Strip:
         width = self.content_region.width or self.size.width
-        lines = self._lines_for(width)
+        lines = self._drawn(width)
         if y >= len(lines):
             return Strip.blank(width, self.visual_style.rich_style)
         line = lines[y]
@@ -234,7 +283,7 @@ class MessageBody(Widget):
         return line
 
     def get_selection(self, selection: Selection) -> tuple[str, str] | None:
-        return selection.extract(self.shown_text), "\n"
+        return selection.extract(self.drawn_text), "\n"
 
     def selection_updated(self, selection: Selection | None) -> None:
         self.refresh()
@@ -255,3 +304,7 @@ class BodyStream:
 
 def _note(text: str, width: int, base: Style) -> Strip:
     return Strip([Segment(text[:width], base + Style(italic=True))]).extend_cell_length(width, base)
+
+
+def _plain(lines: list[Strip]) -> str:
+    return "\n".join(line.text.rstrip() for line in lines)

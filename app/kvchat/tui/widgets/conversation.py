@@ -20,7 +20,8 @@ from textual.widget import Widget
 from textual.widgets import Label
 from textual.worker import Worker, WorkerState
 
-from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, body_widget, message_parser
+from kvchat.tui.widgets.body import MessageBody
+from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, message_parser
 from kvchat.tui.widgets.thought import ThoughtFigures
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class Conversation(VerticalScroll, can_focus=False):
                 Label(_later_note(self.later), id="later", classes="not-shown", markup=False)
             )
         if not total:
-            widgets.append(body_widget()(WELCOME, id="welcome", parser_factory=message_parser))
+            widgets.append(MessageBody(WELCOME, id="welcome", parser_factory=message_parser))
         # One batch: the old messages stay on screen until the new ones are in place. The
         # old page is hidden, and removed only once the new one is drawn (removing some
         # sixty messages' widgets costs about as much as building the few now shown).

@@ -1,8 +1,10 @@
-"""One message of the conversation: its role line and its Markdown, and what a key on it
-asks for (copy, details, branch, edit, versions), as typed Messages to the screen.
+"""One message of the conversation: its role line, its folded reasoning, its Markdown and a
+fold note, drawn as lines by one widget, and what a key on it asks for (copy, details,
+branch, edit, versions), as typed Messages to the screen.
 
-The Markdown body (``body.py``: Rich's Markdown and the syntax highlighter behind it) is
-imported on first use, not with the app: the first frame needs none of it.
+A message is one widget (a :class:`~kvchat.tui.widgets.body.MessageBody` that draws its
+role line and notes around the Markdown): a container with a label and a body was three
+widgets to style, lay out and composite per message at each switch, twice the CPU time.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
+from rich.segment import Segment
+from rich.text import Text
 from textual import events
-from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
 from textual.message import Message as TextualMessage
-from textual.widgets import Label
+from textual.strip import Strip
 
 from kvchat.text import visible
+from kvchat.tui.widgets.body import BodyStream, MessageBody
 from kvchat.tui.widgets.thought import Thought, ThoughtFigures
 
 if TYPE_CHECKING:
@@ -26,7 +29,6 @@ if TYPE_CHECKING:
     from markdown_it.rules_core import StateCore
 
     from kvchat.service.chat import Message
-    from kvchat.tui.widgets.body import BodyStream, MessageBody
 
 # Markdown that shows text as written: no raw HTML (``<script>``, ``Vec<String>`` are text)
 # and no character references (``&amp;`` stays as typed); formatting still renders.
@@ -72,13 +74,6 @@ def _typed_line_breaks(state: StateCore) -> None:
                 child.type, child.tag = "hardbreak", "br"
 
 
-def body_widget() -> type[MessageBody]:
-    """A message's Markdown widget class, imported on first use."""
-    from kvchat.tui.widgets.body import MessageBody
-
-    return MessageBody
-
-
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 # A message of yours longer than this many lines (a long paste) shows folded to its first
 # FOLD_LINES; Enter on it (or a click on the note) shows it all.
@@ -91,13 +86,17 @@ BIG_CHARS = 50_000
 FOLD_CHARS = 4_000
 
 
-class MessageView(Vertical, can_focus=True):
+class MessageView(MessageBody, can_focus=True):
     """One message, headed by its role and its number in the session (``#3``: what
     ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
     or a code block with ``b``, see its details with ``i``, branch a new session from it
     with ``f``, or edit it (your messages) with ``e``. A thinking model's reply shows its
-    reasoning folded above the answer (:class:`Thought`): ``t`` or a click unfolds it."""
+    reasoning folded above the answer (:class:`Thought`): ``t`` or a click unfolds it.
 
+    It draws, as lines: the role line, the reasoning's line (and its text, unfolded), the
+    Markdown, and a long message's fold note (see the module docstring)."""
+
+    COMPONENT_CLASSES = {"message-view--role", "message-view--note", "message-view--reasoning"}
     BINDINGS = [
         Binding("c", "copy", "Copy message", show=False),
         Binding("b", "copy_code", "Copy code block", show=False),
@@ -171,7 +170,10 @@ class MessageView(Vertical, can_focus=True):
         figures: ThoughtFigures | None = None,
     ) -> None:
         classes = f"message -{role}" + (" -partial" if partial else "")
-        super().__init__(classes=classes + (" -pending" if pending else ""))
+        super().__init__(
+            classes=classes + (" -pending" if pending else ""),
+            parser_factory=user_parser if role == "user" else message_parser,
+        )
         self.role = role
         self.text = text
         self.message_id = message_id
@@ -191,6 +193,11 @@ class MessageView(Vertical, can_focus=True):
         # A thinking model's reasoning before the answer ("" when none), shown folded.
         self.reasoning = reasoning
         self.figures = figures
+        self.thought: Thought | None = Thought(reasoning, figures) if reasoning else None
+        self._source = self._shown(text)
+        # The lines drawn above and below the Markdown, and what they were drawn from.
+        self._head_lines: tuple[tuple[object, ...], list[Strip]] | None = None
+        self._foot_lines: tuple[tuple[object, ...], list[Strip]] | None = None
 
     @classmethod
     def from_message(
@@ -207,14 +214,10 @@ class MessageView(Vertical, can_focus=True):
             figures=figures,
         )
 
-    def compose(self) -> ComposeResult:
-        yield Label(self._header(), classes="message-role", markup=False)
-        if self.reasoning:
-            yield Thought(self.reasoning, self.figures)
-        parser = user_parser if self.role == "user" else message_parser
-        yield body_widget()(self._shown(self.text), classes="message-body", parser_factory=parser)
-        if self.foldable:
-            yield Label(self._fold_note(), classes="fold-note", markup=False)
+    @property
+    def body(self) -> MessageView:
+        """The widget that draws the Markdown: the message itself (its source, its lines)."""
+        return self
 
     @property
     def big(self) -> bool:
@@ -236,7 +239,11 @@ class MessageView(Vertical, can_focus=True):
             text = "\n".join(text.split("\n")[:FOLD_LINES])
         return text
 
-    def _fold_note(self) -> str:
+    @property
+    def fold_note(self) -> str:
+        """The line below a long message ("" for one too short to fold)."""
+        if not self.foldable:
+            return ""
         if self.folded and self.big:
             more = len(self.text) - FOLD_CHARS
             return f"⋯ {more:,} more characters · Enter shows them all"
@@ -250,50 +257,48 @@ class MessageView(Vertical, can_focus=True):
         if not self.foldable:
             return
         self.folded = not self.folded
-        self.body.update(self._shown(self.text))
-        for note in self.query(".fold-note").results(Label):
-            note.update(self._fold_note())
+        self.update(self._shown(self.text))
+        self._frame_changed()
 
     async def on_click(self, event: events.Click) -> None:
-        widget = event.widget
-        if widget is not None and widget.has_class("fold-note"):
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        width = self.content_region.width
+        if self.thought is not None and offset.y == len(self._header_lines(width)):
+            event.stop()
+            await self.action_toggle_thought()
+        elif self.fold_note and offset.y >= len(self._drawn(width)) - len(self._foot(width)):
             await self.action_toggle_fold()
-
-    @property
-    def thought(self) -> Thought | None:
-        """The folded reasoning block, if the reply has one."""
-        blocks = list(self.query(Thought).results(Thought))
-        return blocks[0] if blocks else None
 
     async def action_toggle_thought(self) -> None:
         """``t``: unfold the reasoning of a thinking model's reply, or fold it again."""
-        thought = self.thought
-        if thought is not None:
-            await thought.toggle()
+        if self.thought is not None:
+            self.thought.toggle()
+            self._frame_changed()
         elif self.role == "assistant":
             self.app.notify("This reply has no reasoning to show")
 
     async def set_reasoning(
         self, reasoning: str, figures: ThoughtFigures | None = None, *, thinking: bool = False
     ) -> None:
-        """Show ``reasoning`` in the folded block (made above the answer when the first
-        reasoning arrives; removed when there is none)."""
+        """Show ``reasoning`` in the folded block (above the answer from the first reasoning
+        on; gone when there is none)."""
         self.reasoning = reasoning
         if figures is not None:
             self.figures = figures
-        thought = self.thought
         if not reasoning and not thinking:
-            if thought is not None:
-                await thought.remove()
-            return
-        if thought is None:
-            thought = Thought(reasoning, self.figures)
-            thought.thinking = thinking
-            await self.mount(thought, before=self.body)
-            return
-        thought.set(reasoning, self.figures, thinking=thinking)
+            self.thought = None
+        elif self.thought is None:
+            self.thought = Thought(reasoning, self.figures)
+            self.thought.thinking = thinking
+        else:
+            self.thought.set(reasoning, self.figures, thinking=thinking)
+        self._frame_changed()
 
-    def _header(self) -> str:
+    @property
+    def header(self) -> str:
+        """The role line: who, the message's number, its version, and how it ended."""
         name = ROLE_NAMES.get(self.role, self.role)
         if self.number is not None:
             name = f"{name} · #{self.number}"
@@ -311,15 +316,74 @@ class MessageView(Vertical, can_focus=True):
             return f"{name} · stopped at the token limit"
         return name
 
-    def _show_header(self) -> None:
-        for label in self.query(".message-role").results(Label):
-            label.update(self._header())
+    # --- the lines drawn around the Markdown -------------------------------------------------
+
+    def _text_lines(self, text: str, component: str, width: int) -> list[Strip]:
+        """``text`` (plain, never markup) wrapped to ``width`` in a component's style."""
+        base = self.visual_style.rich_style
+        style = base + self.get_component_rich_style(component)
+        options = self.app.console_options.update(width=width, height=None, highlight=False)
+        shown = Text(text, style=style, end="")
+        rows = self.app.console.render_lines(shown, options, style=base, pad=True)
+        return [Strip(row, width) for row in rows]
+
+    def _header_lines(self, width: int) -> list[Strip]:
+        return self._text_lines(self.header, "message-view--role", width)
+
+    def _head(self, width: int) -> list[Strip]:
+        """The role line, and the reasoning's line (and text, while unfolded)."""
+        thought = self.thought
+        folded = thought is None or not thought.shown
+        key = (
+            width,
+            self.header,
+            self.visual_style.rich_style,
+            self.get_component_rich_style("message-view--role"),
+            None if thought is None else thought.line,
+            None if folded else thought.reasoning,
+        )
+        if self._head_lines is not None and self._head_lines[0] == key:
+            return self._head_lines[1]
+        lines = self._header_lines(width)
+        if thought is not None:
+            lines += self._text_lines(thought.line, "message-view--note", width)
+            if thought.shown:
+                lines += self._reasoning_lines(thought.body_text, width)
+        self._head_lines = (key, lines)
+        return lines
+
+    def _reasoning_lines(self, reasoning: str, width: int) -> list[Strip]:
+        """The unfolded reasoning: muted, behind a rule on its left, a blank line below."""
+        base = self.visual_style.rich_style
+        rule = Segment("▏ ", base + self.get_component_rich_style("message-view--reasoning"))
+        lines = self._text_lines(reasoning, "message-view--reasoning", max(width - 2, 1))
+        ruled = [Strip([rule, *line]).crop_extend(0, width, base) for line in lines]
+        return [*ruled, Strip.blank(width, base)]
+
+    def _foot(self, width: int) -> list[Strip]:
+        """The fold note of a long message."""
+        note = self.fold_note
+        if not note:
+            return []
+        key = (width, note, self.visual_style.rich_style)
+        if self._foot_lines is not None and self._foot_lines[0] == key:
+            return self._foot_lines[1]
+        lines = self._text_lines(note, "message-view--note", width)
+        self._foot_lines = (key, lines)
+        return lines
+
+    @property
+    def drawn_lines(self) -> list[str]:
+        """The lines it draws, as plain text (for a test or a screen reader)."""
+        return self.drawn_text.split("\n")
+
+    # --- versions, storing, streaming ----------------------------------------------------------
 
     def set_version(self, position: int, count: int) -> None:
         """Show which version of the reply this is, of how many."""
         if (position, count) != self.version:
             self.version = (position, count)
-            self._show_header()
+            self._frame_changed()
 
     async def show_version(
         self,
@@ -337,31 +401,27 @@ class MessageView(Vertical, can_focus=True):
         self.cut = message.finish_reason == "length"  # only the last reply has versions
         self.version = (position, count)
         await self.set_reasoning(message.reasoning, figures or ThoughtFigures())
-        self.body.update(self._shown(self.text))
+        self.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
-        self._show_header()
+        self._frame_changed()
 
     def set_stored(self, message_id: int) -> None:
         """Your pending message is stored (committed): show it as any other message."""
         self.message_id = message_id
         self.pending = False
         self.remove_class("-pending")
-        self._show_header()
+        self._frame_changed()
 
     def set_cut(self, cut: bool) -> None:
         """Mark (or unmark) the reply as stopped at the token limit, in its header."""
         if cut != self.cut:
             self.cut = cut
-            self._show_header()
-
-    @property
-    def body(self) -> MessageBody:
-        return self.query_one(".message-body", body_widget())
+            self._frame_changed()
 
     def start_stream(self) -> BodyStream:
         self.streaming = True
-        self._show_header()  # a continued reply shows it is streaming again
-        self.stream = self.body.start_stream()
+        self._frame_changed()  # a continued reply shows it is streaming again
+        self.stream = super().start_stream()
         return self.stream
 
     async def write(self, text: str) -> None:
@@ -393,9 +453,11 @@ class MessageView(Vertical, can_focus=True):
         self.text = text
         if reasoning is not None or self.thought is not None:
             await self.set_reasoning(self.reasoning if reasoning is None else reasoning)
-        self.body.update(self._shown(text))  # e.g. a chunk raced the end of the stream
+        self.update(self._shown(text))  # e.g. a chunk raced the end of the stream
         self.set_class(partial, "-partial")
-        self._show_header()
+        self._frame_changed()
+
+    # --- keys ------------------------------------------------------------------------------------
 
     def on_key(self, event: events.Key) -> None:
         if event.is_printable and event.character and event.key not in self.OWN_KEYS:

@@ -2,18 +2,13 @@
 
 The line says how long and how much the model thought ("Thought for 12 s · 431 tokens");
 ``t`` on the message, or a click on the line, unfolds the reasoning (and folds it again).
-The reasoning's text is built only when unfolded: a session of long reasoning replies
-opens as fast as one without.
+The message draws the line and, only while unfolded, the reasoning's text: a session of
+long reasoning replies opens as fast as one without.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from textual import events
-from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import Label, Static
 
 from kvchat.text import visible
 
@@ -55,38 +50,15 @@ def _seconds(seconds: float) -> str:
     return f"{seconds / 60:.0f} min"
 
 
-class Thought(Vertical):
-    """The folded reasoning of one reply (see the module docstring); folded by default."""
-
-    DEFAULT_CSS = """
-    Thought {
-        height: auto;
-        margin: 0;
-    }
-    Thought > .thought-line {
-        color: $text-muted;
-        text-style: italic;
-    }
-    Thought > .thought-line:hover {
-        text-style: italic underline;
-    }
-    Thought > .thought-body {
-        color: $text-muted;
-        padding: 0 0 0 1;
-        border-left: outer $foreground 20%;
-        margin: 0 0 1 0;
-    }
-    """
+class Thought:
+    """The reasoning of one reply, folded by default; the message draws it (see
+    ``message_view.py``): its line, and the reasoning's text below it while unfolded."""
 
     def __init__(self, reasoning: str = "", figures: ThoughtFigures | None = None) -> None:
-        super().__init__(classes="thought")
         self.reasoning = reasoning
         self.figures = figures or ThoughtFigures()
         self.thinking = False  # the model is reasoning now (the line says Thinking…)
         self.shown = False
-
-    def compose(self) -> ComposeResult:
-        yield Label(self.line, classes="thought-line", markup=False)
 
     @property
     def line(self) -> str:
@@ -94,25 +66,12 @@ class Thought(Vertical):
 
     @property
     def body_text(self) -> str:
-        """What the unfolded block shows ("" while folded: nothing is built)."""
-        bodies = list(self.query(".thought-body").results(Static))
-        return str(bodies[0].content) if bodies else ""
+        """What the unfolded block shows: the reasoning as plain text ("" while folded)."""
+        return visible(self.reasoning) if self.shown else ""
 
-    def _refresh_line(self) -> None:
-        for label in self.query(".thought-line").results(Label):
-            label.update(self.line)
-
-    async def toggle(self) -> None:
+    def toggle(self) -> None:
         """Unfold the reasoning, or fold it again."""
         self.shown = not self.shown
-        bodies = list(self.query(".thought-body").results(Static))
-        if self.shown and not bodies:
-            await self.mount(Static(visible(self.reasoning), classes="thought-body", markup=False))
-        elif bodies:
-            bodies[0].display = self.shown
-            if self.shown:
-                bodies[0].update(visible(self.reasoning))
-        self._refresh_line()
 
     def set(
         self, reasoning: str, figures: ThoughtFigures | None = None, *, thinking: bool = False
@@ -122,13 +81,3 @@ class Thought(Vertical):
         if figures is not None:
             self.figures = figures
         self.thinking = thinking
-        if self.shown:
-            for body in self.query(".thought-body").results(Static):
-                body.update(visible(reasoning))
-        self._refresh_line()
-
-    async def on_click(self, event: events.Click) -> None:
-        widget = event.widget
-        if widget is not None and widget.has_class("thought-line"):
-            event.stop()
-            await self.toggle()
