@@ -84,6 +84,37 @@ async def test_a_page_of_markdown_replies_mounts_one_widget_per_message() -> Non
         assert any(line.startswith("read") and line.endswith("2 s") for line in shown), shown
 
 
+async def test_a_message_mounted_again_takes_its_rendered_lines_from_the_last_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A switch back to a session mounts its messages again: their Markdown is not rendered
+    again (it was most of a switch's layout), and they show the same lines."""
+    rendered: list[int] = []
+    lines = markdown_render.Renderer.lines
+
+    def counting(self: markdown_render.Renderer, tokens: list[object]) -> list[object]:
+        rendered.append(len(tokens))
+        return lines(self, tokens)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(markdown_render.Renderer, "lines", counting)
+    reply = REPLY + "\n\nOnly in this test."  # not rendered by another test before
+    first = MessageView("assistant", reply, number=2)
+    app = Host(first)
+    async with app.run_test(size=(100, 60)) as pilot:
+        await pilot.pause()
+        assert len(rendered) == 1
+        shown = first.drawn_text
+        await first.remove()
+        again = MessageView("assistant", reply, number=2)
+        await app.query_one("#messages").mount(again)
+        await pilot.pause()
+        assert len(rendered) == 1 and again.drawn_text == shown
+        other = MessageView("assistant", reply + " And more.", number=3)
+        await app.query_one("#messages").mount(other)
+        await pilot.pause()
+        assert len(rendered) == 2 and "And more." in other.drawn_text
+
+
 async def test_a_streamed_reply_renders_its_last_block_only_and_ends_as_stored(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

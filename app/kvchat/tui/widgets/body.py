@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -47,6 +48,12 @@ PAUSE_S = 0.004
 # While a reply streams in, its body ends in blank lines up to a multiple of this many: the
 # screen is laid out again once every STREAM_SLACK lines the reply gains, not at each one.
 STREAM_SLACK = 4
+# The Markdown rendered last, shared by every body, up to this many sources: a message
+# mounted again (a switch back to its session, a page scrolled to again) takes its lines
+# from here. Rendering them was most of a switch's layout (~2 ms for a reply with a list
+# and code, a dozen replies on a screen).
+SHARED_RENDERS = 256
+_shared: OrderedDict[tuple[object, ...], list[Strip]] = OrderedDict()
 
 
 class MessageBody(Widget):
@@ -201,8 +208,23 @@ class MessageBody(Widget):
             if self._lines is not None:
                 return self._lines  # the old lines until the new ones are ready
             return [_note(f"⋯ drawing {len(self._source):,} characters…", width, base)]
-        self._lines, self._lines_key = self._render(self._renderer(width, base)), key
+        self._lines, self._lines_key = self._rendered(width, base), key
         return self._lines
+
+    def _rendered(self, width: int, base: Style) -> list[Strip]:
+        """The source's lines: from the shared renders when the same source was rendered
+        at this width and style (not while streaming: a stream keeps its own blocks)."""
+        if self._streaming:
+            return self._render(self._renderer(width, base))
+        key = (self._source, self._parser_factory, width, self.app.theme, base)
+        lines = _shared.get(key)
+        if lines is not None:
+            _shared.move_to_end(key)
+            return lines
+        lines = _shared[key] = self._render(self._renderer(width, base))
+        if len(_shared) > SHARED_RENDERS:
+            _shared.popitem(last=False)
+        return lines
 
     def _renderer(self, width: int, base: Style) -> Renderer:
         from kvchat.tui.widgets.markdown_render import Renderer

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
+from rich.cells import cell_len
 from rich.segment import Segment
 from rich.text import Text
 from textual import events
@@ -322,6 +323,8 @@ class MessageView(MessageBody, can_focus=True):
         """``text`` (plain, never markup) wrapped to ``width`` in a component's style."""
         base = self.visual_style.rich_style
         style = base + self.get_component_rich_style(component)
+        if "\n" not in text and cell_len(text) <= width:  # one line: no wrapping to do
+            return [Strip([Segment(text, style)]).extend_cell_length(width, base)]
         options = self.app.console_options.update(width=width, height=None, highlight=False)
         shown = Text(text, style=style, end="")
         rows = self.app.console.render_lines(shown, options, style=base, pad=True)
@@ -334,11 +337,13 @@ class MessageView(MessageBody, can_focus=True):
         """The role line, and the reasoning's line (and text, while unfolded)."""
         thought = self.thought
         folded = thought is None or not thought.shown
+        # The header's text tells its style apart (pending, partial); the base style the
+        # focus and the theme (looking the component styles up here cost ~3 ms a switch).
         key = (
             width,
             self.header,
             self.visual_style.rich_style,
-            self.get_component_rich_style("message-view--role"),
+            self.app.theme,
             None if thought is None else thought.line,
             None if folded else thought.reasoning,
         )
@@ -365,7 +370,7 @@ class MessageView(MessageBody, can_focus=True):
         note = self.fold_note
         if not note:
             return []
-        key = (width, note, self.visual_style.rich_style)
+        key = (width, note, self.visual_style.rich_style, self.app.theme)
         if self._foot_lines is not None and self._foot_lines[0] == key:
             return self._foot_lines[1]
         lines = self._text_lines(note, "message-view--note", width)
