@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import FAST
 
@@ -98,17 +101,31 @@ def snapshot_tokens(home: Path, session_id: str) -> int:
     return int(row[0])
 
 
-def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_normal_turn(
-    kvhome: Path, cli
-) -> None:
+@pytest.fixture(scope="module")
+def five_notes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A home holding one session of five long notes and their greedy replies at n_ctx 2048
+    (more than n_ctx 1024 holds), its snapshot saved; built once, copied by each test."""
     from kvchat.config import load_settings
     from kvchat.service.chat import open_service
 
+    home = tmp_path_factory.mktemp("five-notes") / "home"
     settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=16, n_threads=1)
-    with open_service(settings, home=kvhome) as svc:
+    with open_service(settings, home=home) as svc:
         session_id = svc.start(note(0)).session_id
         for i in range(1, 5):
             svc.send(session_id, note(i))
+    return home, session_id
+
+
+def _copy_of(five_notes: tuple[Path, str], kvhome: Path) -> str:
+    shutil.copytree(five_notes[0], kvhome)
+    return five_notes[1]
+
+
+def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_normal_turn(
+    kvhome: Path, cli, five_notes: tuple[Path, str]
+) -> None:
+    session_id = _copy_of(five_notes, kvhome)
     long_tokens = snapshot_tokens(kvhome, session_id)
     assert long_tokens > 1024  # more than n_ctx 1024 holds
 
@@ -134,13 +151,10 @@ def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_nor
     assert again["tokens"]["decoded"] < 128
 
 
-def test_a_turn_line_never_claims_a_restore_the_prompt_does_not_use(kvhome: Path, cli) -> None:
-    first = cli(kvhome, "ask", "--new", note(0), "--json", *NORMAL).json
-    session_id = first["session"]
-    cli(kvhome, "ask", "--session", session_id, note(1), "--json", *NORMAL)
-    cli(kvhome, "ask", "--session", session_id, note(2), "--json", *NORMAL)
-    cli(kvhome, "ask", "--session", session_id, note(3), "--json", *NORMAL)
-    cli(kvhome, "ask", "--session", session_id, note(4), "--json", *NORMAL)
+def test_a_turn_line_never_claims_a_restore_the_prompt_does_not_use(
+    kvhome: Path, cli, five_notes: tuple[Path, str]
+) -> None:
+    session_id = _copy_of(five_notes, kvhome)
     small = cli(kvhome, "ask", "--session", session_id, "First?", "--json", *SMALL).json
     assert small["window"]["dropped_messages"] > 0
     with sqlite3.connect(kvhome / "kvchat.db") as db:
