@@ -3,6 +3,7 @@ order of the tests: unit tests first, end-to-end tests after (see pytest_collect
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import shutil
@@ -16,6 +17,16 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile kvchat's modules to bytecode once: the hundreds of ``kvchat`` processes the
+    tests start then read it, where each compiled the package from source (~0.1 s a
+    process here: CI's environment sets PYTHONDONTWRITEBYTECODE=1, so Python never writes
+    it itself; an installed wheel has it from pip)."""
+    compileall.compile_dir(REPO / "app" / "kvchat", quiet=1)
+
+
 # Short, deterministic turns: greedy decoding, few tokens, a small context.
 FAST = ["--temperature", "0", "--max-tokens", "24", "--n-ctx", "1024"]
 
