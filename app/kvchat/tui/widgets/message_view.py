@@ -4,7 +4,8 @@ branch, edit, versions), as typed Messages to the screen.
 
 A message is one widget (a :class:`~kvchat.tui.widgets.body.MessageBody` that draws its
 role line and notes around the Markdown): a container with a label and a body was three
-widgets to style, lay out and composite per message at each switch, twice the CPU time.
+widgets to style, lay out and composite per message at each switch (mounting and drawing
+24 replies took ~1.5 times the CPU time).
 """
 
 from __future__ import annotations
@@ -379,7 +380,7 @@ class MessageView(MessageBody, can_focus=True):
 
     @property
     def drawn_lines(self) -> list[str]:
-        """The lines it draws, as plain text (for a test or a screen reader)."""
+        """The lines it draws, as plain text (what the tests read)."""
         return self.drawn_text.split("\n")
 
     # --- versions, storing, streaming ----------------------------------------------------------
