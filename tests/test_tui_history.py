@@ -11,6 +11,7 @@ The real app and the real model; the sessions are stored without the model
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import shutil
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 from textual.widgets import Label
 
+from kvchat.bench.ui import _Frames
 from kvchat.service.chat import ChatService
 from kvchat.store.connection import SqlBase
 from kvchat.tui.app import KvchatApp
@@ -289,8 +291,11 @@ async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvh
                 return True
             return False
 
+        # Checked at each frame drawn (a poll could miss the moment: the rest of the page
+        # follows within a few tens of milliseconds).
+        first_drawn = _Frames(app).when(on_first)
         app.simulate_key("home")
-        await wait_until(on_first, timeout=30)
+        await asyncio.wait_for(first_drawn, 30)
         assert mounted[0] < SHOWN, mounted
         await wait_until(lambda: not conversation.pending and len(conversation.views) == SHOWN)
         assert isinstance(app.focused, MessageView) and app.focused.text == "message 0"
