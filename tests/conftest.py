@@ -67,9 +67,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     E2E_MODULES, uses a fixture of E2E_FIXTURES or is named in E2E_TESTS; this hook marks it
     ``e2e`` and moves it after the rest, keeping the collection order within each group (so
     a module's tests stay together and the wheel test, last by name, runs last). It runs before
-    ``-m`` selection, so ``pytest -m "not e2e"`` runs the unit tests alone and
-    ``pytest -m e2e`` the rest. ``stress`` tests (long runs) are deselected by the addopts
-    in pyproject.toml; ``pytest -m stress`` runs them.
+    ``-m`` selection, so ``pytest -m "not e2e and not stress"`` runs the unit tests alone
+    and ``pytest -m "e2e and not stress"`` the rest. ``stress`` tests (long runs) are
+    deselected by the addopts in pyproject.toml (a ``-m`` given replaces it);
+    ``pytest -m stress`` runs them.
     """
     for item in items:
         if is_e2e(item) and item.get_closest_marker("e2e") is None:
