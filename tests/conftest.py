@@ -24,7 +24,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     tests start then read it, where each compiled the package from source (~0.1 s a
     process here: CI's environment sets PYTHONDONTWRITEBYTECODE=1, so Python never writes
     it itself; an installed wheel has it from pip)."""
-    compileall.compile_dir(REPO / "app" / "kvchat", quiet=1)
+    compileall.compile_dir(REPO / "app" / "kvchat", quiet=2)
 
 
 # Short, deterministic turns: greedy decoding, few tokens, a small context.

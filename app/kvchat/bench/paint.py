@@ -68,7 +68,7 @@ def _compile_package() -> None:
     import kvchat
 
     try:
-        compileall.compile_dir(Path(kvchat.__file__).parent, quiet=1)
+        compileall.compile_dir(Path(kvchat.__file__).parent, quiet=2)
     except OSError:
         pass
 
