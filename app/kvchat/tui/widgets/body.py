@@ -53,6 +53,9 @@ STREAM_SLACK = 4
 # from here. Rendering them was most of a switch's layout (~2 ms for a reply with a list
 # and code, a dozen replies on a screen).
 SHARED_RENDERS = 256
+# No lines above or below the Markdown: one list, never changed, so that the joined lines
+# are reused while nothing changes (see MessageBody._drawn).
+NO_LINES: list[Strip] = []
 _shared: OrderedDict[tuple[object, ...], list[Strip]] = OrderedDict()
 
 
@@ -116,25 +119,18 @@ class MessageBody(Widget):
             self._changed()
 
     def _changed(self) -> None:
-        """Redraw; lay the screen out again only if the number of lines changed (a reply
-        streaming in mostly adds words to its last line, and a layout pass of the whole
-        screen at every piece would delay each key typed meanwhile)."""
-        before = self._lines
+        """The source changed: render it again (see :meth:`_redraw`)."""
         self._lines = None
-        width = self.content_region.width
-        if before is not None and width and len(self._source) <= PARTS_CHARS:
-            if len(self._lines_for(width)) == len(before):
-                self.refresh()
-                return
-        self.refresh(layout=True)
+        self._redraw()
 
-    def _frame_changed(self) -> None:
-        """A subclass's lines above or below the Markdown changed: redraw, and lay the screen
-        out again only if the number of lines drawn changed."""
-        width = self.content_region.width
-        if width and self._drawn_key is not None:
-            before = self._drawn_key[-1]
-            if len(self._drawn(width)) == len(before):
+    def _redraw(self) -> None:
+        """Redraw (the source changed, or a subclass's lines above or below it); lay the
+        screen out again only if the number of lines drawn changed (a reply streaming in
+        mostly adds words to its last line, and a layout pass of the whole screen at every
+        piece would delay each key typed meanwhile)."""
+        known, width = self._drawn_key, self.content_region.width
+        if known is not None and width and len(self._source) <= PARTS_CHARS:
+            if len(self._drawn(width)) == len(known[3]):
                 self.refresh()
                 return
         self.refresh(layout=True)
@@ -163,24 +159,22 @@ class MessageBody(Widget):
 
     def _head(self, width: int) -> list[Strip]:
         """Lines drawn above the Markdown (none here). A subclass caches what it returns:
-        the same list object while nothing changed."""
-        return []
+        the same list object while nothing changed (NO_LINES for none)."""
+        return NO_LINES
 
     def _foot(self, width: int) -> list[Strip]:
         """Lines drawn below the Markdown (none here); cached as :meth:`_head`'s."""
-        return []
+        return NO_LINES
 
     def _drawn(self, width: int) -> list[Strip]:
-        """The head, the Markdown's lines and the foot, joined once while none changes."""
+        """The head, the Markdown's lines and the foot, joined once while none changes
+        (render_line asks for them at every line it draws)."""
         head, body, foot = self._head(width), self._lines_for(width), self._foot(width)
-        if not head and not foot:
-            return body
         known = self._drawn_key
-        if known is not None and known[0] is head and known[1] is body and known[2] is foot:
-            return known[3]
-        drawn = head + body + foot
-        self._drawn_key = (head, body, foot, drawn)
-        return drawn
+        if known is None or known[0] is not head or known[1] is not body or known[2] is not foot:
+            drawn = head + body + foot if head or foot else body
+            known = self._drawn_key = (head, body, foot, drawn)
+        return known[3]
 
     # --- rendering ---------------------------------------------------------------------------
 

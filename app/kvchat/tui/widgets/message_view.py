@@ -23,7 +23,7 @@ from textual.message import Message as TextualMessage
 from textual.strip import Strip
 
 from kvchat.text import visible
-from kvchat.tui.widgets.body import BodyStream, MessageBody
+from kvchat.tui.widgets.body import NO_LINES, BodyStream, MessageBody
 from kvchat.tui.widgets.thought import Thought, ThoughtFigures
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ class MessageView(MessageBody, can_focus=True):
             return
         self.folded = not self.folded
         self.update(self._shown(self.text))
-        self._frame_changed()
+        self._redraw()
 
     async def on_click(self, event: events.Click) -> None:
         offset = event.get_content_offset(self)
@@ -277,7 +277,7 @@ class MessageView(MessageBody, can_focus=True):
         """``t``: unfold the reasoning of a thinking model's reply, or fold it again."""
         if self.thought is not None:
             self.thought.toggle()
-            self._frame_changed()
+            self._redraw()
         elif self.role == "assistant":
             self.app.notify("This reply has no reasoning to show")
 
@@ -296,7 +296,7 @@ class MessageView(MessageBody, can_focus=True):
             self.thought.thinking = thinking
         else:
             self.thought.set(reasoning, self.figures, thinking=thinking)
-        self._frame_changed()
+        self._redraw()
 
     @property
     def header(self) -> str:
@@ -370,7 +370,7 @@ class MessageView(MessageBody, can_focus=True):
         """The fold note of a long message."""
         note = self.fold_note
         if not note:
-            return []
+            return NO_LINES
         key = (width, note, self.visual_style.rich_style, self.app.theme)
         if self._foot_lines is not None and self._foot_lines[0] == key:
             return self._foot_lines[1]
@@ -389,7 +389,7 @@ class MessageView(MessageBody, can_focus=True):
         """Show which version of the reply this is, of how many."""
         if (position, count) != self.version:
             self.version = (position, count)
-            self._frame_changed()
+            self._redraw()
 
     async def show_version(
         self,
@@ -409,24 +409,24 @@ class MessageView(MessageBody, can_focus=True):
         await self.set_reasoning(message.reasoning, figures or ThoughtFigures())
         self.update(self._shown(self.text))
         self.set_class(self.partial, "-partial")
-        self._frame_changed()
+        self._redraw()
 
     def set_stored(self, message_id: int) -> None:
         """Your pending message is stored (committed): show it as any other message."""
         self.message_id = message_id
         self.pending = False
         self.remove_class("-pending")
-        self._frame_changed()
+        self._redraw()
 
     def set_cut(self, cut: bool) -> None:
         """Mark (or unmark) the reply as stopped at the token limit, in its header."""
         if cut != self.cut:
             self.cut = cut
-            self._frame_changed()
+            self._redraw()
 
     def start_stream(self) -> BodyStream:
         self.streaming = True
-        self._frame_changed()  # a continued reply shows it is streaming again
+        self._redraw()  # a continued reply shows it is streaming again
         self.stream = super().start_stream()
         return self.stream
 
@@ -461,7 +461,7 @@ class MessageView(MessageBody, can_focus=True):
             await self.set_reasoning(self.reasoning if reasoning is None else reasoning)
         self.update(self._shown(text))  # e.g. a chunk raced the end of the stream
         self.set_class(partial, "-partial")
-        self._frame_changed()
+        self._redraw()
 
     # --- keys ------------------------------------------------------------------------------------
 
