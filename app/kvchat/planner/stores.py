@@ -17,17 +17,29 @@ they are and loads them from there: nothing is copied, moved or written in those
 A split GGUF (``…-00001-of-00003.gguf``) is one model, named by its first part (llama.cpp
 loads the rest from beside it). What cannot be used — a blob a manifest names that is not
 there, a file that is not GGUF yet (a download under way), a missing part, a folder that
-cannot be read — is listed with the reason instead.
+cannot be read — is listed with the reason instead. So is what kvchat will not read: a
+link that leads outside the store, a FIFO or device, an oversized or too deeply nested
+manifest (:mod:`kvchat.planner.store_files` reads every store file, bounded); one such entry
+costs its own line, never the listing.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+
+from kvchat.planner.store_files import (
+    MAX_JSON_BYTES,
+    StoreFileError,
+    inside,
+    load_json,
+    read_head,
+    regular_size,
+)
 
 GGUF_MAGIC = b"GGUF"
 # Store name prefixes of model names: "ollama:qwen3:8b".
@@ -36,7 +48,9 @@ _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$",
 # Folders deeper than this below a store's root are not searched (a store is a few levels).
 MAX_DEPTH = 6
 # Manifests and other small JSON files larger than this are not read.
-MAX_MANIFEST_BYTES = 1 << 20
+MAX_MANIFEST_BYTES = MAX_JSON_BYTES
+# Entries (files and folders) looked at below one store's root; past it, one line says so.
+MAX_ENTRIES = 50_000
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
 
@@ -87,6 +101,8 @@ def discover(extra: Sequence[str] = ()) -> list[LocalModel]:
             models = list(_ollama(root) if prefix == "ollama" else _files(store, prefix, root))
         except OSError as exc:
             models = [LocalModel(f"{prefix}:{root}", store, None, problem=_why(root, exc))]
+        except StoreFileError as exc:
+            models = [LocalModel(f"{prefix}:{root}", store, None, problem=str(exc))]
         for model in models:
             found.setdefault(model.name, model)
     return sorted(found.values(), key=lambda m: m.name)
@@ -115,7 +131,10 @@ def _ollama(root: Path) -> Iterator[LocalModel]:
     manifests = root / "manifests"
     if not manifests.is_dir():
         return
-    for manifest in _walk(manifests, depth=4):
+    for manifest in _walk(manifests, depth=4, base=root):
+        if isinstance(manifest, LocalModel):  # a folder not searched, and why
+            yield LocalModel(manifest.name, "Ollama", None, problem=manifest.problem)
+            continue
         parts = manifest.relative_to(manifests).parts
         if len(parts) != 4:
             continue
@@ -131,22 +150,26 @@ def _ollama(root: Path) -> Iterator[LocalModel]:
 
 def _ollama_model(root: Path, name: str, manifest: Path) -> LocalModel:
     try:
-        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            return LocalModel(name, "Ollama", None, problem="its manifest is too large to be one")
-        layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
-        digest = next(
-            str(layer["digest"])
-            for layer in layers
+        parsed = load_json(manifest, root, MAX_MANIFEST_BYTES)
+    except StoreFileError as exc:
+        return LocalModel(name, "Ollama", None, problem=f"its manifest names no model layer: {exc}")
+    layers = parsed.get("layers") if isinstance(parsed, dict) else None
+    digest = next(
+        (
+            layer.get("digest")
+            for layer in (layers if isinstance(layers, list) else [])
             if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_LAYER
-        )
-    except (OSError, ValueError, AttributeError, KeyError, StopIteration, TypeError):
+        ),
+        None,
+    )
+    if digest is None:
         return LocalModel(name, "Ollama", None, problem="its manifest names no model layer")
-    if not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
+    if not isinstance(digest, str) or not re.fullmatch(r"sha256[:-][0-9a-f]{64}", digest):
         return LocalModel(
-            name, "Ollama", None, problem=f"its manifest's digest is not one: {digest[:80]!r}"
+            name, "Ollama", None, problem=f"its manifest's digest is not one: {str(digest)[:80]!r}"
         )
     blob = root / "blobs" / digest.replace(":", "-")
-    return _checked(name, "Ollama", blob)
+    return _checked(name, "Ollama", blob, root)
 
 
 # --- folders of GGUF files ----------------------------------------------------------------------
@@ -154,13 +177,16 @@ def _ollama_model(root: Path, name: str, manifest: Path) -> LocalModel:
 
 def _files(store: str, prefix: str, root: Path) -> Iterator[LocalModel]:
     """Every ``.gguf`` below ``root`` (split models once, by their first part)."""
-    for path in _walk(root, depth=MAX_DEPTH):
+    for path in _walk(root, depth=MAX_DEPTH, base=root, prefix=prefix):
+        if isinstance(path, LocalModel):  # a folder not searched, and why
+            yield LocalModel(path.name, store, None, problem=path.problem)
+            continue
         if path.suffix.lower() != ".gguf":
             continue
         split = _SPLIT.match(path.name)
         if split and int(split["part"]) != 1:
             continue  # found through its first part
-        yield _checked(_name(prefix, root, path), store, path)
+        yield _checked(_name(prefix, root, path), store, path, root)
 
 
 def _name(prefix: str, root: Path, path: Path) -> str:
@@ -177,52 +203,75 @@ def _name(prefix: str, root: Path, path: Path) -> str:
     return f"{prefix}:{relative.as_posix()}"
 
 
-def _checked(name: str, store: str, path: Path) -> LocalModel:
-    """``path`` as a model, or why it is not one (yet)."""
+def _checked(name: str, store: str, path: Path, root: Path) -> LocalModel:
+    """``path`` as a model, or why it is not one (yet): it must be a regular file inside the
+    store's ``root`` once links are resolved, and start as a GGUF does."""
     try:
-        if not path.is_file():
-            return LocalModel(name, store, None, problem=f"{path.name} is not there")
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-        size = path.stat().st_size
-    except OSError as exc:
-        return LocalModel(name, store, None, problem=_why(path, exc))
+        size = regular_size(path, root)
+        magic = read_head(path, root, 4)
+    except StoreFileError as exc:
+        return LocalModel(name, store, None, problem=str(exc))
     if magic != GGUF_MAGIC:
         return LocalModel(name, store, None, size, "not a GGUF file (a download under way?)")
     split = _SPLIT.match(path.name)
     if split:
         count = int(split["count"])
+        if count > 999:
+            return LocalModel(name, store, None, size, f"a split into {count} parts is not one")
         for part in range(2, count + 1):
             sibling = path.with_name(f"{split['stem']}-{part:05d}-of-{count:05d}.gguf")
             try:
-                size += sibling.stat().st_size
-            except OSError:
-                return LocalModel(name, store, None, size, f"part {part} of {count} is missing")
+                size += regular_size(sibling, root)
+            except StoreFileError as exc:
+                return LocalModel(
+                    name, store, None, size, f"part {part} of {count} is missing ({exc})"
+                )
     return LocalModel(name, store, path, size)
 
 
-def _walk(root: Path, depth: int) -> Iterator[Path]:
-    """Files below ``root``, at most ``depth`` folders down, in name order; folder links are
-    followed only inside ``root`` (the Hugging Face cache links files into its blobs)."""
+def _walk(
+    root: Path, depth: int, base: Path, prefix: str = "ollama"
+) -> Iterator[Path | LocalModel]:
+    """What is below ``root`` but folders (files, links, FIFOs: the caller checks each), at
+    most ``depth`` folders down, in name order. Folder links are followed only inside the
+    store's ``base``, each folder once; a folder not searched is a :class:`LocalModel`
+    saying why."""
     stack: list[tuple[Path, int]] = [(root, 0)]
-    base = root.resolve()
+    seen: set[tuple[int, int]] = set()
+    looked = 0
     while stack:
         folder, level = stack.pop()
         try:
-            entries = sorted(folder.iterdir(), reverse=True)
+            st = folder.stat()
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            with os.scandir(folder) as listing:
+                names = [e.name for e in islice(listing, MAX_ENTRIES - looked + 1)]
         except OSError:
             if folder == root:
                 raise
             continue
-        for entry in entries:
+        looked += len(names)
+        if looked > MAX_ENTRIES:
+            yield LocalModel(
+                f"{prefix}:{root}",
+                "",
+                None,
+                problem=f"more than {MAX_ENTRIES} entries: the rest of {root} was not searched",
+            )
+            return
+        for entry in (folder / n for n in sorted(names, reverse=True)):
             try:
-                if entry.is_dir():
-                    if level < depth and (
-                        not entry.is_symlink() or entry.resolve().is_relative_to(base)
-                    ):
-                        stack.append((entry, level + 1))
-                elif entry.is_file():
+                if not entry.is_dir():
                     yield entry
+                elif level < depth:
+                    if entry.is_symlink():
+                        inside(entry, base)
+                    stack.append((entry, level + 1))
+            except StoreFileError as exc:
+                relative = entry.relative_to(base).as_posix()
+                yield LocalModel(f"{prefix}:{relative}", "", None, problem=f"folder {exc}")
             except OSError:
                 continue
 
