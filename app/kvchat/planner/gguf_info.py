@@ -13,9 +13,9 @@ Two sources give the same :class:`ModelInfo`:
 
 from __future__ import annotations
 
+import math
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,14 @@ from kvchat.planner.catalog import (
     load_catalog,
     with_catalog_marks,
 )
+from kvchat.planner.gguf_header import GGUFHeader, GGUFHeaderError, Skipped, read_header
 from kvchat.planner.model_info import ModelInfo, recurrent_elements, swa_pattern
+
+# What a model's GGUF may declare and still be read (beyond these: one line, not a model).
+MAX_LAYERS = 4096
+MAX_HEADS = 1 << 16
+MAX_WIDTH = 1 << 22  # embedding, feed-forward and head sizes
+MAX_CONTEXT = 1 << 30
 
 # Architectures whose sliding-window layout llama.cpp hard-codes when the GGUF carries no
 # ``{arch}.attention.sliding_window_pattern``: period n means that in every group of n
@@ -60,71 +67,27 @@ __all__ = [
 # --------------------------------------------------------------------------- GGUF files
 
 
-# String arrays longer than this (the tokenizer's vocabulary and merges) are skipped, not
-# decoded: materialising them costs seconds and the planner needs only their length.
-_SKIP_STRING_ARRAYS = 1024
-
-
-def _metadata_reader(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` that reads numeric arrays as one view and skips long string arrays.
-
-    The stock reader builds a numpy view per array element: ~4 s for the bundled model's
-    49k-token vocabulary. Skipped arrays keep their element count in ``parts[1]``.
-    """
-    import gguf
-    import numpy as np
-
-    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
-
-    class MetadataReader(gguf.GGUFReader):  # type: ignore[misc]
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
-            if gguf.GGUFValueType(raw_type) != array:
-                return super()._get_field_parts(orig_offs, raw_type)
-            raw_itype = self._get(orig_offs, np.uint32)
-            alen = self._get(orig_offs + 4, np.uint64)
-            offs = orig_offs + 12
-            itype = gguf.GGUFValueType(int(raw_itype[0]))
-            count = int(alen[0])
-            nptype = self.gguf_scalar_to_np.get(itype)
-            if nptype is not None:
-                values = self._get(offs, nptype, count)
-                offs += int(values.nbytes)
-                return offs - orig_offs, [raw_itype, alen, values], [2], [array, itype]
-            if itype == string and count > _SKIP_STRING_ARRAYS:
-                buf = self.data.data
-                swapped = {"little": "big", "big": "little"}[sys.byteorder]
-                order = swapped if self.byte_order == "S" else sys.byteorder
-                for _ in range(count):
-                    offs += 8 + int.from_bytes(buf[offs : offs + 8], order)
-                return offs - orig_offs, [raw_itype, alen], [], [array, string]
-            return super()._get_field_parts(orig_offs, raw_type)
-
-    return MetadataReader(str(path), "r")
-
-
-def _field(reader: Any, key: str) -> Any:
+def _field(header: GGUFHeader, key: str) -> Any:
     """The value of GGUF key ``key`` (scalar, string or list), or None when absent."""
-    import gguf
+    return header.get(key)
 
-    fld = reader.fields.get(key)
-    if fld is None or not fld.types:
-        return None
-    main = fld.types[0]
-    if main == gguf.GGUFValueType.ARRAY:
-        if fld.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(fld.parts[i]).decode("utf-8", errors="replace") for i in fld.data]
-        return [v for i in fld.data for v in fld.parts[i].tolist()]
-    if main == gguf.GGUFValueType.STRING:
-        return bytes(fld.parts[fld.data[0]]).decode("utf-8", errors="replace")
-    return fld.parts[fld.data[0]].tolist()[0]
+
+def _int(value: Any, key: str, low: int = 0, high: int = 1 << 24) -> int:
+    """``value`` as a whole number in [low, high]; anything else is one line."""
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not low <= value <= high:
+        shown = value if not isinstance(value, str) else value[:40]
+        raise KvchatError(f"GGUF key {key} is {shown!r}, not a whole number in [{low}, {high}]")
+    return value
 
 
 def _per_layer(value: Any, n_layer: int, key: str) -> tuple[int, ...]:
     if isinstance(value, list):
         if len(value) != n_layer:
             raise KvchatError(f"GGUF key {key} has {len(value)} entries for {n_layer} layers")
-        return tuple(int(v) for v in value)
-    return (int(value),) * n_layer
+        return tuple(_int(v, key, 0, MAX_HEADS) for v in value)
+    return (_int(value, key, 0, MAX_HEADS),) * n_layer
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -156,25 +119,39 @@ def read_gguf(path: str | os.PathLike[str], name: str | None = None) -> ModelInf
 
 def _read_gguf(path: Path, name: str | None) -> ModelInfo:
     try:
-        reader = _metadata_reader(path)
-    except Exception as exc:  # the gguf package raises ValueError/struct errors on junk
-        raise KvchatError(f"not a readable GGUF file: {path} ({exc})") from exc
+        header = read_header(path)
+    except GGUFHeaderError as exc:
+        raise KvchatError(f"not a readable GGUF file: {path} ({exc})") from None
 
-    arch = _field(reader, "general.architecture")
-    if not isinstance(arch, str):
+    arch = _field(header, "general.architecture")
+    if not isinstance(arch, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", arch):
         raise KvchatError(f"{path} has no general.architecture: not a model GGUF")
 
     def key(suffix: str) -> Any:
-        return _field(reader, f"{arch}.{suffix}")
+        return _field(header, f"{arch}.{suffix}")
 
+    def opt(suffix: str, default: int, high: int = MAX_WIDTH) -> int:
+        """``{arch}.suffix`` as a whole number; absent or 0: ``default``."""
+        value = key(suffix)
+        return default if value is None else (_int(value, f"{arch}.{suffix}", 0, high) or default)
+
+    try:
+        return _model_info(path, name, header, arch, key, opt)
+    except KvchatError as exc:
+        raise KvchatError(f"{path}: {exc}") from None
+
+
+def _model_info(
+    path: Path, name: str | None, header: GGUFHeader, arch: str, key: Any, opt: Any
+) -> ModelInfo:
     n_layer = key("block_count")
     if n_layer is None:
-        raise KvchatError(f"{path}: {arch}.block_count is missing")
-    n_layer = int(n_layer)
-    n_embd = int(key("embedding_length") or 0)
+        raise KvchatError(f"{arch}.block_count is missing")
+    n_layer = _int(n_layer, f"{arch}.block_count", 1, MAX_LAYERS)
+    n_embd = opt("embedding_length", 0)
     head_raw = key("attention.head_count")
     if head_raw is None:
-        raise KvchatError(f"{path}: {arch}.attention.head_count is missing")
+        raise KvchatError(f"{arch}.attention.head_count is missing")
     n_head = _per_layer(head_raw, n_layer, f"{arch}.attention.head_count")
     kv_raw = key("attention.head_count_kv")
     n_head_kv = _per_layer(
@@ -183,27 +160,27 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
 
     head_max = max(n_head) if n_head else 0
     default_dim = n_embd // head_max if head_max else 0
-    head_dim_k = int(key("attention.key_length") or default_dim)
-    head_dim_v = int(key("attention.value_length") or default_dim)
-    head_dim_k_swa = int(key("attention.key_length_swa") or head_dim_k)
-    head_dim_v_swa = int(key("attention.value_length_swa") or head_dim_v)
+    head_dim_k = opt("attention.key_length", default_dim)
+    head_dim_v = opt("attention.value_length", default_dim)
+    head_dim_k_swa = opt("attention.key_length_swa", head_dim_k)
+    head_dim_v_swa = opt("attention.value_length_swa", head_dim_v)
 
     # Layers past n_layer - shared_kv_layers reuse earlier layers' KV (Gemma 3n style).
-    shared = int(key("attention.shared_kv_layers") or 0)
+    shared = opt("attention.shared_kv_layers", 0, n_layer)
     if shared:
         n_head_kv = tuple(kv if il < n_layer - shared else 0 for il, kv in enumerate(n_head_kv))
 
     notes: list[str] = []
-    window = int(key("attention.sliding_window") or DEFAULT_SWA_BY_ARCH.get(arch, 0))
+    window = opt("attention.sliding_window", DEFAULT_SWA_BY_ARCH.get(arch, 0), MAX_CONTEXT)
     pattern = key("attention.sliding_window_pattern")
     if isinstance(pattern, list):
-        swa = tuple(bool(v) for v in pattern)
+        swa = tuple(
+            v if type(v) is bool else bool(_int(v, "sliding_window_pattern", 0, 1)) for v in pattern
+        )
         if len(swa) != n_layer:
-            raise KvchatError(
-                f"{path}: sliding_window_pattern has {len(swa)} entries for {n_layer} layers"
-            )
+            raise KvchatError(f"sliding_window_pattern has {len(swa)} entries for {n_layer} layers")
     elif pattern is not None and window:
-        swa = swa_pattern(n_layer, int(pattern))
+        swa = swa_pattern(n_layer, _int(pattern, "sliding_window_pattern", 0, n_layer))
     elif arch in SWA_PERIOD_BY_ARCH and window:
         swa = swa_pattern(n_layer, SWA_PERIOD_BY_ARCH[arch])
     else:
@@ -222,13 +199,13 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
     input_bytes = output_bytes = 0
     has_output = False
     embd_bytes = 0
-    for tensor in reader.tensors:
-        size = int(tensor.n_bytes)
+    for tensor in header.tensors:
+        size = tensor.n_bytes
         match = _BLOCK.match(tensor.name)
         if match and int(match.group(1)) < n_layer:
             layer_bytes[int(match.group(1))] += size
             if len(tensor.shape) >= 2:
-                weight_types.add(tensor.tensor_type.name)
+                weight_types.add(tensor.type_name)
         elif tensor.name.startswith("output"):
             output_bytes += size
             has_output = has_output or tensor.name == "output.weight"
@@ -242,17 +219,19 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         # layer's device (the GPU at full offload).
         output_bytes += embd_bytes
 
-    recurrent, elements = _recurrent(arch, key, n_layer, n_embd, n_head_kv)
+    recurrent, elements = _recurrent(arch, key, opt, n_layer, n_embd, n_head_kv)
     if arch in _RECURRENT_BETWEEN_ATTENTION:
         # Their GGUFs give every layer KV heads; only the attention layers keep a cache.
         n_head_kv = tuple(0 if rec else kv for kv, rec in zip(n_head_kv, recurrent))
 
     n_vocab = key("vocab_size")
     if n_vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        n_vocab = int(tokens.parts[1][0]) if tokens is not None else 0
-    quant = _FILE_TYPES.get(_field(reader, "general.file_type"))
-    label = name or _field(reader, "general.name") or path.stem
+        n_vocab = header.count("tokenizer.ggml.tokens") or 0
+    n_vocab = _int(n_vocab, f"{arch}.vocab_size", 0, 1 << 26)
+    file_type = _field(header, "general.file_type")
+    quant = _FILE_TYPES.get(file_type) if type(file_type) is int else None
+    label = name or _field(header, "general.name")
+    label = label if isinstance(label, str) and label else path.stem
     return ModelInfo(
         name=str(label),
         architecture=arch,
@@ -264,9 +243,9 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         head_dim_k_swa=head_dim_k_swa,
         head_dim_v_swa=head_dim_v_swa,
         n_embd=n_embd,
-        n_ff=_first_int(key("feed_forward_length"), 4 * n_embd),
-        n_vocab=int(n_vocab),
-        context_length=int(key("context_length") or 0),
+        n_ff=_first_int(key("feed_forward_length"), 4 * n_embd, f"{arch}.feed_forward_length"),
+        n_vocab=n_vocab,
+        context_length=opt("context_length", 0, MAX_CONTEXT),
         sliding_window=window,
         swa_layers=swa,
         weight_bytes=weight_bytes,
@@ -279,7 +258,7 @@ def _read_gguf(path: Path, name: str | None) -> ModelInfo:
         quantization=quant,
         notes=tuple(notes),
         weight_types=tuple(sorted(weight_types)),
-        has_chat_template=bool(_field(reader, "tokenizer.chat_template")),
+        has_chat_template=_has_template(header),
         shared_kv_layers=shared,
         recurrent_layers=recurrent,
         recurrent_elements=elements,
@@ -295,7 +274,7 @@ _RECURRENT_BETWEEN_ATTENTION = {"qwen35", "qwen35moe", "qwen3next"}
 
 
 def _recurrent(
-    arch: str, key: Any, n_layer: int, n_embd: int, n_head_kv: tuple[int, ...]
+    arch: str, key: Any, opt: Any, n_layer: int, n_embd: int, n_head_kv: tuple[int, ...]
 ) -> tuple[tuple[bool, ...], int]:
     """(per layer: recurrent?, f32 state elements per recurrent layer), as llama.cpp's
     ``llama_hparams::n_embd_r`` + ``n_embd_s`` count them (Mamba 1/2 and short
@@ -306,34 +285,42 @@ def _recurrent(
         layers = tuple(kv == 0 for kv in n_head_kv)
         ff = key("feed_forward_length")
         if arch == "nemotron_h" and isinstance(ff, list):  # MLP-only layers: no state
-            layers = tuple(rec and not int(f) for rec, f in zip(layers, ff))
+            layers = tuple(
+                rec and not _int(f, "feed_forward_length", 0, MAX_WIDTH)
+                for rec, f in zip(layers, ff)
+            )
     elif arch in _RECURRENT_BETWEEN_ATTENTION:
-        interval = int(key("full_attention_interval") or 4)
+        interval = opt("full_attention_interval", 4, MAX_LAYERS)
         layers = tuple((il + 1) % interval != 0 for il in range(n_layer))
     else:
         return (), 0
     return layers, recurrent_elements(
         n_embd,
-        conv_l_cache=int(key("shortconv.l_cache") or 0),
-        d_conv=int(key("ssm.conv_kernel") or 0),
-        d_inner=int(key("ssm.inner_size") or 0),
-        d_state=int(key("ssm.state_size") or 0),
-        n_group=int(key("ssm.group_count") or 0),
+        conv_l_cache=opt("shortconv.l_cache", 0),
+        d_conv=opt("ssm.conv_kernel", 0),
+        d_inner=opt("ssm.inner_size", 0),
+        d_state=opt("ssm.state_size", 0),
+        n_group=opt("ssm.group_count", 0),
     )
 
 
 def has_chat_template(path: str | os.PathLike[str]) -> bool:
     """Whether a GGUF file carries ``tokenizer.chat_template`` (False when unreadable)."""
     try:
-        return bool(_field(_metadata_reader(Path(path)), "tokenizer.chat_template"))
-    except Exception:  # the gguf package raises ValueError/struct errors on junk
+        return _has_template(read_header(path))
+    except GGUFHeaderError:
         return False
 
 
-def _first_int(value: Any, default: int) -> int:
+def _has_template(header: GGUFHeader) -> bool:
+    template = _field(header, "tokenizer.chat_template")
+    return isinstance(template, Skipped) or (isinstance(template, str) and bool(template))
+
+
+def _first_int(value: Any, default: int, key: str) -> int:
     if isinstance(value, list):
-        return int(max(value)) if value else default
-    return int(value) if value else default
+        return max(_int(v, key, 0, MAX_WIDTH) for v in value) if value else default
+    return _int(value, key, 0, MAX_WIDTH) if value else default
 
 
 # general.file_type (llama_ftype) → quantization name, for display only.
