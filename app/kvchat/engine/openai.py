@@ -18,11 +18,14 @@ only when the session chose thinking on or off. The key is read from
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,30 @@ from kvchat.engine.api import (
     GenerationParams,
     GenerationStats,
     PrefillResult,
+)
+from kvchat.engine.openai_wire import (
+    ERROR_BODY_S,
+    MAX_EMPTY_EVENTS,
+    MAX_ERROR_BYTES,
+    REQUEST_TOTAL_S,
+    Chunk,
+    EventReader,
+    Figures,
+    ModelEntry,
+    StreamLimits,
+    Timings,
+    Usage,
+    WireError,
+    WireTimeout,
+    error_message,
+    figures_from,
+    loads,
+    parse_chunk,
+    parse_models,
+    parse_slots,
+    parse_timings,
+    parse_usage,
+    read_body,
 )
 from kvchat.engine.server_http import ServerClient, ServerError, normalize_url
 from kvchat.errors import KvchatError
@@ -47,7 +74,9 @@ _NO_TOKENS = "an OpenAI-compatible server tokenizes on its side: kvchat has no t
 
 
 class OpenAIClient(ServerClient):
-    """:class:`ServerClient` whose one-line errors name an OpenAI-compatible server."""
+    """:class:`ServerClient` whose one-line errors name an OpenAI-compatible server and whose
+    every read goes through :mod:`kvchat.engine.openai_wire` (a byte cap, a time cap, bounded
+    JSON): what the server sends is never parsed anywhere else."""
 
     label = "the OpenAI-compatible server"
 
@@ -58,84 +87,146 @@ class OpenAIClient(ServerClient):
                 "KVCHAT_OPENAI_API_KEY to the key it expects",
                 status,
             )
-        return super()._refused(status, raw)
+        message = error_message(raw)
+        return ServerError(
+            f"{self.label} at {self.url} answered HTTP {status}"
+            + (f": {message}" if message else ""),
+            status,
+        )
+
+    def sent(self, what: str) -> ServerError:
+        """The one line for a reply that is not what kvchat reads."""
+        return ServerError(f"{self.label} at {self.url} sent {what}")
+
+    def _error_body(
+        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
+    ) -> bytes:
+        return read_body(conn, response, MAX_ERROR_BYTES, ERROR_BODY_S, truncate=True)
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        # The answer's status line and headers must come within ``timeout`` in all (a
+        # server that sends them a byte at a time is cut off): a watchdog shuts the socket.
+        conn = super()._connect(timeout)
+        self._watchdog = threading.Timer(timeout, _shut, (conn,))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        return conn
+
+    def _send(
+        self, method: str, path: str, body: Any, timeout: float
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        try:
+            return super()._send(method, path, body, timeout)
+        finally:
+            watchdog = getattr(self, "_watchdog", None)
+            if watchdog is not None:
+                watchdog.cancel()
+                self._watchdog = None
+
+    def _json(self, method: str, path: str, body: Any, timeout: float) -> Any:
+        conn, response = self._send(method, path, body, timeout)
+        try:
+            raw = read_body(conn, response, total_s=min(timeout, REQUEST_TOTAL_S))
+        except WireError as exc:
+            raise self.sent(exc.what) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise self._broken(exc) from None
+        finally:
+            conn.close()
+        try:
+            return loads(raw, f"a reply to {path}")
+        except WireError as exc:
+            raise self.sent(exc.what) from None
+
+    def chat_stream(self, path: str, body: Any, limits: StreamLimits) -> ReplyStream:
+        """POST ``body`` and read the reply: server-sent events, or one JSON completion from
+        a server that does not stream (close it to cancel)."""
+        conn, response = self._send("POST", path, body, limits.idle_s)
+        kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        if kind == "application/json":
+            return ReplyStream(self, conn, response, limits, whole=True)
+        return ReplyStream(self, conn, response, limits)
 
 
-@dataclass
-class ServerFigures:
-    """A turn's prompt figures as the server reported them (None: not reported)."""
-
-    prompt: int | None = None
-    reused: int | None = None
-    decoded: int | None = None
-    generated: int | None = None
-    # Which of the server's fields they came from ("usage", "timings", "usage+timings", "").
-    source: str = ""
+def _shut(conn: http.client.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
-@dataclass
-class ChunkRead:
-    """What one streamed chunk carries."""
+class ReplyStream:
+    """The events of one reply, each a parsed, bounded JSON value; any failure a
+    :class:`ServerError` naming the server (a time cap: :class:`StreamTimeout`)."""
 
-    reasoning: str = ""
-    content: str = ""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    timings: dict[str, Any] | None = None
-    error: str | None = None
+    def __init__(
+        self,
+        client: OpenAIClient,
+        conn: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        limits: StreamLimits,
+        whole: bool = False,
+    ) -> None:
+        self._client = client
+        self._conn = conn
+        self._response = response
+        self._limits = limits
+        self._whole = whole
+        self._reader = EventReader(conn, response, limits, client._broken)
 
+    def finished(self) -> None:
+        """The reply is whole: wait no longer than a few seconds for its figures."""
+        self._reader.finished()
 
-def read_chunk(event: dict[str, Any]) -> ChunkRead:
-    """The reasoning and answer text, finish reason and figures of one ``chat.completion.chunk``."""
-    read = ChunkRead()
-    if "error" in event:
-        error = event["error"]
-        read.error = str(error.get("message") if isinstance(error, dict) else error)
-        return read
-    for choice in event.get("choices") or []:
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta") or {}
-        if isinstance(delta, dict):
-            read.reasoning += str(delta.get("reasoning_content") or delta.get("reasoning") or "")
-            read.content += str(delta.get("content") or "")
-        if choice.get("finish_reason"):
-            read.finish_reason = str(choice["finish_reason"])
-    usage = event.get("usage")
-    read.usage = usage if isinstance(usage, dict) else None
-    timings = event.get("timings")
-    read.timings = timings if isinstance(timings, dict) else None
-    return read
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            if self._whole:
+                try:
+                    raw = read_body(self._conn, self._response, total_s=self._limits.idle_s)
+                except (OSError, http.client.HTTPException, ValueError) as exc:
+                    raise self._client._broken(exc) from None
+                yield loads(raw, "a completion")
+                return
+            yield from self._reader
+        except WireTimeout as exc:
+            raise StreamTimeout(f"{self._client.label} at {self._client.url}: {exc.what}") from None
+        except WireError as exc:
+            raise self._client.sent(exc.what) from None
 
-
-def figures_of(usage: dict[str, Any] | None, timings: dict[str, Any] | None) -> ServerFigures:
-    """The server's own counts: ``usage`` (OpenAI's fields) first, llama-server's ``timings``
-    for what usage lacks; nothing is derived but decoded = prompt − cached."""
-    figures = ServerFigures()
-    sources = []
-    if usage:
-        sources.append("usage")
-        figures.prompt = _int(usage.get("prompt_tokens"))
-        figures.generated = _int(usage.get("completion_tokens"))
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):
-            figures.reused = _int(details.get("cached_tokens"))
-    if timings and (_int(timings.get("cache_n")) is not None):
-        sources.append("timings")
-        cache_n, prompt_n = _int(timings.get("cache_n")), _int(timings.get("prompt_n"))
-        if figures.reused is None:
-            figures.reused = cache_n
-        figures.decoded = prompt_n
-        if figures.prompt is None and cache_n is not None and prompt_n is not None:
-            figures.prompt = cache_n + prompt_n
-    if figures.decoded is None and figures.prompt is not None and figures.reused is not None:
-        figures.decoded = figures.prompt - figures.reused
-    figures.source = "+".join(sources)
-    return figures
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
 
 
-def _int(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+class StreamTimeout(ServerError):
+    """A stream ran past one of its time caps."""
+
+
+# The figures and chunk types, as this module has always named them.
+ServerFigures = Figures
+ChunkRead = Chunk
+
+
+def read_chunk(event: Any) -> Chunk:
+    """The reasoning and answer text, finish reason and figures of one
+    ``chat.completion.chunk`` (see :func:`kvchat.engine.openai_wire.parse_chunk`)."""
+    return parse_chunk(event)
+
+
+def figures_of(
+    usage: Usage | dict[str, Any] | None, timings: Timings | dict[str, Any] | None
+) -> Figures:
+    """The server's own counts (see :func:`kvchat.engine.openai_wire.figures_from`);
+    ``usage`` and ``timings`` typed, or as the server's JSON objects."""
+    if not isinstance(usage, Usage | None):
+        usage = parse_usage(usage)
+    if not isinstance(timings, Timings | None):
+        timings = parse_timings(timings)
+    return figures_from(usage, timings)
 
 
 class OpenAIEngine(EngineDefaults):
@@ -148,30 +239,31 @@ class OpenAIEngine(EngineDefaults):
     ) -> None:
         self.client = OpenAIClient(url, api_key)
         self.url = self.client.url
-        listed: Any = None
+        first = ModelEntry()
         try:
-            listed = self.client.get("/models")
+            first = parse_models(self.client.get("/models"))
+        except WireError as exc:
+            if model is None:
+                raise self.client.sent(exc.what) from None
         except ServerError as exc:
             if exc.status in (401, 403) or model is None:
                 raise
-        entries = listed.get("data") if isinstance(listed, dict) else None
-        first = entries[0] if isinstance(entries, list) and entries else {}
-        first = first if isinstance(first, dict) else {}
-        self.model_id = model or str(first.get("id") or "")
+        self.model_id = model or first.id
         if not self.model_id:
             raise ServerError(
-                f"the {OpenAIClient.label} at {self.url} lists no model: set openai_model "
+                f"{OpenAIClient.label} at {self.url} lists no model: set openai_model "
                 "(KVCHAT_OPENAI_MODEL) to the one to use"
             )
         # llama-server says who it is in its model list; it then takes id_slot/cache_prompt.
-        self.llama_server = first.get("owned_by") == "llamacpp"
-        meta = first.get("meta") if isinstance(first.get("meta"), dict) else {}
-        self.n_ctx: int = _int(meta.get("n_ctx")) or 0  # 0: the server does not say
+        self.llama_server = first.owned_by == "llamacpp"
+        self.n_ctx: int = first.n_ctx  # 0: the server does not say
         self.n_slots = self._llama_slots(api_key) if self.llama_server else 0
         self.config = replace(config, model_path=Path(self.model_id), n_ctx=self.n_ctx)
         # The bytes of the last request body, exactly as sent (for byte-stability checks).
         self.last_request: bytes = b""
         self.figures = ServerFigures()
+        # The caps of a reply's stream (see kvchat.engine.openai_wire).
+        self.limits = StreamLimits()
 
     @classmethod
     def from_settings(cls, settings: Settings, config: EngineConfig) -> OpenAIEngine:
@@ -187,10 +279,9 @@ class OpenAIEngine(EngineDefaults):
         """llama-server's slot count (its ``/props`` beside ``/v1``); 0 when unknown."""
         root = self.url.removesuffix("/v1")
         try:
-            props = OpenAIClient(root, api_key).get("/props")
+            return parse_slots(OpenAIClient(root, api_key).get("/props"))
         except KvchatError:
             return 0
-        return (_int(props.get("total_slots")) or 0) if isinstance(props, dict) else 0
 
     # --- identity -------------------------------------------------------------------------
 
@@ -254,50 +345,89 @@ class OpenAIEngine(EngineDefaults):
         cancel: CancelCheck | None = None,
     ) -> Iterator[tuple[str, str]]:
         """Stream the reply as ``("reasoning" | "answer", text)`` pieces; afterwards
-        :attr:`figures` holds the server's counts and ``stats`` its finish reason."""
+        :attr:`figures` holds the server's counts and ``stats`` its finish reason.
+
+        Everything the server sends is read through :mod:`kvchat.engine.openai_wire`; what
+        kvchat cannot read, a time cap, or a server that goes on past ``max_tokens`` (each
+        piece of text is at least one token) ends the reply with a :class:`ServerError`, one
+        line, after the pieces already yielded: the caller keeps those as a partial reply.
+        """
         body = self.request_body(messages, params, session_id, think)
         self.last_request = json.dumps(body).encode("utf-8")  # as ServerClient sends it
         self.figures = ServerFigures()
         stats.finish_reason = "cancelled"
         started = time.perf_counter()
-        stream = self.client.stream("/chat/completions", body)
-        usage: dict[str, Any] | None = None
-        timings: dict[str, Any] | None = None
+        stream = self.client.chat_stream("/chat/completions", body, self.limits)
+        usage: Usage | None = None
+        timings: Timings | None = None
         finished: str | None = None
         ended = False
-        pieces = 0
+        pieces = empty = 0
+        after = ""
         try:
-            for event in stream:
-                read = read_chunk(event)
-                if read.error is not None:
-                    raise ServerError(f"the {OpenAIClient.label} at {self.url}: {read.error}")
-                usage = read.usage or usage
-                timings = read.timings or timings
-                finished = read.finish_reason or finished
-                for kind, text in (("reasoning", read.reasoning), ("answer", read.content)):
-                    if text:
+            try:
+                for event in stream:
+                    try:
+                        read = parse_chunk(event)
+                    except WireError as exc:
+                        raise self.client.sent(exc.what) from None
+                    if read.error is not None:
+                        raise ServerError(f"{OpenAIClient.label} at {self.url}: {read.error}")
+                    usage = read.usage or usage
+                    timings = read.timings or timings
+                    if not (read.reasoning or read.content):
+                        empty += 1
+                        if empty > MAX_EMPTY_EVENTS:
+                            raise self.client.sent(
+                                f"{empty:,} stream events without text: kvchat stopped reading"
+                            )
+                    elif finished is not None:
+                        ended = True  # the server said the reply was finished: it was
+                        break
+                    else:
                         pieces += 1
-                        if stats.ttft_ms is None:
-                            stats.ttft_ms = (time.perf_counter() - stats.started) * 1000
-                        yield kind, text
-                if cancel is not None and cancel():
-                    break
-            else:
+                        if pieces > max(1, params.max_tokens):
+                            raise self.client.sent(
+                                f"more than max_tokens ({params.max_tokens:,}) pieces of text: "
+                                "kvchat stopped reading"
+                            )
+                    if read.finish_reason and finished is None:
+                        finished = read.finish_reason
+                        stream.finished()  # only the figures may still come
+                    for kind, text in (("reasoning", read.reasoning), ("answer", read.content)):
+                        if text:
+                            if stats.ttft_ms is None:
+                                stats.ttft_ms = (time.perf_counter() - stats.started) * 1000
+                            yield kind, text
+                    if cancel is not None and cancel():
+                        break
+                    if finished is not None and read.usage is not None:
+                        ended = True  # the last chunk (stream_options.include_usage)
+                        break
+                else:
+                    ended = True
+            except ServerError as exc:
+                if finished is None:
+                    raise
+                # The reply was whole; what came after it (its figures) is not shown.
                 ended = True
+                after = f"after the reply's end, {exc}"
         finally:
             stream.close()
             elapsed = time.perf_counter() - started
             self.figures = figures_of(usage, timings)
+            if after:
+                self.figures.doubts.append(after)
             stats.generated = self.figures.generated or 0
             if stats.generated and elapsed > 0:
                 stats.tokens_per_s = stats.generated / elapsed
-        if timings and _int(timings.get("predicted_n")) and timings.get("predicted_per_second"):
-            stats.tokens_per_s = float(timings["predicted_per_second"])
+        if timings is not None and timings.predicted_n and timings.predicted_per_second:
+            stats.tokens_per_s = timings.predicted_per_second
         if not ended:
             return  # cancelled: the finish reason stays "cancelled"
         if finished is None:
             raise ServerError(
-                f"the {OpenAIClient.label} at {self.url} broke off the reply (did it stop?)",
+                f"{OpenAIClient.label} at {self.url} broke off the reply (did it stop?)",
                 dropped=True,
             )
         stats.finish_reason = "length" if finished == "length" else "stop"

@@ -102,12 +102,18 @@ class ServerClient:
             raise self._broken(exc) from None
         if response.status >= 400:
             try:
-                raw = response.read()
+                raw = self._error_body(conn, response)
             except (OSError, http.client.HTTPException):
                 raw = b""
             conn.close()
             raise self._refused(response.status, raw)
         return conn, response
+
+    def _error_body(
+        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
+    ) -> bytes:
+        """An HTTP error's body, for its message (the first 64 KiB)."""
+        return response.read(65536)
 
     def get(self, path: str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
         return self._json("GET", path, None, timeout)
@@ -162,7 +168,7 @@ class ServerClient:
             detail = json.loads(raw)
             error = detail.get("error", detail) if isinstance(detail, dict) else detail
             message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
-        except ValueError:
+        except (ValueError, RecursionError):  # a hostile body: 64 KiB of "[", NaN, …
             message = raw[:200].decode("utf-8", "replace")
         message = " ".join(message.split())
         return ServerError(

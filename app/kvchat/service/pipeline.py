@@ -38,7 +38,7 @@ from kvchat.service.upkeep import Upkeep
 from kvchat.store import Message, Session, Store
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
-from kvchat.text import check_text, short_title
+from kvchat.text import check_text, one_line, short_title
 
 # How long post() waits for the session's turn lock by default (as a turn does).
 POST_WAIT_S = 3.0
@@ -435,18 +435,26 @@ class TurnPipeline:
         answer: list[str] = []
         pieces: list[str] = []  # as the caller's stream sees them
         think = session_think(session.settings)
-        for kind, text in remote.chat(chat, params, stats, session_id, think, options.cancel):
-            if kind == "reasoning":
-                piece = text if reasoning else f"{THINK_OPEN}\n{text}"
-                reasoning.append(text)
-            else:
-                piece = f"\n{THINK_CLOSE}\n\n{text}" if reasoning and not answer else text
-                answer.append(text)
-            pieces.append(piece)
-            if options.on_token is not None:
-                options.on_token(piece)
-            if saver is not None:
-                saver.tick(pieces, stats.generated)
+        broke_off: str | None = None
+        try:
+            for kind, text in remote.chat(chat, params, stats, session_id, think, options.cancel):
+                if kind == "reasoning":
+                    piece = text if reasoning else f"{THINK_OPEN}\n{text}"
+                    reasoning.append(text)
+                else:
+                    piece = f"\n{THINK_CLOSE}\n\n{text}" if reasoning and not answer else text
+                    answer.append(text)
+                pieces.append(piece)
+                if options.on_token is not None:
+                    options.on_token(piece)
+                if saver is not None:
+                    saver.tick(pieces, stats.generated)
+        except KvchatError as exc:
+            if not pieces:
+                raise  # nothing was shown: the message stays, unanswered
+            # What was shown is the reply: it is stored, marked partial, and the line says why.
+            broke_off = f"{one_line(str(exc))}; the reply shown is saved, marked partial"
+            stats.finish_reason = "cancelled"
         figures = remote.figures
         unreported = tuple(
             name
@@ -471,6 +479,7 @@ class TurnPipeline:
             reasoning="".join(reasoning).strip(),
             remote=remote.url,
             remote_figures=figures.source,
+            remote_note=remote_note(broke_off, figures.doubts),
         )
         self._store_reply(report, session_id, stats, replaces, saver)
         self.models.record(session_id)
@@ -612,3 +621,12 @@ class TurnPipeline:
                 f"re-read the kept window ({len(prompt):,} tokens)"
             )
         return WindowShift(tokens=n_discard, messages=plan.messages)
+
+
+def remote_note(broke_off: str | None, doubts: list[str]) -> str | None:
+    """What the status line adds for a server's turn: why its reply was cut off, and the
+    figures it sent that are not shown (not counts, or contradicting each other)."""
+    notes = [broke_off] if broke_off else []
+    if doubts:
+        notes.append("not shown: " + "; ".join(doubts))
+    return " · ".join(notes) or None

@@ -143,6 +143,9 @@ class TurnReport:
     remote: str | None = None
     # Which of the server's fields the counts came from ("usage", "timings", …; "": none).
     remote_figures: str = ""
+    # The server's turn, in a line: why its reply was cut off (the part shown is stored,
+    # partial), figures it sent that are not shown; None: nothing to say.
+    remote_note: str | None = None
 
     @classmethod
     def of_run(
@@ -184,7 +187,11 @@ class TurnReport:
             },
             "remote": None
             if self.remote is None
-            else {"url": self.remote, "figures": self.remote_figures or None},
+            else {
+                "url": self.remote,
+                "figures": self.remote_figures or None,
+                "note": self.remote_note,
+            },
             "restore": self.restore.to_json(),
             "timing": {
                 "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
@@ -247,7 +254,9 @@ class TurnReport:
             parts.append(f"KV saved whole: {self.snapshot.whole_reason}")
         if self.remote is not None:
             parts.append("KV on the server, not kvchat's: no snapshot")
-        if self.finish_reason == "cancelled":
+        if self.remote_note:
+            parts.append(self.remote_note)
+        if self.finish_reason == "cancelled" and not self.remote_note:
             parts.append("cancelled")
         elif self.finish_reason == "length":
             parts.append("stopped at the token limit")
