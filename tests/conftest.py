@@ -97,6 +97,61 @@ def shared_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def models_load_only_as_probed(shared_probe: Path) -> Any:
+    """A guard: a model loaded in the test process with llama.cpp's weight repacking on must
+    be one the engine probe vouched for on this machine (kvchat.engine.probe.VOUCHED_REPACK).
+    A bare ``llama_cpp.Llama`` (repacking on by default) fails its test here, where on a CPU
+    whose repacked kernels crash (Intel AMX) it would take the whole pytest process down.
+    Tests open models through kvchat's engine, or take the options from ``probed_repack``."""
+    import llama_cpp
+
+    from kvchat.engine import probe
+
+    original = llama_cpp.Llama.__init__
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> None:
+        path = kwargs.get("model_path", args[0] if args else None)
+        repack = bool(llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts)
+        if repack and str(path) not in probe.VOUCHED_REPACK:
+            pytest.fail(
+                f"{path} was loaded with weight repacking on that the engine probe did not "
+                "vouch for: open models through kvchat's engine or the probed_repack fixture"
+            )
+        original(self, *args, **kwargs)
+
+    llama_cpp.Llama.__init__ = guarded  # type: ignore[method-assign]
+    yield
+    llama_cpp.Llama.__init__ = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def probed_repack() -> Callable[[Path], bool]:
+    """Whether the engine probe vouches for weight repacking with ``path`` on this machine:
+    the one place a test that loads a model through ``llama_cpp`` itself takes it from
+    (then ``with kvchat.engine.llama.weight_repack(probed_repack(path)): …``)."""
+    from kvchat.engine.api import EngineConfig
+    from kvchat.engine.probe import probed_config
+
+    def repack(path: Path) -> bool:
+        config, _ = probed_config(EngineConfig(path, n_ctx=512, n_threads=2), in_use=True)
+        return bool(config.repack)
+
+    return repack
+
+
+@pytest.fixture
+def own_probe_file(shared_probe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the run's probe file for a test that crashes kvchat on purpose (SIGSEGV):
+    such a crash withdraws the verdict it ran on (kvchat.engine.probe_book), which must not
+    make every later test probe again."""
+    own = tmp_path / "own-probe.json"
+    if shared_probe.is_file():
+        shutil.copyfile(shared_probe, own)
+    monkeypatch.setenv(PROBE_FILE_ENV, str(own))
+    return own
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without kvchat's settings (``KVCHAT_*``), for a `kvchat`
     process of a test; the run's shared engine-probe file stays."""

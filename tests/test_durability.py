@@ -31,7 +31,9 @@ def snapshot_files(home: Path) -> set[str]:
         ("chunks", signal.SIGSEGV),
     ],
 )
-def test_kill_during_snapshot_write_leaves_session_resumable(turn_homes, copy_home, cli, fmt, sig):
+def test_kill_during_snapshot_write_leaves_session_resumable(
+    turn_homes, copy_home, cli, fmt, sig, own_probe_file
+):
     source, first = turn_homes(fmt)
     home = copy_home(source, "killed")
     session = first["session"]

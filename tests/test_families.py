@@ -466,17 +466,23 @@ def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
 
 
 @pytest.mark.e2e
-def test_repacked_weights_align_batches_to_four_and_unrepacked_do_not(gemma3_270m: Path):
+def test_repacked_weights_align_batches_to_four_and_unrepacked_do_not(
+    gemma3_270m: Path, probed_repack: Callable[[Path], bool]
+) -> None:
     """Issue 28.8: Gemma 3 270M's Q4_K/Q6_K/Q8_0 weights are repacked (four-row kernels):
     prefix reuse then starts on a multiple of 4; with repacking off (the engine probe's
-    fallback) any position will do, and the bundled Q4_1 model is never repacked."""
+    fallback) any position will do, and the bundled Q4_1 model is never repacked. Repacking
+    is on only where the probe vouches for it (never on a CPU whose AMX kernels crash)."""
     from kvchat.engine.llama import LlamaEngine
 
+    bundled = bundled_model_path()
+    assert bundled is not None
+    gemma_repacked = probed_repack(gemma3_270m)
     held, prompt = list(range(1, 40)), list(range(1, 40)) + [7, 8, 9]
     for path, repack, align in (
-        (gemma3_270m, True, 4),
+        (gemma3_270m, gemma_repacked, 4 if gemma_repacked else 1),
         (gemma3_270m, False, 1),
-        (bundled_model_path(), True, 1),
+        (bundled, probed_repack(bundled), 1),
     ):
         engine = LlamaEngine(EngineConfig(path, n_ctx=256, n_threads=1, repack=repack))
         try:

@@ -11,6 +11,7 @@ import ctypes
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvchat.cli.model_commands import models_group, resolve_model
+from kvchat.engine.llama import weight_repack
 from kvchat.errors import KvchatError
 from kvchat.paths import bundled_model_path
 from kvchat.planner import (
@@ -109,7 +111,7 @@ KV_LOG = re.compile(
 )
 
 
-def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
+def measure_llama_cpp(kv_type: str, repack: bool, n_ctx: int = 512) -> dict[str, float]:
     """KV bytes per token as llama.cpp allocates them, two ways.
 
     ``log``: its "llama_kv_cache: size = … (N cells …) K (…): x MiB, V (…): y MiB" line;
@@ -125,16 +127,17 @@ def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
 
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
-        llm = llama_cpp.Llama(
-            model_path=str(BUNDLED),
-            n_ctx=n_ctx,
-            n_batch=64,
-            n_threads=2,
-            type_k=GGML[kv_type],
-            type_v=GGML[kv_type],
-            flash_attn=kv_type != "f16",
-            verbose=False,
-        )
+        with weight_repack(repack):
+            llm = llama_cpp.Llama(
+                model_path=str(BUNDLED),
+                n_ctx=n_ctx,
+                n_batch=64,
+                n_threads=2,
+                type_k=GGML[kv_type],
+                type_v=GGML[kv_type],
+                flash_attn=kv_type != "f16",
+                verbose=False,
+            )
     finally:
         llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
     try:
@@ -163,9 +166,10 @@ def measure_llama_cpp(kv_type: str, n_ctx: int = 512) -> dict[str, float]:
 
 @needs_bundled
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
-def test_kv_bytes_match_llama_cpp(kv_type: str) -> None:
+def test_kv_bytes_match_llama_cpp(kv_type: str, probed_repack: Callable[[Path], bool]) -> None:
+    assert BUNDLED is not None
     planned = kv_bytes_per_token(read_gguf(BUNDLED), kv_type).total
-    real = measure_llama_cpp(kv_type)
+    real = measure_llama_cpp(kv_type, probed_repack(BUNDLED))
     assert real["cells"] == 512 and real["layers"] == 30
     assert real["log"] == pytest.approx(planned, rel=0.02)
     assert real["state"] == pytest.approx(planned, rel=0.02)

@@ -47,8 +47,12 @@ def _probe_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {"KVCHAT_PROBE_FILE": str(tmp_path / "probe.json"), **extra}
 
 
+def known_outcomes_in(path: Path) -> list[ProbeOutcome]:
+    return [ProbeOutcome.from_record(r) for r in ProbeBook(path).records()]
+
+
 def _outcomes(tmp_path: Path) -> list[ProbeOutcome]:
-    return ProbeBook(tmp_path / "probe.json").outcomes()
+    return known_outcomes_in(tmp_path / "probe.json")
 
 
 # --- the choice ------------------------------------------------------------------------------
@@ -187,15 +191,25 @@ def _segfault_mid_reply(home: Path, argv: list[str], message: str) -> None:
 
 
 @pytest.mark.e2e
-def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(kvhome):
+def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(
+    kvhome, own_probe_file
+):
     argv = ["-m", "kvchat", "ask", "--new", LONG_REPLY, "--temperature", "0"]
     argv += ["--max-tokens", "1500", "--n-ctx", "2048", "--threads", "1"]
     _segfault_mid_reply(kvhome, argv, LONG_REPLY)
     (log,) = (kvhome / "crashes").glob("run-*.log")
     assert "Segmentation fault" in log.read_text()
+    # The crashed run left its marker: the verdict it ran on.
+    (marker,) = own_probe_file.parent.glob("own-probe.json.use-*")
+    key = json.loads(marker.read_text())["key"]
+    (verdict,) = [o for o in known_outcomes_in(own_probe_file) if o.key == key]
 
-    # The next start says it once, on one line; the conversation is there.
+    # The next start says it once, on one line; the conversation is there. The verdict the
+    # crash ran on is withdrawn and probed again (from the same options: the child runs).
     listed = run_cli(kvhome, "ask", "--new", "Hi", *FAST)
+    (again,) = [o for o in known_outcomes_in(own_probe_file) if o.key == key]
+    assert again.failures[-1].endswith(": crashed in use") and again.when >= verdict.when
+    assert not list(own_probe_file.parent.glob("own-probe.json.use-*"))
     crash_lines = [line for line in listed.stderr.splitlines() if "ended in a crash" in line]
     assert len(crash_lines) == 1 and str(log) in crash_lines[0]
     assert "conversations are intact" in crash_lines[0]
@@ -356,7 +370,7 @@ asyncio.run(main())
 
 @pytest.mark.e2e
 async def test_the_app_killed_by_sigsegv_mid_reply_loses_nothing_and_says_so_next_time(
-    kvhome: Path,
+    kvhome: Path, own_probe_file: Path
 ) -> None:
     from kvchat.tui.app import KvchatApp
 

@@ -129,6 +129,15 @@ class Settings(BaseSettings):
         description="llama.cpp's weight repacking (AMX/AVX-512 kernels); auto: on unless the "
         "engine probe saw llama.cpp crash with it on this machine",
     )
+    probe_timeout_s: float = Field(
+        default=120.0,
+        ge=1.0,
+        le=3600.0,
+        allow_inf_nan=False,
+        description="how long the first load of a model on this machine waits for the engine "
+        "probe; past it kvchat answers with weight repacking off while the probe finishes in "
+        "the background",
+    )
     n_gpu_layers: int = Field(
         default=-1, description="-1: every layer when llama.cpp has GPU offload"
     )

@@ -81,6 +81,11 @@ def start_crash_log(directory: Path) -> Path | None:
     return path
 
 
+def current_crash_log() -> Path | None:
+    """This process's crash log, if it keeps one."""
+    return _current[0] if _current is not None else None
+
+
 def _clean_exit() -> None:
     """A normal exit: the log holds no report, so it goes."""
     global _current
@@ -173,4 +178,10 @@ def _alive(pid: str) -> bool:
     return True
 
 
-__all__ = ["CrashReport", "recent_crashes", "start_crash_log", "unreported_crash"]
+__all__ = [
+    "CrashReport",
+    "current_crash_log",
+    "recent_crashes",
+    "start_crash_log",
+    "unreported_crash",
+]

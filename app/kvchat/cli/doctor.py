@@ -84,9 +84,13 @@ def _engine_report() -> None:
     """What the engine probe chose on this machine, and the recent crashes (read only: the
     probe itself is not run here)."""
     from kvchat.crashes import recent_crashes
-    from kvchat.engine.probe import ProbeBook, probe_file
+    from kvchat.engine.probe import known_outcomes, probe_file
 
-    for outcome in ProbeBook(probe_file(data_dir())).outcomes()[:3]:
+    click.echo(
+        f"engine probe file: {probe_file(data_dir())} (what the probe found safe and fast "
+        "here; delete it to probe again)"
+    )
+    for outcome in known_outcomes(data_dir())[:3]:
         click.echo(
             f"engine probe ({outcome.when}, {outcome.probe_ms:.0f} ms): {probe_words(outcome)}"
         )

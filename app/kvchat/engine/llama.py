@@ -86,7 +86,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         if config.repack is None:
             from kvchat.engine.probe import probed_config
 
-            config, _ = probed_config(config)
+            config, _ = probed_config(config, in_use=True)
             self.config = config
         try:
             with scratch_sequence(_scratch_wanted(config)), weight_repack(bool(config.repack)):

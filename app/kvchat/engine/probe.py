@@ -21,15 +21,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from kvchat.engine.api import EngineConfig
+from kvchat.engine.probe_book import OutcomeRecord, ProbeBook
 from kvchat.errors import KvchatError
 from kvchat.planner.gguf_info import read_gguf
+from kvchat.text import one_line
 
 PROBE_FILE = "engine-probe.json"
 # Several homes on one machine (a test suite's) can share one file: the facts are the machine's.
@@ -39,9 +44,15 @@ PROBE_CTX = 512
 # The prompt batch the child decodes in one go, and the tokens it then generates.
 PROBE_PROMPT = 128
 PROBE_GENERATE = 4
-# A model that takes longer than this to load and run one batch is not judged: its outcome
-# is not kept, and the options asked for are used.
-PROBE_TIMEOUT_S = 300.0
+# The probe is waited for this long (setting probe_timeout_s, env KVCHAT_PROBE_TIMEOUT_S);
+# past it the turn runs on the safe options (repacking off) and the probe finishes in the
+# background, for at most BACKGROUND_FACTOR times as long, keeping its verdict for next time.
+PROBE_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_ENV = "KVCHAT_PROBE_TIMEOUT_S"
+BACKGROUND_FACTOR = 5
+# Models this process loads with weight repacking on because the probe vouched for it (the
+# test suite's guard allows no other repacked load).
+VOUCHED_REPACK: set[str] = set()
 # Generation this far below the probe's measurement (after a turn of at least
 # COLLAPSE_MIN_TOKENS) makes the service measure the thread counts again.
 COLLAPSE_RATIO = 0.35
@@ -188,23 +199,24 @@ class ProbeOutcome:
             data.pop(transient)
         return data
 
+    def to_record(self) -> OutcomeRecord:
+        return OutcomeRecord.model_validate(self.to_json())
+
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ProbeOutcome:
+    def from_record(cls, record: OutcomeRecord) -> ProbeOutcome:
+        """An outcome from the file's checked record (see :mod:`kvchat.engine.probe_book`)."""
         return cls(
-            key=str(data["key"]),
-            trial=Trial(**data["trial"]),
-            wanted=Trial(**data["wanted"]),
-            failures=[str(f) for f in data.get("failures", [])],
-            speeds={
-                str(n): {str(k): float(v) for k, v in row.items()}
-                for n, row in dict(data.get("speeds", {})).items()
-            },
-            probe_ms=float(data.get("probe_ms", 0.0)),
-            when=str(data.get("when", "")),
-            amx=bool(data.get("amx", False)),
-            recheck=str(data.get("recheck", "")),
-            model_bytes=int(data.get("model_bytes", 0)),
-            model_name=str(data.get("model_name", "")),
+            key=record.key,
+            trial=Trial(**record.trial.model_dump()),
+            wanted=Trial(**record.wanted.model_dump()),
+            failures=list(record.failures),
+            speeds={n: dict(row) for n, row in record.speeds.items()},
+            probe_ms=record.probe_ms,
+            when=record.when,
+            amx=record.amx,
+            recheck=record.recheck,
+            model_bytes=record.model_bytes,
+            model_name=record.model_name,
         )
 
 
@@ -221,7 +233,12 @@ def fastest(speeds: dict[str, dict[str, float]], kind: str) -> int | None:
 def probe_words(outcome: ProbeOutcome) -> str:
     """The probe's choice in words: "all as asked" or what it turned off and why."""
     if outcome.inconclusive:
-        return f"not judged ({outcome.inconclusive}): the options as asked"
+        off = (
+            " with weight repacking off"
+            if outcome.wanted.repack and not outcome.trial.repack
+            else ""
+        )
+        return f"not judged ({outcome.inconclusive}): the options as asked{off}"
     trial = outcome.trial
     options = (
         f"weight repacking {'on' if trial.repack else 'off'}, flash attention "
@@ -237,7 +254,7 @@ def measured_speed(directory: Path | None = None) -> Any:
     was measured on (a :class:`kvchat.planner.cpu.Measured`), or None."""
     from kvchat.planner.cpu import Measured
 
-    for outcome in ProbeBook(probe_file(directory)).outcomes():
+    for outcome in known_outcomes(directory):
         best = outcome.best_threads("generate")
         speed = outcome.speed(best, "generate") if best is not None else None
         if speed and outcome.model_bytes:
@@ -318,52 +335,6 @@ def thread_candidates(physical: int, logical: int | None = None) -> list[int]:
     return sorted(counts, reverse=True)
 
 
-class ProbeBook:
-    """The outcomes file: one JSON object, written whole to a temporary name and renamed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def read(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}  # absent or damaged: probed again, then rewritten
-        outcomes = data.get("outcomes") if isinstance(data, dict) else None
-        return outcomes if isinstance(outcomes, dict) else {}
-
-    def get(self, key: str) -> ProbeOutcome | None:
-        data = self.read().get(key)
-        if not isinstance(data, dict):
-            return None
-        try:
-            return ProbeOutcome.from_json(data)
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def outcomes(self) -> list[ProbeOutcome]:
-        found = [self.get(key) for key in self.read()]
-        return sorted((o for o in found if o), key=lambda o: o.when, reverse=True)
-
-    def put(self, outcome: ProbeOutcome) -> None:
-        """Keep ``outcome`` (best effort: an unwritable directory means probing again)."""
-        from kvchat.paths import ensure_private_dir
-
-        outcomes = self.read()
-        outcomes[outcome.key] = outcome.to_json()
-        try:
-            ensure_private_dir(self.path.parent)
-            temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"version": 1, "outcomes": outcomes}, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(temporary, self.path)
-        except (OSError, KvchatError):
-            pass
-
-
 @dataclass
 class ChildResult:
     """How one child run ended: ``ok``, or the signal or error that ended it."""
@@ -382,7 +353,8 @@ def run_child(
     config: EngineConfig, thread_counts: list[int], timeout: float = PROBE_TIMEOUT_S
 ) -> ChildResult:
     """Load ``config``'s model in a child process, run a prompt batch and a few tokens, and
-    measure ``thread_counts``; how it ended (a signal is a crash)."""
+    measure ``thread_counts``; how it ended (a signal is a crash). The child dies with this
+    process (it never outlives a kvchat that was killed) and after ``timeout`` seconds."""
     request = {
         "model_path": str(config.model_path),
         "n_batch": config.n_batch,
@@ -393,45 +365,134 @@ def run_child(
         "flash_attn": config.flash_attn,
         "repack": bool(config.repack),
         "thread_counts": thread_counts,
+        "parent": os.getpid(),
     }
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "kvchat.engine.probe_child", json.dumps(request)],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-    except subprocess.TimeoutExpired:
-        return ChildResult(False, error=f"the test run took over {timeout:.0f} s")
     except OSError as exc:
         return ChildResult(False, error=f"the test run could not start ({exc})")
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return ChildResult(False, error=f"the test run took over {timeout:.0f} s")
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
         except ValueError:
             name = f"signal {-proc.returncode}"
-        detail = _native_message(proc.stderr)
+        detail = _native_message(stderr)
         return ChildResult(False, signal=f"killed by {name}{detail}")
-    last = proc.stdout.strip().splitlines()[-1:] or [""]
-    try:
-        answer = json.loads(last[0])
-    except ValueError:
-        answer = {}
-    if proc.returncode == 0 and answer.get("ok"):
+    answer = child_answer(stdout)
+    if proc.returncode == 0 and answer.get("ok") is True:
         return ChildResult(True, speeds=answer.get("speeds", {}))
-    detail = _native_message(proc.stderr)
+    detail = _native_message(stderr)
     if detail:  # GGML_ASSERT and friends print, then abort: a crash too
         return ChildResult(False, signal=f"aborted{detail}")
-    error = answer.get("error") or (proc.stderr.strip().splitlines() or ["no answer"])[-1]
-    return ChildResult(False, error=str(error))
+    error = answer.get("error") or (stderr.strip().splitlines() or ["no answer"])[-1]
+    return ChildResult(False, error=one_line(str(error))[:300])
+
+
+def child_answer(stdout: str) -> dict[str, Any]:
+    """The child's last line, checked like the file: ``{"ok": true, "speeds": {…}}`` with
+    bounded speeds, or ``{"error": text}``; {} for anything else."""
+    last = stdout.strip().splitlines()[-1:] or [""]
+    try:
+        answer = json.loads(last[0][:65536])
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(answer, dict):
+        return {}
+    if answer.get("ok") is True:
+        try:
+            speeds = OutcomeRecord.model_validate(
+                {
+                    "key": "0" * 24,
+                    "trial": _ANY_TRIAL,
+                    "wanted": _ANY_TRIAL,
+                    "speeds": answer.get("speeds", {}),
+                }
+            ).speeds
+        except ValidationError:
+            return {}
+        return {"ok": True, "speeds": {n: dict(row) for n, row in speeds.items()}}
+    return {"error": str(answer.get("error", ""))}
+
+
+_ANY_TRIAL = {"repack": False, "flash_attn": False, "n_gpu_layers": 0}
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: a SIGKILL when kvchat's thread that started it ends
+    (Linux's PR_SET_PDEATHSIG), so a killed kvchat leaves no probe running."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _native_message(stderr: str) -> str:
     """`` (GGML_ASSERT(…) failed)`` when llama.cpp said why it aborted, else ''."""
     for line in stderr.splitlines():
         if "GGML_ASSERT" in line or "GGML_ABORT" in line or "ggml_abort" in line:
-            return f" ({line.strip()[:160]})"
+            return f" ({one_line(line)[:160]})"
     return ""
+
+
+def probe_timeout(default: float = PROBE_TIMEOUT_S) -> float:
+    """``$KVCHAT_PROBE_TIMEOUT_S`` when it is a number from 1 to 3,600, else ``default``."""
+    raw = os.environ.get(PROBE_TIMEOUT_ENV, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    return value if 1.0 <= value <= 3600.0 else default
+
+
+def safe_trial(wanted: Trial, repack_fixed: bool) -> Trial:
+    """What runs where the probe has not vouched for ``wanted``: weight repacking off (its
+    AMX kernels are what crash llama.cpp on the machines where it crashes), unless the
+    setting fixes it on."""
+    return wanted if repack_fixed else replace(wanted, repack=False)
+
+
+@dataclass
+class _Judgement:
+    """The fallback trials run in order until one works (in a thread of its own)."""
+
+    config: EngineConfig
+    trials: list[Trial]
+    wanted: Trial
+    counts: list[int]
+    timeout: float
+    failures: list[str]
+    repack_fixed: bool
+    trial: Trial | None = None
+    result: ChildResult | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            for trial in self.trials:
+                self.trial, self.result = (
+                    trial,
+                    run_child(trial.apply(self.config), self.counts, self.timeout),
+                )
+                if self.result.ok or not self.result.crashed:
+                    return
+                self.failures.append(f"{_label(trial, self.wanted)}: {self.result.signal}")
+            self.trial = None
+        finally:
+            self.done.set()
 
 
 def run_probe(
@@ -440,37 +501,105 @@ def run_probe(
     repack_fixed: bool,
     physical: int,
     book: ProbeBook | None,
+    timeout: float | None = None,
 ) -> ProbeOutcome:
-    """The outcome for ``config`` from ``book``, or found by child runs (and kept)."""
+    """The outcome for ``config`` from ``book``, or found by child runs (and kept).
+
+    A verdict that crashed in use (see :meth:`ProbeBook.withdraw_crashed`) is probed again
+    from the next safer combination. The probe is waited for ``timeout`` seconds (default:
+    :func:`probe_timeout`); past that the outcome is not judged and the options the probe has
+    not vouched for are off (:func:`safe_trial`), while the probe finishes in the background
+    (up to :data:`BACKGROUND_FACTOR` times as long) and keeps its verdict for the next start.
+    """
+    wait = probe_timeout() if timeout is None else timeout
     wanted = Trial.of(config)
     facts = machine_facts(config.model_path)
     key = probe_key(facts, wanted)
+    trials = wanted.fallbacks(repack_fixed, gpu=bool(facts["gpu_offload"]))
+    failures: list[str] = []
     if book is not None:
+        book.withdraw_crashed()
         known = book.get(key)
+        if known is not None and not known.withdrawn:
+            return ProbeOutcome.from_record(known)
         if known is not None:
-            return known
+            trials, failures = _after_crash_in_use(known, wanted, trials)
     started = time.perf_counter()
     counts = thread_candidates(physical, os.cpu_count())
-    failures: list[str] = []
-    for trial in wanted.fallbacks(repack_fixed, gpu=bool(facts["gpu_offload"])):
-        result = run_child(trial.apply(config), counts)
-        if result.ok or not result.crashed:
-            break
-        failures.append(f"{_label(trial, wanted)}: {result.signal}")
-    else:
+    judgement = _Judgement(
+        config, trials, wanted, counts, wait * BACKGROUND_FACTOR, failures, repack_fixed
+    )
+
+    def outcome_of(done: _Judgement) -> ProbeOutcome:
+        return _outcome(config, key, wanted, facts, done, started)
+
+    def keep_later() -> None:
+        judgement.done.wait()
+        outcome = outcome_of(judgement)
+        if book is not None and not outcome.inconclusive:
+            book.put(outcome.to_record())
+
+    worker = threading.Thread(target=judgement.run, name="kvchat-probe", daemon=True)
+    worker.start()
+    if not judgement.done.wait(wait):
+        threading.Thread(target=keep_later, name="kvchat-probe-keep", daemon=True).start()
+        outcome = ProbeOutcome(
+            key=key,
+            trial=safe_trial(wanted, repack_fixed),
+            wanted=wanted,
+            failures=list(failures),
+            when=_now(),
+            amx=has_amx(set(facts["cpu"])),
+            fresh=True,
+            inconclusive=f"the test run took over {wait:.0f} s; it goes on in the background",
+        )
+        return outcome
+    outcome = outcome_of(judgement)
+    if judgement.trial is None:
         raise KvchatError(
             "llama.cpp crashes on this machine whatever kvchat turns off ("
-            + "; ".join(failures)
+            + "; ".join(judgement.failures)
             + "); see `kvchat doctor`"
         )
+    if book is not None and not outcome.inconclusive:
+        book.put(outcome.to_record())
+    return outcome
+
+
+def _after_crash_in_use(
+    known: OutcomeRecord, wanted: Trial, trials: list[Trial]
+) -> tuple[list[Trial], list[str]]:
+    """The trials to probe again after the verdict ``known`` crashed in use, and the failures
+    so far: from the crashed combination itself (a stale or shared file's verdict, which the
+    child then sees crash), or past it when it already crashed in use once before."""
+    crashed = Trial(**known.trial.model_dump())
+    note = f"{_label(crashed, wanted)}: crashed in use"
+    failures = [*known.failures, note][-16:]
+    if crashed not in trials:
+        return trials, failures
+    at = trials.index(crashed)
+    if known.failures.count(note) and at + 1 < len(trials):
+        at += 1
+    return trials[at:], failures
+
+
+def _outcome(
+    config: EngineConfig,
+    key: str,
+    wanted: Trial,
+    facts: dict[str, Any],
+    done: _Judgement,
+    started: float,
+) -> ProbeOutcome:
+    result = done.result or ChildResult(False, error="the test run did not start")
     outcome = ProbeOutcome(
         key=key,
-        trial=trial,
+        trial=done.trial or wanted,
         wanted=wanted,
-        failures=failures,
+        failures=list(done.failures),
         speeds=result.speeds,
         probe_ms=(time.perf_counter() - started) * 1000,
-        when=datetime.now(UTC).isoformat(timespec="seconds"),
+        when=_now(),
         amx=has_amx(set(facts["cpu"])),
         fresh=True,
     )
@@ -481,13 +610,15 @@ def run_probe(
         pass
     if not result.ok:
         # Not a crash: the child could not run (a model it cannot load, a timeout). The
-        # real load reports that itself; nothing is kept, the options stay as asked.
-        outcome.trial = wanted
+        # real load reports that itself; nothing is kept, and what the probe did not vouch
+        # for stays off.
+        outcome.trial = safe_trial(done.trial or wanted, done.repack_fixed)
         outcome.inconclusive = result.error
-        return outcome
-    if book is not None:
-        book.put(outcome)
     return outcome
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _label(trial: Trial, wanted: Trial) -> str:
@@ -502,11 +633,14 @@ def probed_config(
     repack: RepackSetting = "auto",
     threads: bool = False,
     directory: Path | None = None,
+    timeout: float | None = None,
+    in_use: bool = False,
 ) -> tuple[EngineConfig, ProbeOutcome | None]:
     """``config`` with what the probe found safe (and, with ``threads``, fastest).
 
     ``repack`` "on"/"off" fixes weight repacking (the probe then only guards the other
-    options); with it fixed and no thread choice wanted, nothing is probed.
+    options); with it fixed and no thread choice wanted, nothing is probed. ``in_use``: this
+    process is about to run the model on the verdict (a crash then withdraws it).
     """
     from kvchat.config import physical_cores
 
@@ -514,13 +648,21 @@ def probed_config(
         return replace(config, repack=repack == "on"), None
     if repack != "auto":
         config = replace(config, repack=repack == "on")
+    book = ProbeBook(probe_file(directory))
     outcome = run_probe(
         config,
         repack_fixed=repack != "auto",
         physical=physical_cores(),
-        book=ProbeBook(probe_file(directory)),
+        book=book,
+        timeout=timeout,
     )
     chosen = outcome.trial.apply(config)
+    if in_use and not outcome.inconclusive:
+        from kvchat.crashes import current_crash_log
+
+        book.mark_in_use(outcome.key, current_crash_log())
+    if chosen.repack:
+        VOUCHED_REPACK.add(str(config.model_path))
     if threads:
         gen, batch = outcome.best_threads("generate"), outcome.best_threads("prefill")
         if gen is not None:
@@ -530,6 +672,12 @@ def probed_config(
             )
             chosen = replace(chosen, n_threads=gen, n_threads_batch=batch, thread_speeds=measured)
     return chosen, outcome
+
+
+def known_outcomes(directory: Path | None = None) -> list[ProbeOutcome]:
+    """The verdicts kept on this machine, the newest first (withdrawn ones left out)."""
+    book = ProbeBook(probe_file(directory))
+    return [ProbeOutcome.from_record(r) for r in book.records() if not r.withdrawn]
 
 
 def _cpu_model() -> str:

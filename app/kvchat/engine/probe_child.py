@@ -40,12 +40,28 @@ def _test_crash(request: dict[str, Any]) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
 
 
+def _watch_parent(parent: int) -> None:
+    """End this child when the kvchat that started it is gone (where the kernel does not
+    do it for us: see ``kvchat.engine.probe._die_with_parent``)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
     from kvchat.engine.llama import LlamaEngine
     from kvchat.errors import KvchatError
 
     request = json.loads(argv[0])
+    if isinstance(request.get("parent"), int):
+        _watch_parent(request["parent"])
     config = EngineConfig(
         Path(request["model_path"]),
         n_ctx=PROBE_CTX,

@@ -115,6 +115,8 @@ class EngineHost:
                 repack=planned.repack,
                 threads=planned.n_threads is None,
                 directory=self.directory,
+                timeout=planned.probe_timeout_s,
+                in_use=True,
             )
         tried: list[str] = []
         while True:
