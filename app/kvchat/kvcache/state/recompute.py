@@ -13,6 +13,7 @@ why imported KV stays in its own trust domain (see ``Fingerprint.origin``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -42,28 +43,48 @@ class FirstChunkCheck:
 
 def _as_float(raw: np.ndarray, type_id: int, n_rows: int) -> np.ndarray | None:
     """``raw`` (``n_rows`` rows of one KV type) as float32 rows, or None for a type not
-    decoded here."""
-    if type_id == 0:
-        values = raw.view(np.float32)
-    elif type_id == 1:
-        values = raw.view(np.float16).astype(np.float32)
-    elif type_id == 30:
-        values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif type_id == 8 and raw.size % 34 == 0:
-        blocks = raw.reshape(-1, 34)
-        scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        quants = blocks[:, 2:].view(np.int8).astype(np.float32)
-        values = (quants * scale).reshape(-1)
-    else:
-        return None
+    decoded here. A NaN or an infinity stays one (an f16 NaN, a block scale that is one):
+    the comparison refuses any (see :func:`compare_cells`)."""
+    with np.errstate(all="ignore"):  # inf * 0 in a damaged block: NaN, refused below
+        if type_id == 0:
+            values = raw.view(np.float32)
+        elif type_id == 1:
+            values = raw.view(np.float16).astype(np.float32)
+        elif type_id == 30:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif type_id == 8 and raw.size % 34 == 0:  # q8_0: f16 scale, 32 int8
+            blocks = raw.reshape(-1, 34)
+            scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            quants = blocks[:, 2:].view(np.int8).astype(np.float32)
+            values = (quants * scale).reshape(-1)
+        elif type_id == 2 and raw.size % 18 == 0:  # q4_0: f16 scale, 32 nibbles - 8
+            blocks = raw.reshape(-1, 18)
+            scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            packed = blocks[:, 2:]
+            quants = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)
+            values = ((quants - 8) * scale).reshape(-1)
+        else:
+            return None
     return values.reshape(n_rows, -1)
 
 
 def _cell_errors(ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
-    """Per row: |theirs - ours| / |ours| (L2), rows of zeros counted as exact."""
-    diff = np.linalg.norm(theirs - ours, axis=1)
-    scale = np.linalg.norm(ours, axis=1)
-    return np.where(scale > 0, diff / np.maximum(scale, 1e-30), np.where(diff > 0, np.inf, 0.0))
+    """Per row: |theirs - ours| / |ours| (L2), rows of zeros counted as exact; a row
+    holding a NaN or an infinity on either side counts as entirely different (inf)."""
+    with np.errstate(all="ignore"):
+        diff = np.linalg.norm(theirs - ours, axis=1)
+        scale = np.linalg.norm(ours, axis=1)
+        errors = np.where(
+            scale > 0, diff / np.maximum(scale, 1e-30), np.where(diff > 0, np.inf, 0.0)
+        )
+    finite = np.isfinite(ours).all(axis=1) & np.isfinite(theirs).all(axis=1)
+    return np.where(finite & np.isfinite(errors), errors, np.inf)
+
+
+def _worse(worst: float, error: float) -> float:
+    """The larger of two errors, where a NaN counts as the largest of all (``max(0.0,
+    nan)`` is 0.0: a NaN would have passed the check)."""
+    return error if not error <= worst else worst
 
 
 def compare_cells(
@@ -92,17 +113,17 @@ def compare_cells(
         if a_rows is None or b_rows is None:
             skipped.add(layer.type)
             if not np.array_equal(a, b):
-                worst = max(worst, float(np.mean(a != b)))
+                worst = _worse(worst, float(np.mean(a != b)))
             continue
         if transposed:  # one row per V dimension: a cell is a column
             a_rows, b_rows = a_rows.T, b_rows.T
         errors = _cell_errors(a_rows, b_rows)
         if errors.size:
-            worst = max(worst, float(errors.max()))
+            worst = _worse(worst, float(errors.max()))
     note = (
         f"KV type {', '.join(map(str, sorted(skipped)))} compared byte by byte" if skipped else None
     )
-    return worst, note
+    return (worst if math.isfinite(worst) else float("inf")), note
 
 
 def check_first_cells(
@@ -134,7 +155,7 @@ def check_first_cells(
         engine.clear()
     ms = (time.perf_counter() - started) * 1000
     if not worst <= MAX_CELL_ERROR:
-        shown = "entirely" if worst == float("inf") else f"by {worst:.0%}"
+        shown = "entirely" if not math.isfinite(worst) else f"by {worst:.0%}"
         raise SnapshotRejected(
             f"the KV is not what its own tokens give: its first {n} cells differ {shown} "
             f"from the same tokens computed here ({ms:.0f} ms to check)"
