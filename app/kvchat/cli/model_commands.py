@@ -4,13 +4,13 @@
   bundled model, each with whether it is on this machine;
 - ``kvchat models plan MODEL``: KV bytes per token and the largest context that fits a VRAM
   budget, from the GGUF file when it is here, else from the catalog's figures;
-- ``kvchat models pull NAME`` (or ``--repo R --file F``): download a GGUF through
-  ``huggingface_hub`` into the models dir, resumable, checked against the repo's sha256.
+- ``kvchat models pull NAME`` (or ``--repo R --file F``): download a GGUF from the Hugging
+  Face hub into the models dir, resumable, checked against the repo's sha256 (the network
+  and the ``.partial`` file are kvchat.cli.hub_download's).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -46,7 +46,6 @@ from kvchat.planner.plan import (
 )
 from kvchat.text import one_line
 
-HASH_CHUNK = 8 * 1024 * 1024
 # Room kept free on the disk beyond a download's size.
 DISK_MARGIN = 64 * 1024 * 1024
 BUNDLED_ALIASES = ("bundled", "default")
@@ -391,61 +390,19 @@ def list_cmd(ctx: click.Context, as_json: bool, local: bool) -> None:
 # --------------------------------------------------------------------------- pull
 
 
-def _lfs_sha256(item: Any) -> str | None:
-    lfs = getattr(item, "lfs", None)
-    if lfs is None:
-        return None
-    sha = lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)
-    return str(sha).lower() if sha else None
-
-
-def remote_file(hub: Any, repo: str, filename: str) -> tuple[str | None, int | None]:
-    """The file's sha256 (from the repo's LFS metadata) and size, each None when it cannot
-    be had."""
-    api = hub.HfApi()
-    try:
-        for item in api.get_paths_info(repo, [filename]):
-            if getattr(item, "path", filename) == filename and _lfs_sha256(item):
-                return _lfs_sha256(item), getattr(item, "size", None)
-    except Exception:  # older hub, offline, gated: fall back to model_info
-        pass
-    try:
-        info = api.model_info(repo, files_metadata=True)
-        for sibling in info.siblings or []:
-            if sibling.rfilename == filename:
-                return _lfs_sha256(sibling), getattr(sibling, "size", None)
-    except Exception:
-        return None, None
-    return None, None
-
-
-def check_room(dest: Path, size: int | None, partial: Path) -> None:
-    """Refuse a download the disk cannot hold (what a stopped one left counts as here)."""
+def check_room(dest: Path, size: int | None, have: int) -> None:
+    """Refuse a download the disk cannot hold (what a stopped one left, ``have``, counts)."""
     import shutil
 
     if not size:
         return
-    here = partial.stat().st_size if partial.exists() else 0
-    needed = size - here + DISK_MARGIN
+    needed = size - have + DISK_MARGIN
     free = shutil.disk_usage(dest).free
     if free < needed:
         raise KvchatError(
-            f"{partial.name[1:-8]} needs {fmt_bytes(needed)} more on the disk holding {dest}, "
+            f"this download needs {fmt_bytes(needed)} more on the disk holding {dest}, "
             f"which has {fmt_bytes(free)} free: nothing was downloaded"
         )
-
-
-def sha256_file(path: Path, label: str = "verifying sha256") -> str:
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with (
-        open(path, "rb") as fh,
-        click.progressbar(length=size, label=label, file=sys.stderr) as bar,
-    ):
-        while chunk := fh.read(HASH_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
 
 
 def pull_model(
@@ -453,8 +410,12 @@ def pull_model(
     repo: str | None = None,
     filename: str | None = None,
     echo: Callable[[str], None] = click.echo,
+    verify: bool = True,
 ) -> Path:
-    """Download a catalog model (or any repo/file) into :func:`models_dir` and verify it."""
+    """Download a catalog model (or any repo/file) into :func:`models_dir` and verify it
+    against the sha256 the hub publishes. Without one (none published, the hub's API
+    failing) nothing is downloaded unless ``verify`` is False (``--no-verify``): a file
+    gets its final name only checked, or because the user said so."""
     if name and (repo or filename):
         raise KvchatError("give either a catalog NAME or --repo and --file, not both")
     if name:
@@ -486,85 +447,64 @@ def pull_model(
             "downloading models needs huggingface-hub, an optional extra: "
             "pip install 'kvchat[pull]'"
         ) from None
+    import shutil
+
+    from kvchat.cli.hub_download import (
+        download,
+        partial_size,
+        published,
+        remove_partial,
+        sha256_of,
+    )
 
     dest = models_dir()
     ensure_private_dir(data_dir())
     dest.mkdir(parents=True, exist_ok=True)
     name = Path(filename).name  # the file kvchat writes is named by it, in the models dir only
     path, partial = dest / name, dest / f".{name}.partial"
-    expected, size = remote_file(hub, repo, filename)
-    check_room(dest, size, partial)
+    have = partial_size(partial)  # anything but our own file there: refused before the network
+    facts = published(hub, repo, filename)
+    if facts.sha256 is None and verify:
+        raise KvchatError(
+            f"cannot verify {repo}/{filename}: {facts.problem}; nothing was downloaded "
+            "(--no-verify takes the file unchecked)"
+        )
+    check_room(dest, facts.size, have)
     echo(f"downloading {repo}/{filename} into {dest}")
     url = hub.hf_hub_url(repo, filename)
-    fetch(url, hub.utils.build_hf_headers(), partial, size, f"{repo}/{filename}")
-    if expected is None:
-        echo("warning: the repo publishes no sha256 for this file; it was not verified")
+    room = None if facts.size else max(0, shutil.disk_usage(dest).free - DISK_MARGIN)
+    label = f"{repo}/{filename}"
+    with click.progressbar(length=facts.size or 0, label=label, file=sys.stderr) as bar:
+        download(url, hub.utils.build_hf_headers(), partial, facts.size, label, bar.update, room)
+    with click.progressbar(
+        length=partial_size(partial), label="verifying sha256", file=sys.stderr
+    ) as bar:
+        actual = sha256_of(partial, bar.update)
+    if facts.sha256 is None:
+        echo(f"not verified (--no-verify: {facts.problem}); its sha256 is {actual}")
+    elif actual != facts.sha256:
+        remove_partial(partial)
+        raise KvchatError(
+            f"checksum mismatch for {filename}: expected {facts.sha256}, got "
+            f"{actual}; the file was removed, run the pull again"
+        )
     else:
-        actual = sha256_file(partial)
-        if actual != expected:
-            partial.unlink(missing_ok=True)
-            raise KvchatError(
-                f"checksum mismatch for {filename}: expected {expected}, got "
-                f"{actual}; the file was removed, run the pull again"
-            )
         echo(f"sha256 {actual[:16]}… matches the repo's")
     os.replace(partial, path)
     echo(f"ok: {path}")
     return path
 
 
-def fetch(url: str, headers: dict[str, str], partial: Path, size: int | None, label: str) -> None:
-    """Download ``url`` into ``partial``, going on from what a stopped download left there
-    (an HTTP Range request); a progress bar on stderr. A failure says how much is here and
-    that the same pull resumes."""
-    import urllib.error
-    import urllib.request
-
-    have = partial.stat().st_size if partial.exists() else 0
-    if size and have == size:
-        return
-    if size and have > size:
-        partial.unlink()
-        have = 0
-    wanted = dict(headers)
-    if have:
-        wanted["Range"] = f"bytes={have}-"
-    try:
-        with urllib.request.urlopen(
-            urllib.request.Request(url, headers=wanted), timeout=60
-        ) as resp:
-            if have and resp.status != 206:
-                have = 0  # the server sends the whole file again
-            fd = os.open(
-                partial, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC), 0o600
-            )
-            with (
-                os.fdopen(fd, "wb") as fh,
-                click.progressbar(length=size or 0, label=label, file=sys.stderr) as bar,
-            ):
-                bar.update(have)
-                while chunk := resp.read(1 << 20):
-                    fh.write(chunk)
-                    bar.update(len(chunk))
-                fh.flush()
-                os.fsync(fh.fileno())
-    except (urllib.error.URLError, OSError) as exc:
-        here = partial.stat().st_size if partial.exists() else 0
-        raise KvchatError(
-            f"download of {label} stopped ({getattr(exc, 'reason', None) or exc}); "
-            f"{fmt_bytes(here)} are here: run the same pull again to go on from there"
-        ) from None
-    if size and partial.stat().st_size != size:
-        raise KvchatError(
-            f"download of {label} ended short ({fmt_bytes(partial.stat().st_size)} of "
-            f"{fmt_bytes(size)}): run the same pull again to go on from there"
-        )
-
-
 @models_group.command("pull")
 @click.argument("name", required=False)
 @click.option("--repo", help="Hugging Face repo id, e.g. bartowski/Qwen2.5-3B-Instruct-GGUF.")
 @click.option("--file", "filename", help="GGUF file in that repo.")
-def pull_cmd(name: str | None, repo: str | None, filename: str | None) -> None:
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Take the file even when the hub publishes no sha256 for it (or its API fails): "
+    "kvchat then prints the file's sha256 for you to check.",
+)
+def pull_cmd(name: str | None, repo: str | None, filename: str | None, no_verify: bool) -> None:
     """Download catalog model NAME (or --repo R --file F) into the models dir."""
-    pull_model(name, repo, filename)
+    pull_model(name, repo, filename, verify=not no_verify)
