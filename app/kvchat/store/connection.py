@@ -99,14 +99,22 @@ class SqlBase:
     _closed: bool = False
     # Set once the check that gates writes is done (a big file's runs in the background).
     _checked: threading.Event | None = None
+    # Whether that check passed (False: it still runs, or it stopped without a verdict).
+    _verified: bool = True
 
     def _refuse_if_damaged(self) -> None:
         """Raise :class:`DamagedDatabase` when a check found the file damaged (waiting for
-        the check that gates writes, when it still runs)."""
+        the check that gates writes, when it still runs: a big file's full check, in the
+        background). A check that stopped without a verdict (the store is closing) lets no
+        write through either."""
         if self._checked is not None:
             self._checked.wait()
         if self._damage is not None:
             raise DamagedDatabase(damaged_message(self.path, self._damage))
+        if not self._verified:
+            raise KvchatError(
+                f"the database {self.path} is closing before its check ended; nothing was written"
+            )
 
     def _found_damage(self, detail: str) -> DamagedDatabase:
         """Record damage (no more writes) and return the error that says so."""

@@ -34,9 +34,32 @@ from kvchat.store.versions_sql import VersionsSql
 __all__ = ["DamagedDatabase", "Store", "StoreFull", "damaged_message", "now"]
 
 # A file up to this size (with its WAL) gets SQLite's full integrity_check before it is
-# opened for writing (tens of ms); a bigger one a quick_check then, and the full check in
-# the background, which stops every write when it fails.
+# opened for writing (tens of ms). A bigger one opens after the check of the tables in
+# OPEN_CHECK_TABLES (what `kvchat list` and the first paint read) and gets the full check in
+# the background; every write waits for that check's verdict (a damaged index is only seen
+# by the full check: quick_check does not compare an index with its table), and a failed
+# one stops every write.
 FULL_CHECK_AT_OPEN_BYTES = 16 << 20
+# The tables (with their indexes) a big file's open checks in full before it is used: the
+# session list. ~1 ms per 1,000 sessions; the messages (most of the file) are checked in
+# the background. Needs SQLite 3.33 (integrity_check of one table); older: background only.
+OPEN_CHECK_TABLES: tuple[str, ...] = ("sessions",)
+# And the messages' index, read alone (not the table), against what each session row
+# records (its count and last id, kept by triggers): a damaged entry names another session
+# or leaves one short. ~30 ms at 200,000 messages. When they disagree, the full check runs
+# at open and decides (a count that is wrong on a sound file is not damage).
+_MESSAGE_INDEX_AGREES = """
+    SELECT count(*), coalesce(sum(bad), 0), coalesce(sum(n), 0),
+           (SELECT total(n_messages) FROM sessions)
+    FROM (
+        SELECT m.n AS n,
+               (s.id IS NULL OR s.n_messages != m.n OR s.last_message_id != m.last) AS bad
+        FROM (
+            SELECT session_id, count(*) AS n, max(id) AS last
+            FROM messages INDEXED BY idx_messages_session_id_id GROUP BY session_id
+        ) AS m LEFT JOIN sessions AS s ON s.id = m.session_id
+    )
+"""
 # How many SQLite steps a background check runs between looks at whether to stop.
 CHECK_STEPS = 100_000
 
@@ -137,11 +160,12 @@ class Store(
     Opening checks the file on a read-only connection (SQLite's full ``integrity_check``
     for a file up to :data:`FULL_CHECK_AT_OPEN_BYTES`) and runs the migrations while
     holding an exclusive lock on ``<db>.lock``, so two processes opening a new home never
-    race. A bigger file (a history of thousands of conversations) opens at once: its
-    ``quick_check`` (which reads the whole file) and then the full check run in the
-    background, and every write waits for the quick check (before the migrations, when
-    some are due, it runs at open). A damaged file raises :class:`DamagedDatabase` and is
-    never written to: not even its WAL is checkpointed.
+    race. A bigger file (a history of thousands of conversations) opens after a check of
+    the session list's table and indexes only (:data:`OPEN_CHECK_TABLES`); its full check
+    runs in the background, and every write waits for that check's verdict (before the
+    migrations, when some are due, it runs at open). Reads do not wait. A damaged file
+    raises :class:`DamagedDatabase` and is never written to: not even its WAL is
+    checkpointed.
     """
 
     def __init__(self, path: Path, *, check: bool = True) -> None:
@@ -161,14 +185,19 @@ class Store(
                 created = [] if path.exists() else _create_database(path)
                 _keep_empty_aside(path)
                 if check and (self._small() or self._migrations_due()):
-                    background = not self._check_read_only()
+                    self._check_read_only()
                     self._checked.set()
                 elif check:
-                    background = True  # the quick check too: writes wait for it
+                    self._check_read_only(OPEN_CHECK_TABLES)
+                    if self._message_index_agrees():
+                        background = True  # the full check: writes wait for its verdict
+                    else:
+                        self._check_read_only()  # the full check decides, now
+                        self._checked.set()
                 else:
                     self._checked.set()
                 # Whether the file passed the check that gates writes (so closing may fold
-                # its WAL in): False until a background quick check says so.
+                # its WAL in): False until the background check says so.
                 self._verified = self._checked.is_set()
                 conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
                 self.conn = conn
@@ -216,41 +245,60 @@ class Store(
             return True
         return any(migration.__name__ not in done for migration in MIGRATIONS)
 
-    def _check_read_only(self) -> bool:
-        """Check the file before it is opened for writing; True when the check was the full
-        one. Raises DamagedDatabase (the file and its WAL untouched) when it fails."""
-        full = self._small()
+    def _check_read_only(self, tables: tuple[str, ...] | None = None) -> None:
+        """Check the file before it is opened for writing: SQLite's full integrity check,
+        or (``tables``) that of those tables and their indexes only. Raises DamagedDatabase
+        (the file and its WAL untouched) when it fails."""
+        if tables is None:
+            pragmas = ["integrity_check(5)"]
+        elif sqlite3.sqlite_version_info >= (3, 33):
+            pragmas = [f"integrity_check({table})" for table in tables]
+        else:  # integrity_check(N) would read a table's name as N: the whole file
+            return
+        result = ["ok"]
         conn = check_connection(self.path)
         try:
-            pragma = "integrity_check(5)" if full else "quick_check(5)"
-            result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+            for pragma in pragmas:
+                result = [row[0] for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+                if result != ["ok"]:
+                    break
         except UnicodeDecodeError:  # SQLite's message quotes damaged bytes
             result = ["SQLite's report of the damage is not even text"]
         finally:
             conn.close()
         if result != ["ok"]:
             raise DamagedDatabase(damaged_message(self.path, "; ".join(map(str, result[:3]))))
-        return full
+
+    def _message_index_agrees(self) -> bool:
+        """Whether the messages' index agrees with the counts the session rows record (True
+        also where it cannot tell: the full check in the background decides then)."""
+        conn = check_connection(self.path)
+        try:
+            _, bad, indexed, recorded = conn.execute(_MESSAGE_INDEX_AGREES).fetchone()
+        except sqlite3.OperationalError as exc:
+            return "no such" in str(exc)  # an older schema; "malformed": check it all now
+        except (sqlite3.DatabaseError, UnicodeDecodeError):
+            return False
+        finally:
+            conn.close()
+        return bad == 0 and indexed == recorded
 
     def _background_check(self) -> None:
-        """The checks of a big file, on a read-only connection (a background thread): first
-        ``quick_check`` when it did not run at open (writes wait for it), then the full
-        ``integrity_check``. Damage either finds (the full one also sees an index that
-        disagrees with its table) stops every later write."""
+        """The full ``integrity_check`` of a big file, on a read-only connection (a
+        background thread). Writes wait for its verdict: ``quick_check`` alone would let
+        them into a file whose index disagrees with its table (it does not compare them),
+        and a write through such an index lands where a read cannot find it. Damage stops
+        every later write."""
         try:
-            if not self._checked.is_set():
-                try:
-                    if not self._pragma_ok("quick_check(5)"):
-                        return
-                    self._verified = True
-                finally:
-                    self._checked.set()  # writes go on, or are refused for the damage
-            self._pragma_ok("integrity_check(5)")
+            if self._pragma_ok("integrity_check(5)"):
+                self._verified = True
         except sqlite3.DatabaseError as exc:
             if "interrupt" not in str(exc):
                 self._found_damage(str(exc))
         except UnicodeDecodeError:
             self._found_damage("SQLite's report of the damage is not even text")
+        finally:
+            self._checked.set()  # writes go on, or are refused for the damage
 
     def _pragma_ok(self, pragma: str) -> bool:
         """Run a check pragma on a read-only connection; False (damage recorded) if it fails."""
