@@ -4,7 +4,9 @@ real `huggingface_hub` client talks to it through ``HF_ENDPOINT``.
 It serves ``/{repo}/resolve/{revision}/{file}`` (HEAD and GET with ``Range``: resumable),
 ``/api/models/{repo}/paths-info/{revision}`` and ``/api/models/{repo}`` (the LFS sha256 and
 size kvchat checks). It can send the first download slowly, so that a test can stop the
-client mid-file, and it can publish a wrong sha256 or a size no disk has.
+client mid-file, and it can publish a wrong sha256 or a size no disk has, publish no
+sha256 at all, answer its API with an error, or redirect downloads to another server (a CDN
+on another origin), noting the ``Authorization`` header every request carried.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ class HubServer:
         self.slow_first_get = 0
         # (method, path, Range header) of every request.
         self.requests: list[tuple[str, str, str | None]] = []
+        # (method, path, Authorization header) of every request.
+        self.authorizations: list[tuple[str, str, str | None]] = []
+        self.no_sha256 = False
+        # An HTTP status the API answers with instead of the metadata (0: none).
+        self.api_error = 0
+        # Downloads answer 302 to this base URL + the same path (None: served here).
+        self.redirect_to: str | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -49,6 +58,17 @@ class HubServer:
 
             def _note(self) -> None:
                 hub.requests.append((self.command, self.path, self.headers.get("Range")))
+                auth = self.headers.get("Authorization")
+                hub.authorizations.append((self.command, self.path, auth))
+
+            def _redirected(self) -> bool:
+                if hub.redirect_to is None or "/resolve/" not in self.path:
+                    return False
+                self.send_response(302)
+                self.send_header("Location", hub.redirect_to + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
 
             def _file(self) -> bytes | None:
                 match = _RESOLVE.match(self.path.split("?")[0])
@@ -63,6 +83,8 @@ class HubServer:
 
             def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
                 self._note()
+                if self._redirected():
+                    return
                 data = self._file()
                 if data is None:
                     self.send_error(404)
@@ -76,6 +98,8 @@ class HubServer:
                 self._note()
                 if self.path.startswith("/api/models/"):
                     self._api()
+                    return
+                if self._redirected():
                     return
                 data = self._file()
                 if data is None:
@@ -109,6 +133,9 @@ class HubServer:
                 self._api()
 
             def _api(self) -> None:
+                if hub.api_error:
+                    self.send_error(hub.api_error)
+                    return
                 match = re.match(r"^/api/models/(?P<repo>[^/]+/[^/]+)", self.path)
                 repo = match["repo"] if match else ""
                 items = []
@@ -118,6 +145,8 @@ class HubServer:
                     sha = "0" * 64 if hub.wrong_sha256 else hashlib.sha256(data).hexdigest()
                     size = hub.claimed_size or len(data)
                     lfs = {"oid": sha, "sha256": sha, "size": size, "pointerSize": 130}
+                    if hub.no_sha256:
+                        lfs = None
                     items.append(
                         {
                             "type": "file",

@@ -293,6 +293,9 @@ def download(
             resp = _opener(watch).open(urllib.request.Request(url, headers=wanted), timeout=STALL_S)
         finally:
             timer.cancel()
+        if watch.expired:  # the sockets were shut mid-headers: what came is not an answer
+            resp.close()
+            raise TimeoutError
         with resp:
             have = _resumed_at(resp, have, label)
             limit = (size - have) if size else (room if room is not None else None)
