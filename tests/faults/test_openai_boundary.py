@@ -504,6 +504,10 @@ def test_a_slow_drip_that_never_makes_an_event_is_cut_off(
         pytest.param(b'data: {"error": {"message": "\\u001b[31mboom"}}\n\n', id="error event"),
         pytest.param(b'data: {"usage": {"prompt_tokens": NaN}}\n\n', id="NaN"),
         pytest.param(b"", id="cut off"),
+        pytest.param(
+            b'data: {"choices": [{"delta": {"reasoning_content": "late"}}]}\n\n',
+            id="reasoning after the answer",
+        ),
     ],
 )
 def test_a_reply_broken_off_mid_stream_is_stored_as_shown(

@@ -364,6 +364,7 @@ class OpenAIEngine(EngineDefaults):
         ended = False
         pieces = empty = 0
         after = ""
+        answered = False
         try:
             try:
                 for event in stream:
@@ -391,6 +392,11 @@ class OpenAIEngine(EngineDefaults):
                                 f"more than max_tokens ({params.max_tokens:,}) pieces of text: "
                                 "kvchat stopped reading"
                             )
+                    if read.reasoning and answered:
+                        # Shown after the answer it would be neither stored nor shown as
+                        # reasoning: the reply ends at the answer so far.
+                        raise self.client.sent("reasoning after the answer had begun")
+                    answered = answered or bool(read.content)
                     if read.finish_reason and finished is None:
                         finished = read.finish_reason
                         stream.finished()  # only the figures may still come
