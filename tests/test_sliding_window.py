@@ -177,6 +177,37 @@ def test_the_floor_is_what_the_ring_still_holds(family: str, tiny: Callable[[str
         fresh.close()
 
 
+@pytest.mark.unprobed_repack  # tiny F16 weights: repacking them crashes nothing
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+def test_with_repacking_on_a_cut_back_is_exact_on_any_cpu(
+    family: str, tiny: Callable[[str], Path]
+) -> None:
+    """Weight repacking set on (the setting; "auto" never repacks on an AMX CPU). On an AMX
+    CPU llama.cpp's repacked kernels give other KV for other batch cuts and other ring
+    layouts (measured: a cut at the floor differed from a full prefill in 2-58 bytes, and
+    the tiny Gemma 3's 64-token greedy reply differed), so there batches are cut on the AMX
+    tiles' 16 rows and a wrapped ring is never cut: a window checkpoint is loaded instead.
+    Either way the cut-back context holds a full prefill's bytes."""
+    from kvchat.engine.probe import has_amx
+
+    path = tiny(family)
+    engine, fresh = open_engine(path, repack=True), open_engine(path, repack=True)
+    try:
+        assert engine.ring_cuts_exact is not has_amx()
+        assert engine.batch_align == (16 if has_amx() else 1)
+        engine.prefill(TOKENS[:300])  # a window checkpoint where a regenerate starts
+        engine.prefill(TOKENS[:600])
+        for cut in (377, 330):  # at the floor (375) + 2; below it
+            engine.prefill(TOKENS[:cut])
+            fresh.clear()
+            fresh.prefill(TOKENS[:cut])
+            assert state(engine) == state(fresh), cut
+            assert greedy(engine) == greedy(fresh)
+    finally:
+        engine.close()
+        fresh.close()
+
+
 def greedy(engine: Any) -> str:
     """16 greedy tokens from the context, then the context as it was."""
     n = engine.n_tokens

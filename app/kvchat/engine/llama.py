@@ -56,6 +56,8 @@ PREFILL_SLICE = 128
 # batches stay below it (see LlamaEngine.prefill_slice), so a resumed turn's KV is what a
 # full prefill's is.
 FA_TILE_ROWS = 64
+# Rows of the tiles of llama.cpp's AMX kernels (weight repacking on an AMX CPU).
+AMX_ROWS = 16
 # The smallest batch decoded (see LlamaEngine.prefill).
 MIN_BATCH = 2
 # Thread counts are measured again after a slow reply at most this often.
@@ -144,6 +146,13 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self.recurrent = bool(
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         )
+        # Whether a cut inside a sliding-window ring that has wrapped leaves the KV a full
+        # prefill would have. Not with weight repacking on an AMX CPU (llama.cpp's extra
+        # buffer types there): measured on the tiny Gemma 3, Gemma 2 and gpt-oss models, a cut
+        # at the floor differed from a full prefill in 2-58 bytes and Gemma 3's 64-token greedy
+        # reply differed, while a loaded window checkpoint or a decode from the start were
+        # exact. There the ring is never cut: see window_floor.
+        self.ring_cuts_exact = not (config.repack and _has_amx())
         self._spec: KvSpec | None = None
         self._spec_problem: str | None = None
         self._read_spec()
@@ -154,7 +163,8 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._init_markup(self._vocab)
         self.prefill_slice = PREFILL_SLICE
         if self._one_chunk_attention():
-            self.prefill_slice = FA_TILE_ROWS - 4  # a multiple of 4 (see _cuts); the tail ≤ 61
+            # A multiple of the batch alignment (see _cuts), below the tile.
+            self.prefill_slice = FA_TILE_ROWS - max(4, self.batch_align)
         # Thread counts re-measured after a slow reply (see _watch_speed): when, how often.
         self._rechecked_at = -RECHECK_EVERY_S
         self.slowdowns = 0
@@ -215,6 +225,12 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._spec, self._spec_problem, self.batch_align = reading
         if not self.config.repack:
             self.batch_align = 1  # weights in their file layout: no four-row kernels
+        elif _has_amx():
+            # llama.cpp's AMX buffer type computes in 16-row tiles: with batches cut on other
+            # rows a resumed turn's KV differed from a full prefill's (measured on the tiny
+            # Gemma 3 with a window checkpoint loaded at 298 and 79 tokens decoded; exact
+            # with cuts on multiples of 16).
+            self.batch_align = max(self.batch_align, AMX_ROWS)
 
     def kv_spec(self) -> KvSpec | None:
         """What the seq state must hold per layer (for the chunk parser), or None."""
@@ -317,6 +333,8 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         if not self.interleaved or not self.n_tokens:
             return 0
         low = self._window_low()
+        if low > 0 and not self.ring_cuts_exact:
+            return self.n_tokens  # a cut loads a window checkpoint or decodes from the start
         return low + self.n_swa - 1 if low > 0 else 0
 
     def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
@@ -709,6 +727,12 @@ def weight_repack(enabled: bool) -> Iterator[None]:
             yield
         finally:
             module.llama_model_default_params = defaults
+
+
+def _has_amx() -> bool:
+    from kvchat.engine.probe import has_amx
+
+    return has_amx()
 
 
 def _cuts(start: int, end: int, marks: set[int], size: int) -> list[tuple[int, int]]:

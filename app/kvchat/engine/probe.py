@@ -60,6 +60,11 @@ COLLAPSE_MIN_TOKENS = 16
 # The CPU flags that decide which kernels llama.cpp runs (part of the probe's key).
 _CPU_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse", "ssse", "bmi", "vnni", "sve", "asimd")
 AMX_ISSUE = "llama.cpp #20824"
+# Why "auto" never runs weight repacking on an AMX CPU (the setting "on" still does).
+AMX_NOT_RUN = (
+    "not run on this CPU (AMX): its repacked kernels crash llama.cpp in virtual machines, "
+    "and where they run a resumed turn's KV differs from a full prefill's"
+)
 
 RepackSetting = Literal["auto", "on", "off"]
 
@@ -159,6 +164,8 @@ class ProbeOutcome:
             return None
         crash = self.failures[0].split(": ", 1)[-1] if self.failures else "it crashed"
         amx = self.amx and self.changes[0] == "weight repacking off"
+        if amx and crash == AMX_NOT_RUN:
+            return f"weight repacking off: {AMX_NOT_RUN}; see {AMX_ISSUE}"
         where = "this CPU (AMX)" if amx else "this machine"
         line = f"{', '.join(self.changes)}: llama.cpp crashed with the faster settings on {where}"
         line += f" ({crash} in a test run)"
@@ -516,14 +523,21 @@ def run_probe(
     facts = machine_facts(config.model_path)
     key = probe_key(facts, wanted)
     trials = wanted.fallbacks(repack_fixed, gpu=bool(facts["gpu_offload"]))
+    amx = has_amx(set(facts["cpu"]))
     failures: list[str] = []
     if book is not None:
         book.withdraw_crashed()
         known = book.get(key)
-        if known is not None and not known.withdrawn:
+        amx_repacked = known is not None and known.trial.repack and amx and not repack_fixed
+        if known is not None and not known.withdrawn and not amx_repacked:
             return ProbeOutcome.from_record(known)
-        if known is not None:
+        if known is not None and known.withdrawn:
             trials, failures = _after_crash_in_use(known, wanted, trials)
+    if trials[0].repack and amx and not repack_fixed:
+        # Not even tried: on an AMX CPU repacked weights crash llama.cpp (in virtual
+        # machines) or, where they run, give a resumed turn other KV than a full prefill.
+        failures = [*failures, f"{_label(trials[0], wanted)}: {AMX_NOT_RUN}"]
+        trials = trials[1:]
     started = time.perf_counter()
     counts = thread_candidates(physical, os.cpu_count())
     judgement = _Judgement(
