@@ -84,7 +84,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 PROBE_FILE_ENV = "KVCHAT_PROBE_FILE"
 # A test-only defect a run plants on purpose (kvchat.kvcache.defects) reaches every process.
 PLANT_ENV = "KVCHAT_PLANT_DEFECT"
-KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV)
+# A llama-server binary named by hand (kvchat.engine.server_build.BINARY_ENV): the machine's,
+# like the probe file, so the `kvchat server start` of a test finds it too.
+SERVER_BINARY_ENV = "KVCHAT_LLAMA_SERVER"
+KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -169,11 +172,12 @@ def own_probe_file(shared_probe: Path, tmp_path: Path, monkeypatch: pytest.Monke
 
 def clean_env() -> dict[str, str]:
     """This process's environment without kvchat's settings (``KVCHAT_*``), for a `kvchat`
-    process of a test; the run's shared engine-probe file stays."""
+    process of a test; the run's shared engine-probe file and a llama-server binary named
+    by hand stay."""
     return {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("KVCHAT_") or k in (PROBE_FILE_ENV, PLANT_ENV)
+        if not k.startswith("KVCHAT_") or k in (PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV)
     }
 
 

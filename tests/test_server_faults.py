@@ -471,3 +471,12 @@ def test_the_supervisor_restarts_a_dead_server_and_names_the_file_it_died_restor
     # The session goes on from its slot file on the restarted server.
     report = ask(home, supervised.url, "--session", session, "What is my name?").json
     assert report["restore"]["from"] == "server", report["restore"]
+
+
+def test_a_binary_named_by_hand_reaches_the_kvchat_processes_of_tests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """11cd244: with the binary from KVCHAT_LLAMA_SERVER, the fixtures' `kvchat server start`
+    said "no llama-server binary": the tests' clean environment dropped the variable."""
+    monkeypatch.setenv("KVCHAT_LLAMA_SERVER", "/opt/llama/llama-server")
+    assert clean_env()["KVCHAT_LLAMA_SERVER"] == "/opt/llama/llama-server"
