@@ -127,7 +127,7 @@ class Settings(BaseSettings):
     repack: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="llama.cpp's weight repacking (AMX/AVX-512 kernels); auto: on unless the "
-        "engine probe saw llama.cpp crash with it on this machine",
+        "engine probe saw llama.cpp crash with it on this machine, and off on an AMX CPU",
     )
     probe_timeout_s: float = Field(
         default=120.0,
