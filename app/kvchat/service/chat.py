@@ -48,6 +48,7 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.session_index import SessionReader
+from kvchat.service.streaming import SaveTrouble
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
     Message,
@@ -162,6 +163,16 @@ class ChatService(SessionReader):
     @prefill_progress.setter
     def prefill_progress(self, hook: PrefillProgress | None) -> None:
         self.turns.prefill_progress = hook
+
+    @property
+    def save_trouble(self) -> SaveTrouble | None:
+        """A hook told that a streaming reply is not being saved, one line (None: it is
+        again); called on the thread running the turn (see StreamSaver)."""
+        return self.turns.save_trouble
+
+    @save_trouble.setter
+    def save_trouble(self, hook: SaveTrouble | None) -> None:
+        self.turns.save_trouble = hook
 
     @property
     def defer_housekeeping(self) -> bool:

@@ -21,7 +21,13 @@ from kvchat.service.checks import os_error_line
 from kvchat.service.context_window import fit_window, plan_shift, reply_reserve, system_head
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
-from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, as_written, split_reasoning
+from kvchat.service.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningStyle,
+    as_written,
+    split_reasoning,
+)
 from kvchat.service.reports import (
     MessageRefused,
     TokenCallback,
@@ -32,7 +38,13 @@ from kvchat.service.reports import (
     generation_params,
     session_think,
 )
-from kvchat.service.streaming import STREAM_SAVE_EVERY_S, StreamSaver, stream_reply
+from kvchat.service.streaming import (
+    SAVE_TROUBLE_AFTER_S,
+    STREAM_SAVE_EVERY_S,
+    SaveTrouble,
+    StreamSaver,
+    stream_reply,
+)
 from kvchat.service.turn_lock import turn_lock
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import Message, Session, Store
@@ -89,6 +101,10 @@ class TurnPipeline:
         # between the prefill's batches (a long paste can take minutes; a UI shows how far
         # it is).
         self.prefill_progress: PrefillProgress | None = None
+        # A caller's hook told, on the engine thread, that a streaming reply is not being
+        # saved (one line, after save_trouble_after_s of failed saves), or is again (None).
+        self.save_trouble: SaveTrouble | None = None
+        self.save_trouble_after_s = SAVE_TROUBLE_AFTER_S
 
     # --- what a turn starts from ----------------------------------------------------------
 
@@ -377,11 +393,7 @@ class TurnPipeline:
         )
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.
-        saver = (
-            StreamSaver(self.store, session_id, self.stream_save_every_s, style)
-            if replaces is None
-            else None
-        )
+        saver = self._saver(session_id, style) if replaces is None else None
         written = stream_reply(
             engine, read.prefill, params, stats, options.cancel, options.on_token, saver
         )
@@ -426,11 +438,7 @@ class TurnPipeline:
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
         chat = self.head(session) + [m.as_chat() for m in history]
         restore = self.host.tiers.make_hot(session_id)
-        saver = (
-            StreamSaver(self.store, session_id, self.stream_save_every_s, self.host.reasoning_style)
-            if replaces is None
-            else None
-        )
+        saver = self._saver(session_id, self.host.reasoning_style) if replaces is None else None
         reasoning: list[str] = []
         answer: list[str] = []
         pieces: list[str] = []  # as the caller's stream sees them
@@ -502,6 +510,17 @@ class TurnPipeline:
         tiers.mark_dirty()
         return PromptRead(restore, prefill, shifted)
 
+    def _saver(self, session_id: str, style: ReasoningStyle) -> StreamSaver:
+        """What keeps a new reply stored as it streams (see StreamSaver)."""
+        return StreamSaver(
+            self.store,
+            session_id,
+            self.stream_save_every_s,
+            style,
+            on_trouble=self.save_trouble,
+            trouble_after_s=self.save_trouble_after_s,
+        )
+
     def _store_reply(
         self,
         report: TurnReport,
@@ -562,6 +581,9 @@ class TurnPipeline:
                 )
         else:
             report.message_id = message.id
+            if saver is not None and saver.trouble is not None:
+                saver.trouble = None  # the reply is stored whole: nothing is missing now
+                saver.tell(None)
 
     def _finish(
         self, report: TurnReport, session: Session, prompt: list[int], dropped: int = 0

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvchat.errors import KvchatError
-from kvchat.store.connection import SqlBase, now
+from kvchat.store.connection import SqlBase, _translate, now
 from kvchat.store.rows import Message, MessageWindow, SearchHit
 from kvchat.store.sessions_sql import (
     TRUE_ID,
@@ -71,7 +73,43 @@ class MessagesSql(SqlBase):
             conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
             message_id = cursor.lastrowid
         assert message_id is not None
-        return self.get_message(message_id)
+        # Built from what was written, not read back: once the commit returned, nothing may
+        # fail (a caller that saw an error would write the message again, as a second row).
+        return Message(
+            id=message_id,
+            session_id=session_id,
+            role=role,
+            content=content,
+            created=stamp,
+            token_count=token_count or 0,
+            partial=bool(partial),
+            finish_reason=finish_reason,
+            reasoning=reasoning or "",
+        )
+
+    @contextmanager
+    def waiting_at_most(self, seconds: float) -> Iterator[None]:
+        """Writes in the block wait at most ``seconds`` for another connection's write lock
+        (not the connection's usual 30 s), and none waits for a big file's background check:
+        they raise KvchatError at once instead. For a reply saved as it streams, whose save
+        is tried again a moment later: a database held by another process must not hold up
+        the reply (the engine thread saves it between tokens)."""
+        with self._lock:
+            if self._checked is not None and not self._checked.is_set():
+                raise KvchatError(
+                    f"the database {self.path} is still being checked (a big file's integrity "
+                    "check runs in the background); writes wait for its verdict"
+                )
+            conn = self._open_conn()
+            try:
+                (before,) = conn.execute("PRAGMA busy_timeout").fetchone()
+                conn.execute(f"PRAGMA busy_timeout={max(0, int(seconds * 1000))}")
+            except sqlite3.DatabaseError as exc:
+                raise _translate(self.path, exc) from None
+            try:
+                yield
+            finally:
+                conn.execute(f"PRAGMA busy_timeout={int(before)}")
 
     def get_message(self, message_id: int) -> Message:
         rows = self._rows("SELECT * FROM messages WHERE id=?", (message_id,))

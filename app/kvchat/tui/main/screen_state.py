@@ -50,6 +50,9 @@ class ActiveTurn:
     thought_started: float | None = None
     thought_seconds: float | None = None
     answer_seen: bool = False
+    # From the engine thread: why the streaming reply is not being saved now (one line), or
+    # None (see kvchat.service.streaming.StreamSaver).
+    save_trouble: str | None = None
 
 
 @dataclass

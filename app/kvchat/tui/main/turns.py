@@ -256,11 +256,16 @@ class TurnRunner:
         def read(done: int, total: int, seconds: float) -> None:
             turn.progress = (done, total, seconds)  # one assignment: drawn by flush
 
+        def trouble(line: str | None) -> None:
+            turn.save_trouble = line  # one assignment: drawn by flush
+
         service.prefill_progress = read
+        service.save_trouble = trouble
         try:
             return self._engine_turn_run(turn, on_token, cancel)
         finally:
             service.prefill_progress = None
+            service.save_trouble = None
 
     def _engine_turn_run(
         self, turn: ActiveTurn, on_token: Callable[[str], None], cancel: Callable[[], bool]
@@ -303,7 +308,10 @@ class TurnRunner:
                 what = f"thinking… · {turn.thought_tokens:,} tokens"
             else:
                 what = f"generating · {turn.pieces:,} tokens"
-            self.status.set_turn(f"{what}  (Esc stops)", "busy")
+            if turn.save_trouble is not None:  # the database refuses: said, the reply goes on
+                self.status.set_turn(f"{what} · {turn.save_trouble}", "warning")
+            else:
+                self.status.set_turn(f"{what}  (Esc stops)", "busy")
         if answer:
             await turn.view.write(answer)
 
