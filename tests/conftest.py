@@ -128,6 +128,29 @@ def models_load_only_as_probed(shared_probe: Path) -> Any:
     llama_cpp.Llama.__init__ = original  # type: ignore[method-assign]
 
 
+@pytest.fixture(autouse=True)
+def unit_tests_start_nothing(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guard: a test that is not ``e2e`` starts no process and loads no model (those are
+    what make a test slow; the unit tests alone run in seconds). A test that must is marked
+    ``e2e`` (or listed in E2E_MODULES / E2E_TESTS)."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    import subprocess
+
+    name = request.node.nodeid
+
+    def refused(what: str) -> Callable[..., Any]:
+        def fail(*_args: Any, **_kwargs: Any) -> Any:
+            pytest.fail(f"{name} is a unit test but {what}: mark it e2e")
+
+        return fail
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refused("started a process"))
+    monkeypatch.setattr("kvchat.engine.llama.LlamaEngine.__init__", refused("loaded a model"))
+
+
 # Set while a test marked ``unprobed_repack`` runs (one that loads tiny F16 models with
 # repacking on, which crashes nothing: see test_sliding_window).
 UNPROBED_REPACK: list[str] = []

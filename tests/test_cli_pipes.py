@@ -11,6 +11,9 @@ import pytest
 
 from tests.conftest import REPO, clean_env
 
+# End-to-end: each test runs a `kvchat` process.
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("args", [["doctor"], ["models", "list"], ["config"]], ids=" ".join)
 def test_a_reader_that_stops_early_ends_kvchat_quietly(kvhome: Path, args) -> None:

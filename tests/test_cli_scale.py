@@ -13,6 +13,9 @@ import pytest
 from kvchat.bench.export_gen import write_chatgpt_export
 from tests.conftest import REPO, CliResult, clean_env, run_cli
 
+# End-to-end: the commands run as `kvchat` processes.
+pytestmark = pytest.mark.e2e
+
 SESSIONS = 1000
 
 

@@ -244,6 +244,7 @@ def test_ask_with_a_catalog_model_that_is_not_pulled(home: Path, cli) -> None:
 # --------------------------------------------------------------------------- shown and applied
 
 
+@pytest.mark.e2e
 def test_config_command_shows_values_and_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(defaults, "gpu_offload_supported", lambda: True)
     monkeypatch.setenv("KVCHAT_VRAM", "6GiB")

@@ -12,6 +12,9 @@ import pytest
 
 from tests.conftest import FAST, REPO, clean_env, run_cli
 
+# End-to-end: the first run is tried through `kvchat` processes.
+pytestmark = pytest.mark.e2e
+
 
 def _env(home: Path) -> dict[str, str]:
     env = clean_env()

@@ -259,6 +259,7 @@ def test_a_gpu_out_of_memory_retries_with_less_context_then_fewer_layers():
     assert retry_plan(_gpu_choice(), replace(config, n_gpu_layers=0), oom) is None
 
 
+@pytest.mark.e2e
 def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monkeypatch):
     """An engine that fails as a GPU that is out of memory does, until the plan is small
     enough; then the real engine on the CPU (this build has no GPU)."""

@@ -18,6 +18,9 @@ import pytest
 from tests.conftest import REPO, clean_env, run_cli
 from tests.hub_server import HubServer
 
+# End-to-end: a local hub server and `kvchat models pull` processes.
+pytestmark = pytest.mark.e2e
+
 REPO_ID, FILE = "acme/tiny-GGUF", "tiny.gguf"
 DATA = b"GGUF" + hashlib.sha256(b"kvchat").digest() * 60_000  # ~1.9 MB
 

@@ -40,6 +40,9 @@ from kvchat.kvcache.server_tiers import slot_file_name
 from tests.conftest import REPO, clean_env
 from tests.test_server import Server, _free_port, ask
 
+# End-to-end: a real llama-server.
+pytestmark = pytest.mark.e2e
+
 # --- helpers ------------------------------------------------------------------------------
 
 
@@ -150,6 +153,11 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
             proc.kill()
             proc.wait()
     assert not entry_path(port).exists()  # the supervisor unregistered its server
+
+
+# A hand-started server here is found and its slot files checksummed (issue 37): these
+# tests play a remote one, whose directory kvchat cannot read.
+REMOTE = {"KVCHAT_SERVER_SLOT_DIR": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -309,13 +317,13 @@ def test_a_file_whose_restore_took_the_server_down_is_never_restored_again(
     remote: Server, tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
-    session = ask(home, remote.url, "--new", "Hi, I am Bob.").json["session"]
+    session = ask(home, remote.url, "--new", "Hi, I am Bob.", **REMOTE).json["session"]
     row = _row(home)
     assert row["checksum"] is None and row["quarantined"] is None  # remote: nothing to read
     path = remote.plan.slot_dir / row["filename"]
     path.write_bytes(path.read_bytes()[:-1000])  # llama.cpp aborts restoring this
 
-    crashed = ask(home, remote.url, "--session", session, "What is my name?", check=False)
+    crashed = ask(home, remote.url, "--session", session, "What is my name?", check=False, **REMOTE)
     assert crashed.returncode == 2, crashed.stderr
     assert crashed.stderr.count("\n") == 1 and "Traceback" not in crashed.stderr
     assert "your message is saved" in crashed.stderr
@@ -323,14 +331,17 @@ def test_a_file_whose_restore_took_the_server_down_is_never_restored_again(
     assert "broke the server's connection" in (_row(home)["quarantined"] or "")
 
     remote.restart()
-    report = ask(home, remote.url, "--session", session, "And yours?").json
+    report = ask(home, remote.url, "--session", session, "And yours?", **REMOTE).json
     assert report["restore"]["from"] == "none"
     assert "quarantined" in report["restore"]["reason"], report["restore"]
     assert report["tokens"]["decoded"] == report["tokens"]["prompt"]
     assert remote.proc is not None and remote.proc.poll() is None  # not handed over: still up
     # The turn saved a fresh file: that one restores.
     assert _row(home)["quarantined"] is None
-    assert ask(home, remote.url, "--session", session, "Bye.").json["restore"]["from"] == "server"
+    assert (
+        ask(home, remote.url, "--session", session, "Bye.", **REMOTE).json["restore"]["from"]
+        == "server"
+    )
 
 
 def test_a_remote_file_swapped_for_another_that_loads_is_quarantined(
@@ -339,14 +350,16 @@ def test_a_remote_file_swapped_for_another_that_loads_is_quarantined(
     """Another session's file in its place: the server loads it, but reads back another
     number of bytes than it wrote under this name."""
     home = tmp_path / "home"
-    longer = ask(home, remote.url, "--new", "Hi, I am Cy. Tell me about cats.").json["session"]
-    ask(home, remote.url, "--session", longer, "And dogs?")
-    session = ask(home, remote.url, "--new", "Hi.").json["session"]
+    longer = ask(home, remote.url, "--new", "Hi, I am Cy. Tell me about cats.", **REMOTE).json[
+        "session"
+    ]
+    ask(home, remote.url, "--session", longer, "And dogs?", **REMOTE)
+    session = ask(home, remote.url, "--new", "Hi.", **REMOTE).json["session"]
     rows = _rows(home)
     assert rows[longer]["n_bytes"] != rows[session]["n_bytes"]
     path = remote.plan.slot_dir / rows[session]["filename"]
     path.write_bytes((remote.plan.slot_dir / rows[longer]["filename"]).read_bytes())
-    report = ask(home, remote.url, "--session", session, "What is my name?").json
+    report = ask(home, remote.url, "--session", session, "What is my name?", **REMOTE).json
     assert report["restore"]["from"] == "none"
     reason = report["restore"]["reason"]
     assert f"of the {rows[session]['n_bytes']:,} it saved (quarantined)" in reason, reason

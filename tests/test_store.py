@@ -195,6 +195,7 @@ def test_reply_versions_keep_every_reply_and_the_row_holds_the_current_one(tmp_p
     store.close()
 
 
+@pytest.mark.e2e
 def test_forks_and_edits_record_their_parent_and_delete_reparents(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ):

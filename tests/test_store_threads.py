@@ -13,6 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+# End-to-end: the race runs in a process of its own (a crash there is a segfault).
+pytestmark = pytest.mark.e2e
+
 RACE = textwrap.dedent(
     """
     import sys, threading, time

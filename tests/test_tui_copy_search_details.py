@@ -157,6 +157,7 @@ def _fake_bin(tmp_path: Path, **scripts: str) -> Path:
     return folder
 
 
+@pytest.mark.e2e
 def test_clipboard_route_without_tmux_or_when_tmux_passes_osc52(tmp_path: Path) -> None:
     assert choose_route({"PATH": str(tmp_path)}) == CopyRoute(osc52=True)
     # Inside tmux, but no tmux command to ask: OSC 52, and no failure.
@@ -167,6 +168,7 @@ def test_clipboard_route_without_tmux_or_when_tmux_passes_osc52(tmp_path: Path) 
     assert choose_route({"TMUX": "/tmp/x,1,0", "PATH": str(broken)}).osc52
 
 
+@pytest.mark.e2e
 def test_clipboard_falls_back_to_a_tool_under_tmux_external(tmp_path: Path) -> None:
     out = tmp_path / "clip.out"
     folder = _fake_bin(tmp_path, tmux="echo external", xclip=f'cat > "{out}"')
@@ -187,6 +189,7 @@ def test_clipboard_falls_back_to_a_tool_under_tmux_external(tmp_path: Path) -> N
     assert clipboard_command({"PATH": str(both)}) == (str(both / "pbcopy"),)
 
 
+@pytest.mark.e2e
 def test_clipboard_falls_back_to_a_private_file(tmp_path: Path) -> None:
     folder = _fake_bin(tmp_path, tmux="echo off", pbcopy="exit 3")  # a tool that fails
     route = choose_route({"TMUX": "/tmp/x,1,0", "PATH": str(folder)})
@@ -199,6 +202,7 @@ def test_clipboard_falls_back_to_a_private_file(tmp_path: Path) -> None:
     assert str(path) in outcome.note and "set -g set-clipboard on" in outcome.note
 
 
+@pytest.mark.e2e
 async def test_copy_under_tmux_external_writes_the_file_and_says_where(
     service: StandInService, tmp_path: Path, kvhome: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

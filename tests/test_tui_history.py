@@ -43,6 +43,9 @@ from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
 from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
 from tests.test_tui_branches import sidebar_lines
 
+# End-to-end: the app loads the model in the background.
+pytestmark = pytest.mark.e2e
+
 MANY = 1000
 FEW = 100
 

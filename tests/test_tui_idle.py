@@ -24,6 +24,9 @@ from kvchat.tui.main.watch import WATCH_S
 from tests.conftest import REPO
 from tests.test_tui import SIZE, make_settings, ready, wait_until
 
+# End-to-end: the app loads the model in the background.
+pytestmark = pytest.mark.e2e
+
 
 async def test_an_idle_app_draws_nothing_and_reads_one_row_per_look(
     kvhome: Path, monkeypatch: pytest.MonkeyPatch

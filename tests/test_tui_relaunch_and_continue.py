@@ -431,6 +431,7 @@ HEAVY = (
 )
 
 
+@pytest.mark.e2e
 def test_nothing_heavy_is_imported_with_the_app() -> None:
     """The first frame is drawn before the settings (pydantic), the service (llama.cpp),
     the catalog, the Markdown parser and Rich's Markdown (with Pygments) are imported: the

@@ -546,6 +546,7 @@ def test_a_server_that_does_not_stream_is_read_as_one_completion(
     assert outcome.report.reply == "Whole." and outcome.report.tokens.prompt == 9
 
 
+@pytest.mark.e2e
 def test_the_cli_says_one_line_for_a_hostile_model_list(
     hostile: HostileServer, kvhome: Path
 ) -> None:
