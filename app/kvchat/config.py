@@ -96,6 +96,13 @@ class Settings(BaseSettings):
         default=None,
         description="API key of that llama-server (its --api-key), sent as a bearer token",
     )
+    server_slot_dir: str | None = Field(
+        default=None,
+        description="that llama-server's slot directory (its --slot-save-path) where it is "
+        "readable here: kvchat checksums each slot file and checks it before a restore; "
+        "default: found by itself for a server on this machine; none: treat it as remote "
+        "(each restore's KV is checked by the next-token figures it gives)",
+    )
     openai_url: str | None = Field(
         default=None,
         description="OpenAI-compatible server to use with engine = openai (its /v1 base), "

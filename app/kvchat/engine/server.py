@@ -35,8 +35,16 @@ from kvchat.engine.api import (
     PrefillResult,
     common_prefix,
 )
+from kvchat.engine.openai_wire import WireError
 from kvchat.engine.server_http import EventStream, ServerClient, ServerError
 from kvchat.engine.server_markup import ServerPrompts
+from kvchat.engine.server_wire import (
+    Event,
+    parse_event,
+    parse_model_meta,
+    parse_props,
+    slot_figures,
+)
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -50,6 +58,10 @@ SERVER_UBATCH = 512
 # multiples of four for a token's KV to be a full prefill's.
 _UNPACKED_FTYPES = ("F32", "F16", "BF16", "Q4_1", "Q5_0", "Q5_1")
 REPACK_ROWS = 4
+# A restore check (see ServerEngine.kv_check): probe tokens read after the restored KV, and
+# the top log-probabilities of the next token compared with those the KV gave when saved.
+CHECK_TOKENS = 64
+CHECK_PROBS = 16
 
 
 def batched_prefix(decoded: int, align: int, ubatch: int = SERVER_UBATCH) -> int:
@@ -68,18 +80,29 @@ class ServerEngine(EngineDefaults):
 
     def __init__(self, config: EngineConfig, url: str, api_key: str | None = None) -> None:
         self.client = ServerClient(url, api_key)
-        props = self.client.get("/props")
-        if not isinstance(props, dict) or "default_generation_settings" not in props:
-            raise ServerError(f"{self.client.url} does not answer like a llama-server (/props)")
-        self.props = props
         try:
-            listed = self.client.get("/v1/models")
-            self.model_meta: dict[str, Any] = dict(listed["data"][0].get("meta") or {})
-        except (ServerError, KeyError, IndexError, TypeError, AttributeError):
-            self.model_meta = {}
-        self.n_ctx: int = int(props["default_generation_settings"].get("n_ctx") or 0)
-        self.n_slots: int = max(1, int(props.get("total_slots") or 1))
-        model_path = str(props.get("model_path") or "")
+            self.info = parse_props(self.client.get("/props"))
+        except WireError as exc:
+            raise ServerError(
+                f"{self.client.url} does not answer like a llama-server (/props: {exc.what})"
+            ) from None
+        # What the rest of kvchat reads of the props: parsed, bounded values only.
+        self.props: dict[str, Any] = {
+            "model_path": self.info.model_path,
+            "model_alias": self.info.model_alias,
+            "model_ftype": self.info.model_ftype,
+            "build_info": self.info.build_info,
+            "bos_token": self.info.bos_token,
+            "eos_token": self.info.eos_token,
+            "total_slots": self.info.n_slots,
+        }
+        try:
+            self.model_meta: dict[str, int] = parse_model_meta(self.client.get("/v1/models"))
+        except ServerError:
+            self.model_meta = parse_model_meta(None)
+        self.n_ctx: int = self.info.n_ctx
+        self.n_slots: int = self.info.n_slots
+        model_path = self.info.model_path
         self.config = replace(config, model_path=Path(model_path), n_ctx=self.n_ctx)
         self.slot = 0
         self._tokens: list[int] = []
@@ -90,9 +113,11 @@ class ServerEngine(EngineDefaults):
         # The next request must not reuse what the slot holds (a cleared context).
         self._fresh = False
         self._prompt: list[int] = []
-        self.prompts = ServerPrompts(self.client, props)
-        ftype = str(props.get("model_ftype") or "")
+        self.prompts = ServerPrompts(self.client, self.props)
+        ftype = self.info.model_ftype
         self.batch_align = 1 if ftype.startswith(_UNPACKED_FTYPES) else REPACK_ROWS
+        # The server_slot_dir setting (see kvchat.kvcache.server_tiers.ServerSlots).
+        self.slot_dir_setting: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, config: EngineConfig) -> ServerEngine:
@@ -102,7 +127,9 @@ class ServerEngine(EngineDefaults):
                 "engine llama-server needs a server URL: --server URL, KVCHAT_SERVER_URL "
                 "or server_url in the config file"
             )
-        return cls(config, settings.server_url, settings.server_api_key)
+        engine = cls(config, settings.server_url, settings.server_api_key)
+        engine.slot_dir_setting = settings.server_slot_dir
+        return engine
 
     # --- identity -------------------------------------------------------------------------
 
@@ -124,11 +151,11 @@ class ServerEngine(EngineDefaults):
         and size), the build, the context per slot. llama-server does not report its KV
         types; a slot file of other types fails to load (a prefill, with the reason)."""
         return {
-            "model_path": str(self.props.get("model_path") or ""),
-            "model_size": int(self.model_meta.get("size") or 0),
-            "n_params": int(self.model_meta.get("n_params") or 0),
-            "n_vocab": int(self.model_meta.get("n_vocab") or 0),
-            "build_info": str(self.props.get("build_info") or ""),
+            "model_path": self.info.model_path,
+            "model_size": self.model_meta["size"],
+            "n_params": self.model_meta["n_params"],
+            "n_vocab": self.model_meta["n_vocab"],
+            "build_info": self.info.build_info,
             "n_ctx": self.n_ctx,
         }
 
@@ -158,23 +185,33 @@ class ServerEngine(EngineDefaults):
         them computes (the rest was generated token by token, or decoded alone)."""
         return self._exact
 
-    def slot_save(self, filename: str) -> dict[str, Any]:
-        """Save the current slot to ``filename`` in the server's --slot-save-path."""
-        return self._slot_action("save", {"filename": filename})
+    def slot_save(self, filename: str) -> dict[str, int]:
+        """Save the current slot to ``filename`` in the server's --slot-save-path; its
+        figures ``n_saved`` and ``n_written`` (-1: not said)."""
+        result = self._slot_action("save", {"filename": filename})
+        return self._figures(result, "n_saved", "n_written")
 
-    def slot_restore(self, filename: str) -> dict[str, Any]:
+    def slot_restore(self, filename: str) -> dict[str, int]:
         """Load ``filename`` into the current slot; the slot then holds the file's tokens
-        (on failure the server empties the slot)."""
+        (on failure the server empties the slot). Its figures ``n_restored`` and
+        ``n_read`` (-1: not said)."""
         self._tokens = []
         self._exact = 0
-        return self._slot_action("restore", {"filename": filename})
+        result = self._slot_action("restore", {"filename": filename})
+        return self._figures(result, "n_restored", "n_read")
+
+    def _figures(self, result: Any, *names: str) -> dict[str, int]:
+        try:
+            return slot_figures(result, *names)
+        except WireError as exc:
+            raise self.client._bad_reply(exc.what, "/slots") from None
 
     def slot_erase(self) -> None:
         self._tokens = []
         self._exact = 0
         self._slot_action("erase", {})
 
-    def _slot_action(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _slot_action(self, action: str, body: dict[str, Any]) -> Any:
         try:
             result = self.client.post(f"/slots/{self.slot}?action={action}", body)
         except ServerError as exc:
@@ -185,7 +222,52 @@ class ServerEngine(EngineDefaults):
                     exc.status,
                 ) from None
             raise
-        return result if isinstance(result, dict) else {}
+        return result
+
+    def kv_check(
+        self, tokens: Sequence[int], probe: Sequence[int] | None = None
+    ) -> tuple[list[int], list[tuple[int, float]]]:
+        """What the slot's KV for ``tokens`` (held in full) gives: ``probe`` tokens (by
+        default :data:`CHECK_TOKENS` of ``tokens`` spread over them, last first) are read
+        after it in one batch, and the top :data:`CHECK_PROBS` log-probabilities of the
+        next token come back, with the probe. Every cell of the KV is attended to by each
+        probe token, so KV that differs anywhere gives other figures (the KV stays on the
+        server: this is how kvchat looks at it). Raises ServerError when the server did not
+        reuse exactly ``tokens``. The slot then holds ``tokens`` + the probe; the exact part
+        does not change."""
+        tokens = list(tokens)
+        if probe is None:
+            k = min(CHECK_TOKENS, len(tokens))
+            probe = [tokens[(i * len(tokens)) // k] for i in reversed(range(k))]
+        probe = list(probe)
+        if not tokens or not probe or len(tokens) + len(probe) + 1 >= self.n_ctx:
+            raise ServerError(f"no room in the server's context to check {len(tokens):,} tokens")
+        body = self._body([*tokens, *probe], 1, temperature=0.0, top_k=1, n_probs=CHECK_PROBS)
+        body["cache_prompt"] = True
+        body["samplers"] = ["top_k"]
+        exact = self._exact
+        final: Event | None = None
+        top: list[tuple[int, float]] = []
+        try:
+            for event in self._run(body, None):
+                if event.probs and not top:
+                    top = event.probs[0]
+                if event.stop:
+                    final = event
+        except ServerError:
+            self._tokens, self._exact = [], 0
+            raise
+        self._tokens = tokens + probe
+        self._exact = min(exact, len(tokens))
+        self._beyond = False
+        reused = final.timings.cache_n if final is not None and final.timings else None
+        if reused != len(tokens):
+            self._tokens, self._exact = [], 0
+            raise ServerError(
+                f"llama-server at {self.client.url} reused {reused} of the {len(tokens):,} "
+                "tokens its slot should hold"
+            )
+        return probe, top
 
     # --- tokens ---------------------------------------------------------------------------
 
@@ -237,19 +319,23 @@ class ServerEngine(EngineDefaults):
         body.update(extra)
         return body
 
-    def _run(self, body: dict[str, Any], cancel: CancelCheck | None) -> Iterator[dict[str, Any]]:
-        """The events of one completion up to its last (``stop``); closes the stream on
-        cancel or when dropped. A stream that ends before its last event is an error."""
+    def _run(self, body: dict[str, Any], cancel: CancelCheck | None) -> Iterator[Event]:
+        """The events of one completion up to its last (``stop``), each parsed and bounded
+        (:func:`kvchat.engine.server_wire.parse_event`); closes the stream on cancel or when
+        dropped. A stream that ends before its last event, or sends what kvchat cannot
+        read, is one :class:`ServerError` line."""
         stream: EventStream = self.client.stream("/completion", body)
         self._fresh = False
         try:
-            for event in stream:
-                if "error" in event:
-                    error = event["error"]
-                    message = error.get("message") if isinstance(error, dict) else error
-                    raise ServerError(f"llama-server at {self.client.url}: {message}")
+            for raw in stream:
+                try:
+                    event = parse_event(raw)
+                except WireError as exc:
+                    raise self.client._bad_reply(exc.what) from None
+                if event.error is not None:
+                    raise ServerError(f"llama-server at {self.client.url}: {event.error}")
                 yield event
-                if event.get("stop") or (cancel is not None and cancel()):
+                if event.stop or (cancel is not None and cancel()):
                     return
             raise ServerError(
                 f"llama-server at {self.client.url} broke off the reply (did it stop?)"
@@ -327,7 +413,7 @@ class ServerEngine(EngineDefaults):
         final = None
         try:
             for event in self._run(self._body(prompt, 0, temperature=0.0), cancel):
-                if event.get("stop"):
+                if event.stop:
                     final = event
         except ServerError:
             self._tokens, self._exact = [], 0
@@ -337,12 +423,19 @@ class ServerEngine(EngineDefaults):
             self._exact = min(exact_before, start)
             self._beyond = True
             return PrefillResult(prompt=len(prompt), reused=start, decoded=0)
-        timings = final.get("timings") or {}
-        reused = int(timings.get("cache_n", 0))
-        decoded = int(timings.get("prompt_n", len(prompt) - reused))
-        cached = int(final.get("tokens_cached", len(prompt)))
+        timings = final.timings
+        cache_n = timings.cache_n if timings is not None else None
+        prompt_n = timings.prompt_n if timings is not None else None
+        cached = final.tokens_cached if final.tokens_cached is not None else len(prompt)
         self._tokens = prompt[: min(cached, len(prompt))]
         self._beyond = False
+        if cache_n is None or cache_n > len(prompt) or (prompt_n or 0) > len(prompt) - cache_n:
+            # Figures not said or that cannot be: kvchat vouches for none of the slot's KV
+            # (the next turn re-reads it) and reports what it asked for.
+            self._exact = 0
+            return PrefillResult(prompt=len(prompt), reused=0, decoded=len(prompt))
+        reused = cache_n
+        decoded = prompt_n if prompt_n is not None else len(prompt) - reused
         self._exact = self._exact_after(exact_before, reused, decoded, len(self._tokens))
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=decoded)
 
@@ -383,16 +476,16 @@ class ServerEngine(EngineDefaults):
         }
         budget = max(1, min(params.max_tokens, self.n_ctx - len(prompt) - 1))
         produced: list[int] = []
-        final: dict[str, Any] | None = None
+        final: Event | None = None
         started = time.perf_counter()
         stats.finish_reason = "cancelled"
         try:
             for event in self._run(self._body(prompt, budget, **sampling), cancel):
-                if "prompt_progress" not in event:
-                    # A progress report carries a placeholder token (0), not a reply's.
-                    produced += [int(t) for t in event.get("tokens") or []]
-                text = event.get("content") or ""
-                if event.get("stop"):
+                # A progress report carries a placeholder token (0), not a reply's: parsed
+                # as no tokens.
+                produced += event.tokens
+                text = event.content
+                if event.stop:
                     final = event
                 if text:
                     if stats.ttft_ms is None:
@@ -417,21 +510,29 @@ class ServerEngine(EngineDefaults):
                 stats.tokens_per_s = stats.generated / elapsed
         if final is None:
             return
-        stop = final.get("stop_type")
+        stop = final.stop_type
         # The server counts the end-of-generation token; the local engine does not.
-        stats.generated = int(final.get("tokens_predicted", len(produced))) - (stop == "eos")
-        timings = final.get("timings") or {}
-        if timings.get("predicted_per_second"):
-            stats.tokens_per_s = float(timings["predicted_per_second"])
-        if final.get("truncated") or len(prompt) + stats.generated + 1 >= self.n_ctx:
+        predicted = final.tokens_predicted
+        if predicted is None:
+            predicted = len(produced)  # not said: what came
+        predicted = min(predicted, budget + 1)  # never more than it was asked for
+        stats.generated = max(0, predicted - (stop == "eos"))
+        timings = final.timings
+        if timings is not None and timings.predicted_per_second:
+            stats.tokens_per_s = timings.predicted_per_second
+        if final.truncated or len(prompt) + stats.generated + 1 >= self.n_ctx:
             stats.finish_reason = "context" if stop != "eos" else "stop"
         else:
             stats.finish_reason = "length" if stop == "limit" else "stop"
-        cached = int(final.get("tokens_cached", len(prompt) + len(produced)))
-        self._tokens = (prompt + produced)[: max(0, cached)]
-        reused = int(timings.get("cache_n", 0))
-        if reused < len(prompt) - 1:  # the slot changed since the prefill (another client)
-            self._exact = min(self._exact, reused)
+        cached = final.tokens_cached
+        if cached is None:
+            cached = len(prompt) + len(produced)
+        self._tokens = (prompt + produced)[:cached]
+        reused = timings.cache_n if timings is not None else None
+        if reused is None or reused < len(prompt) - 1:
+            # The slot changed since the prefill (another client), or the server did not
+            # say: vouch for no more than it says it reused.
+            self._exact = min(self._exact, reused or 0)
 
     def can_shift(self) -> bool:
         return False

@@ -3,6 +3,14 @@
 Only the standard library: ``http.client`` over TCP, or TLS with the system's trust
 store (certificates and host names verified). An API key goes as a bearer token. Every
 failure is a :class:`ServerError` whose message is one line naming the server.
+
+Every byte the server sends is read with the discipline of
+:mod:`kvchat.engine.openai_wire` (issue 37): the status line and headers within the
+request's time, a JSON body at most :data:`~kvchat.engine.openai_wire.MAX_BODY_BYTES`
+within :data:`REQUEST_TIMEOUT_S`, bounded JSON (depth, finite numbers, integers of bounded
+length), a stream's events each at most
+:data:`~kvchat.engine.openai_wire.MAX_EVENT_BYTES` with an idle and a total deadline
+(:attr:`ServerClient.limits`); anything else is one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,16 +19,31 @@ import http.client
 import json
 import socket
 import ssl
+import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvchat.engine.openai_wire import (
+    ERROR_BODY_S,
+    MAX_ERROR_BYTES,
+    EventReader,
+    StreamLimits,
+    WireError,
+    WireTimeout,
+    error_message,
+    line_of,
+    loads,
+    read_body,
+)
 from kvchat.errors import KvchatError
 
-# Seconds to wait for a short request (props, tokenize, slot files).
+# Seconds to wait for a short request (props, tokenize, slot files), its body included.
 REQUEST_TIMEOUT_S = 60.0
 # Seconds a stream may stay silent (prompt processing on a slow machine sends progress).
 STREAM_TIMEOUT_S = 600.0
+# Seconds a whole stream may last (a reply of thousands of tokens on a slow CPU).
+STREAM_TOTAL_S = 4 * 3600.0
 
 
 class ServerError(KvchatError):
@@ -71,6 +94,10 @@ class ServerClient:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        # The caps of a stream (tests shorten them).
+        self.limits = StreamLimits(idle_s=STREAM_TIMEOUT_S, total_s=STREAM_TOTAL_S)
+        # Seconds a short request may take in all (its answer's body included).
+        self.request_s = REQUEST_TIMEOUT_S
 
     def _connect(self, timeout: float) -> http.client.HTTPConnection:
         if self._https:
@@ -89,17 +116,27 @@ class ServerClient:
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise self._unreachable(exc) from None
+        # The status line and headers must come within ``timeout`` in all: a server that
+        # sends them a byte at a time is cut off (the socket's own timeout is per read).
+        cutoff = threading.Event()
+        watchdog = threading.Timer(timeout, _shut, (conn, cutoff))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             conn.request(method, self._base + path, body=data, headers=self._headers)
             response = conn.getresponse()
         except TimeoutError as exc:
             conn.close()
             raise self._unreachable(exc) from None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             # Connected, then the connection ended before an answer: the server went away
-            # while it had the request (a crash, a kill).
+            # while it had the request (a crash, a kill), or it took too long to answer.
             conn.close()
+            if cutoff.is_set():
+                raise self._unreachable(TimeoutError()) from None
             raise self._broken(exc) from None
+        finally:
+            watchdog.cancel()
         if response.status >= 400:
             try:
                 raw = self._error_body(conn, response)
@@ -112,32 +149,39 @@ class ServerClient:
     def _error_body(
         self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
     ) -> bytes:
-        """An HTTP error's body, for its message (the first 64 KiB)."""
-        return response.read(65536)
+        """An HTTP error's body, for its message (the first 64 KiB, within seconds)."""
+        return read_body(conn, response, MAX_ERROR_BYTES, ERROR_BODY_S, truncate=True)
 
-    def get(self, path: str, timeout: float = REQUEST_TIMEOUT_S) -> Any:
-        return self._json("GET", path, None, timeout)
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        return self._json("GET", path, None, self.request_s if timeout is None else timeout)
 
-    def post(self, path: str, body: Any, timeout: float = REQUEST_TIMEOUT_S) -> Any:
-        return self._json("POST", path, body, timeout)
+    def post(self, path: str, body: Any, timeout: float | None = None) -> Any:
+        return self._json("POST", path, body, self.request_s if timeout is None else timeout)
 
     def _json(self, method: str, path: str, body: Any, timeout: float) -> Any:
         conn, response = self._send(method, path, body, timeout)
         try:
-            raw = response.read()
-        except (OSError, http.client.HTTPException) as exc:
+            raw = read_body(conn, response, total_s=timeout)
+        except WireError as exc:
+            raise self._bad_reply(exc.what, path) from None
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             raise self._broken(exc) from None
         finally:
             conn.close()
         try:
-            return json.loads(raw)
-        except ValueError:
-            raise ServerError(f"llama-server at {self.url} sent a reply that is not JSON") from None
+            return loads(raw, "a reply")
+        except WireError as exc:
+            raise self._bad_reply(exc.what, path) from None
 
     def stream(self, path: str, body: Any) -> EventStream:
         """POST ``body`` and read the reply as server-sent events (close it to cancel)."""
-        conn, response = self._send("POST", path, body, STREAM_TIMEOUT_S)
+        conn, response = self._send("POST", path, body, self.limits.idle_s)
         return EventStream(self, conn, response)
+
+    def _bad_reply(self, what: str, path: str = "") -> ServerError:
+        """The one line for a reply that is not what kvchat reads (``what``: how)."""
+        where = f" to {path.split('?')[0]}" if path else ""
+        return ServerError(f"{self.label} at {self.url} sent{where} {what}")
 
     # --- one-line errors --------------------------------------------------------------------
 
@@ -163,14 +207,7 @@ class ServerClient:
                 "(KVCHAT_SERVER_API_KEY) to the key it was started with (--api-key)",
                 status,
             )
-        message = ""
-        try:
-            detail = json.loads(raw)
-            error = detail.get("error", detail) if isinstance(detail, dict) else detail
-            message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
-        except (ValueError, RecursionError):  # a hostile body: 64 KiB of "[", NaN, …
-            message = raw[:200].decode("utf-8", "replace")
-        message = " ".join(message.split())
+        message = error_message(raw)  # bounded: 64 KiB of "[", NaN, escapes are one line
         return ServerError(
             f"{self.label} at {self.url} answered HTTP {status}"
             + (f": {message}" if message else ""),
@@ -179,7 +216,11 @@ class ServerClient:
 
 
 class EventStream:
-    """The ``data:`` events of a streaming reply, as JSON objects; :meth:`close` cancels."""
+    """The ``data:`` events of a streaming reply, each a bounded JSON object (an ``error:``
+    line, or an event that is not an object, comes as ``{"error": …}``); :meth:`close`
+    cancels. The caps of :attr:`ServerClient.limits` hold: a stream that sends no event for
+    ``idle_s`` (keep-alives do not count), lasts past ``total_s``, or sends an event or a
+    stream too large is one :class:`ServerError` line."""
 
     def __init__(
         self,
@@ -189,33 +230,16 @@ class EventStream:
     ) -> None:
         self._client = client
         self._conn = conn
-        self._response = response
+        self._reader = EventReader(conn, response, client.limits, client._broken)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        data: list[str] = []
-        while True:
-            try:
-                line = self._response.readline()
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                raise self._client._broken(exc) from None
-            if not line:
-                return
-            text = line.decode("utf-8", "replace").rstrip("\r\n")
-            if text:
-                field, _, value = text.partition(":")
-                if field in ("data", "error"):
-                    data.append(value.removeprefix(" "))
-                    if field == "error":
-                        yield {"error": _loads(data.pop())}
-                continue
-            if not data:
-                continue
-            payload = "\n".join(data)
-            data = []
-            if payload == "[DONE]":
-                return
-            event = _loads(payload)
-            yield event if isinstance(event, dict) else {"error": event}
+        try:
+            for event in self._reader:
+                yield event if isinstance(event, dict) else {"error": event}
+        except WireTimeout as exc:
+            raise ServerError(f"{self._client.label} at {self._client.url}: {exc.what}") from None
+        except WireError as exc:
+            raise self._client._bad_reply(exc.what) from None
 
     def close(self) -> None:
         """Drop the connection: llama-server stops the task it was running for it."""
@@ -225,8 +249,15 @@ class EventStream:
             pass
 
 
-def _loads(payload: str) -> Any:
-    try:
-        return json.loads(payload)
-    except ValueError:
-        return {"message": payload}
+def _shut(conn: http.client.HTTPConnection, cutoff: threading.Event) -> None:
+    """A request's answer did not come in time: shut its socket (the read then fails)."""
+    cutoff.set()
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+__all__ = ["EventStream", "ServerClient", "ServerError", "line_of", "normalize_url"]

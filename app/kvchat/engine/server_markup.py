@@ -13,7 +13,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvchat.engine.api import split_spellings
+from kvchat.engine.openai_wire import WireError
 from kvchat.engine.server_http import ServerClient, ServerError
+from kvchat.engine.server_wire import rendered, tokenized, tokenized_pieces
 from kvchat.errors import KvchatError
 
 # Cached tokenizations and renderings (the service asks for the same prefixes often).
@@ -47,11 +49,18 @@ class ServerPrompts:
             "/tokenize",
             {"content": text, "add_special": False, "parse_special": parse_special},
         )
-        tokens = [int(t) for t in reply.get("tokens", [])]
+        tokens = self._read(tokenized, reply, "/tokenize")
         if len(self._text_cache) >= _CACHE_ENTRIES:
             self._text_cache.clear()
         self._text_cache[key] = tokens
         return list(tokens)
+
+    def _read(self, parse: Any, reply: Any, path: str) -> Any:
+        """``parse(reply)`` (:mod:`kvchat.engine.server_wire`), or one ServerError line."""
+        try:
+            return parse(reply)
+        except WireError as exc:
+            raise self.client._bad_reply(exc.what, path) from None
 
     def tokenize(self, text: str) -> list[int]:
         """``text`` as text (``parse_special`` false): a control token's spelling stays characters."""
@@ -75,7 +84,7 @@ class ServerPrompts:
                     f"the server's chat template refused these messages: {exc}"
                 ) from None
             raise
-        prompt = str(reply.get("prompt", ""))
+        prompt: str = self._read(rendered, reply, "/apply-template")
         if len(self._render_cache) >= _CACHE_ENTRIES:
             self._render_cache.clear()
         self._render_cache[key] = prompt
@@ -93,12 +102,10 @@ class ServerPrompts:
             {"content": markup, "add_special": False, "parse_special": True, "with_pieces": True},
         )
         changed = False
-        for item in reply.get("tokens", []):
-            piece = item.get("piece") if isinstance(item, dict) else None
-            if not isinstance(piece, str) or len(piece) < 2 or piece in self._learned:
+        for token, piece in self._read(tokenized_pieces, reply, "/tokenize"):
+            if len(piece) < 2 or piece in self._learned:
                 continue
             self._learned.add(piece)
-            token = int(item["id"])
             if self._tokenize(piece, parse_special=False) != [token]:
                 self._specials[piece] = token
                 changed = True
@@ -117,7 +124,7 @@ class ServerPrompts:
             reply = self.client.post(
                 "/tokenize", {"content": "", "add_special": True, "parse_special": True}
             )
-            self._bos = [int(t) for t in reply.get("tokens", [])][:1]
+            self._bos = self._read(tokenized, reply, "/tokenize")[:1]
         spelling = str(self.props.get("bos_token") or "")
         if not self._bos or (spelling and rendered.startswith(spelling)):
             return []

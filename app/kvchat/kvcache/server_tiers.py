@@ -11,16 +11,23 @@ known to this process only; another process restores from the file.
 
 A slot file kvchat cannot vouch for is never handed to the server (issue 27: llama.cpp can
 crash on a damaged one, taking every user of the server down). Where the slot directory is
-readable here (a server started by ``kvchat server start`` on this machine, see
-:mod:`kvchat.engine.server_registry`), each file's size and checksum are recorded at the
-save and checked before a restore; a file that differs is deleted and the turn prefills,
-with the reason. Where it is not, the bytes the server reads back must be the bytes it
-wrote, and a file whose restore ended in a dropped connection is quarantined: never
-restored again, so one bad file costs one crash at most.
+readable here — the ``server_slot_dir`` setting, a server started by ``kvchat server
+start`` on this machine, or one started by hand here with ``--slot-save-path`` (issue 37,
+see :mod:`kvchat.engine.server_registry`) — each file's size and checksum are recorded at
+the save and checked before a restore; a file that differs is deleted and the turn
+prefills, with the reason. Where it is not (a remote server, or ``server_slot_dir =
+"none"``), the bytes the server reads back must be the bytes it wrote, a file whose restore
+ended in a dropped connection is quarantined (never restored again, so one bad file costs
+one crash at most), and every restore's KV is checked before it is used: probe tokens
+read after it must give the next-token log-probabilities the KV gave when it was saved,
+bit for bit (:meth:`kvchat.engine.server.ServerEngine.kv_check`); KV that differs is not
+used and the turn prefills, with the reason.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +37,7 @@ import xxhash
 
 from kvchat.engine.api import common_prefix
 from kvchat.engine.server_http import ServerError
-from kvchat.engine.server_registry import local_server
+from kvchat.engine.server_registry import listening_slot_dir, local_server
 from kvchat.errors import KvchatError
 from kvchat.kvcache.cold.snapshot_store import RestoreResult
 from kvchat.kvcache.server_files import SlotDir
@@ -86,8 +93,26 @@ class ServerSlots(HotSession):
         self._exact: list[int] = [0] * engine.n_slots
         self._used: list[float] = [0.0] * engine.n_slots
         # The server's slot directory, where it is readable here (None: a remote server).
-        local = local_server(engine.server_url, str(self.fingerprint.get("model_path") or ""))
-        self.slot_dir: SlotDir | None = SlotDir(Path(local.slot_dir)) if local else None
+        self.slot_dir: SlotDir | None = self._find_slot_dir(
+            getattr(engine, "slot_dir_setting", None)
+        )
+
+    def _find_slot_dir(self, setting: str | None) -> SlotDir | None:
+        """The ``server_slot_dir`` setting ("none": not readable here); else the directory
+        of a ``kvchat server start`` server here, or of a llama-server started by hand
+        here. A candidate only: :meth:`_checksum` drops it at the first save if the file
+        the server wrote is not there."""
+        if setting is not None and setting.strip().lower() in ("none", "remote", "off", "-"):
+            return None
+        if setting:
+            path = Path(setting).expanduser()
+            return SlotDir(path) if path.is_dir() else None
+        model_path = str(self.fingerprint.get("model_path") or "")
+        local = local_server(self.engine.server_url, model_path)
+        if local is not None:
+            return SlotDir(Path(local.slot_dir))
+        found = listening_slot_dir(self.engine.server_url)
+        return SlotDir(found) if found is not None else None
 
     # --- the engine and the hot session (as KVTiers) ------------------------------------
 
@@ -191,8 +216,8 @@ class ServerSlots(HotSession):
                     "the file is quarantined (never restored again): full prefill",
                 )
             return RestoreResult("none", reason=f"the server could not restore it ({exc})")
-        restored = int(result.get("n_restored", -1))
-        read = int(result.get("n_read", -1))
+        restored = result["n_restored"]
+        read = result["n_read"]
         if row.n_bytes and read != row.n_bytes:
             # Not the file the server wrote: never trust it, nor restore it again.
             engine.clear()
@@ -212,11 +237,17 @@ class ServerSlots(HotSession):
                 reason=f"the server restored {restored:,} of {row.n_tokens:,} tokens: full prefill",
             )
         engine.use_slot(slot, row.token_ids, row.n_exact or 0)
+        if self.slot_dir is None:
+            problem = self._check_restored(row)
+            if problem is not None:
+                engine.clear()
+                self._count(server_misses=1)
+                return RestoreResult("none", reason=f"{problem}: full prefill")
         self.mark_hot(session_id)
         self._count(
             server_restores=1,
             server_tokens_restored=restored,
-            server_bytes_restored=int(result.get("n_read", 0)),
+            server_bytes_restored=max(0, read),
         )
         try:
             self.store.touch_server_slot(row.session_id)
@@ -225,7 +256,7 @@ class ServerSlots(HotSession):
         return RestoreResult(
             "server",
             ms=(time.perf_counter() - started) * 1000,
-            bytes=int(result.get("n_read", 0)),
+            bytes=max(0, read),
             tokens=restored,
             donor=donor,
         )
@@ -240,6 +271,11 @@ class ServerSlots(HotSession):
         if row.n_exact is None:
             return "its slot file was saved before kvchat counted its exact tokens"
         if self.slot_dir is None:
+            if _parse_check(row.kv_check) is None:
+                return (
+                    "its slot file was saved without a check kvchat can make here (the "
+                    "server's slot directory is not readable here)"
+                )
             return None
         if row.checksum is None:
             return "its slot file was saved without a checksum"
@@ -248,6 +284,24 @@ class ServerSlots(HotSession):
             self.slot_dir.remove(row.filename)
             self.store.delete_server_slots(row.session_id)
             return f"{problem}; deleted"
+        return None
+
+    def _check_restored(self, row: ServerSlotRow) -> str | None:
+        """Why the KV just restored from ``row``'s file is not the KV that was saved, or
+        None: its probe must give the log-probabilities it gave at the save, bit for bit."""
+        check = _parse_check(row.kv_check)
+        if check is None:  # checked by _unvouched before the restore
+            return "its slot file was saved without a check"
+        probe, expected = check
+        try:
+            _probe, found = self.engine.kv_check(row.token_ids, probe)
+        except ServerError as exc:
+            return f"the restored KV could not be checked ({exc})"
+        if found != expected:
+            return (
+                "the restored KV does not give the next-token figures it gave when it was "
+                "saved (a damaged slot file, or another server)"
+            )
         return None
 
     def _quarantine(self, row: ServerSlotRow, reason: str) -> None:
@@ -316,7 +370,7 @@ class ServerSlots(HotSession):
             generation = 0 if old is None else old.generation + 1
             filename = slot_file_name(session_id, generation)
             result = engine.slot_save(filename)
-            saved = int(result.get("n_saved", -1))
+            saved = result["n_saved"]
             tokens = engine.tokens
             if not 0 < saved <= len(tokens):
                 # Tokens kvchat cannot name (a cancelled prefill): the row keeps pointing
@@ -325,7 +379,14 @@ class ServerSlots(HotSession):
                     error=f"the server's slot held {saved:,} tokens, not the {len(tokens):,} "
                     "kvchat knows of: this KV was not recorded"
                 )
-            written = int(result.get("n_written", 0))
+            written = max(0, result["n_written"])
+            exact = min(engine.exact, saved)
+            checksum = self._checksum(filename, written)
+            kv_check = None
+            if checksum is None:
+                # Not readable here: what the saved KV gives vouches for it at a restore.
+                probe, top = engine.kv_check(tokens[:saved])
+                kv_check = json.dumps({"probe": probe, "top": top})
             row = ServerSlotRow(
                 session_id=session_id,
                 filename=filename,
@@ -333,8 +394,9 @@ class ServerSlots(HotSession):
                 fingerprint=self.fingerprint,
                 n_bytes=written,
                 generation=generation,
-                checksum=self._checksum(filename, written),
-                n_exact=min(engine.exact, saved),
+                checksum=checksum,
+                n_exact=exact,
+                kv_check=kv_check,
             )
             self.store.put_server_slot(row)
             self._count(server_bytes_written=row.n_bytes)
@@ -445,3 +507,21 @@ class ServerSlots(HotSession):
         for slot in range(len(self._held)):
             self._release(slot)
         return self.store.delete_server_slots()
+
+
+def _parse_check(raw: str | None) -> tuple[list[int], list[tuple[int, float]]] | None:
+    """A row's ``kv_check`` (probe tokens, top log-probabilities), or None when there is
+    none or it is not one (a damaged row: then the file is not restored)."""
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+        probe = [int(t) for t in data["probe"] if isinstance(t, int) and not isinstance(t, bool)]
+        top = [(int(t), float(p)) for t, p in data["top"]]
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError):
+        return None
+    if not probe or len(probe) != len(data["probe"]) or not top:
+        return None
+    if not all(math.isfinite(p) for _t, p in top):
+        return None
+    return probe, top

@@ -395,6 +395,14 @@ def m016_message_reasoning(db: sqlite_utils.Database) -> None:
             db.execute(f"ALTER TABLE {table} ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
 
 
+def m017_server_slot_kv_check(db: sqlite_utils.Database) -> None:
+    """What vouches for a llama-server slot file where kvchat cannot read the server's
+    slot directory (issue 37): the next-token log-probabilities the saved KV gave, as JSON
+    (NULL where the file was checksummed instead, or saved before this was recorded)."""
+    if "kv_check" not in set(db["server_slots"].columns_dict):
+        db["server_slots"].add_column("kv_check", str)
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -411,6 +419,7 @@ MIGRATIONS: list[Migration] = [
     m014_session_list_at_scale,
     m015_server_slot_checks,
     m016_message_reasoning,
+    m017_server_slot_kv_check,
 ]
 
 

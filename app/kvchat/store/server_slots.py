@@ -5,7 +5,9 @@ One row per session: the file name kvchat gave the slot save (on the server's
 server that wrote it. The file itself is the server's; only this index is kvchat's. Also
 what vouches for the file (migration m015_server_slot_checks): its checksum where kvchat
 could read it, how many of its tokens hold a full prefill's KV, and why it is never to be
-restored again (quarantined) when a restore of it took the server down.
+restored again (quarantined) when a restore of it took the server down; and where the
+directory is not readable here, the next-token figures the saved KV gave
+(m017_server_slot_kv_check: :mod:`kvchat.kvcache.server_tiers` checks a restore with them).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class ServerSlotRow:
     n_exact: int | None = None
     # Why the file is never restored again (a restore of it broke the server), or None.
     quarantined: str | None = None
+    # What the saved KV gave for a few probe tokens (JSON, see kvchat.kvcache.server_tiers),
+    # where the slot directory was not readable here; None otherwise.
+    kv_check: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -60,13 +65,14 @@ class ServerSlotRow:
             checksum=row.get("checksum") or None,
             n_exact=None if row.get("n_exact") is None else int(row["n_exact"]),
             quarantined=row.get("quarantined") or None,
+            kv_check=row.get("kv_check") if isinstance(row.get("kv_check"), str) else None,
         )
 
 
 # token_ids read as bytes whatever a damaged row stored there (text would fail to decode).
 _SELECT = (
     "SELECT session_id, filename, CAST(token_ids AS BLOB) AS token_ids, fingerprint, n_bytes,"
-    " generation, created, last_used, checksum, n_exact, quarantined FROM server_slots"
+    " generation, created, last_used, checksum, n_exact, quarantined, kv_check FROM server_slots"
 )
 
 
@@ -84,8 +90,8 @@ class ServerSlotsSql(SqlBase):
             conn.execute(
                 "INSERT OR REPLACE INTO server_slots (session_id, filename, n_tokens, token_ids,"
                 " fingerprint, n_bytes, generation, created, last_used, checksum, n_exact,"
-                " quarantined) VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE((SELECT created FROM"
-                " server_slots WHERE session_id=?), ?), ?, ?, ?, NULL)",
+                " quarantined, kv_check) VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE((SELECT created"
+                " FROM server_slots WHERE session_id=?), ?), ?, ?, ?, NULL, ?)",
                 (
                     row.session_id,
                     row.filename,
@@ -99,6 +105,7 @@ class ServerSlotsSql(SqlBase):
                     stamp,
                     row.checksum,
                     row.n_exact,
+                    row.kv_check,
                 ),
             )
 
