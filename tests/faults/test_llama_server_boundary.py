@@ -232,7 +232,7 @@ def short_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvchat.engine import server_http
 
     monkeypatch.setattr(server_http, "STREAM_TIMEOUT_S", IDLE_S)
-    monkeypatch.setattr(server_http, "STREAM_TOTAL_S", TOTAL_S)
+    monkeypatch.setattr(server_http, "STREAM_TOTAL_S", TOTAL_S, raising=False)
     monkeypatch.setattr(server_http, "REQUEST_TIMEOUT_S", REQUEST_S)
 
 
