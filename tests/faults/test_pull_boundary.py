@@ -69,6 +69,7 @@ def _last_line(result: Any) -> str:
 # --------------------------------------------------------------------------- 37.6, as filed
 
 
+@pytest.mark.e2e
 def test_the_token_is_not_sent_to_another_origin_on_a_redirect(kvhome: Path, hub: HubServer):
     cdn = HubServer({(REPO_ID, FILE): DATA})
     hub.redirect_to = cdn.url  # another port: another origin
@@ -84,6 +85,7 @@ def test_the_token_is_not_sent_to_another_origin_on_a_redirect(kvhome: Path, hub
     assert [auth for *_, auth in cdn.authorizations] == [None] * len(cdn.authorizations)
 
 
+@pytest.mark.e2e
 def test_a_link_at_the_partial_path_is_not_written_through(kvhome: Path, hub: HubServer):
     outside = kvhome.parent / "outside.txt"
     outside.write_bytes(b"nineteen bytes here")
@@ -99,6 +101,7 @@ def test_a_link_at_the_partial_path_is_not_written_through(kvhome: Path, hub: Hu
     assert not [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
 
 
+@pytest.mark.e2e
 def test_a_fifo_at_the_partial_path_is_refused_at_once(kvhome: Path, hub: HubServer):
     models = kvhome / "models"
     models.mkdir(parents=True)
@@ -110,6 +113,7 @@ def test_a_fifo_at_the_partial_path_is_refused_at_once(kvhome: Path, hub: HubSer
     assert not (models / FILE).exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["no sha256 published", "the hub's API answers 500"])
 def test_an_unverifiable_file_gets_no_final_name_unless_asked(
     kvhome: Path, hub: HubServer, how: str

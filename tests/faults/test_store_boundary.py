@@ -295,6 +295,7 @@ def test_fifos_and_devices_in_a_store_are_never_opened(home: Path, tiny: bytes) 
     assert rows["lmstudio:acme/repo-GGUF/good.gguf"]["usable"]
 
 
+@pytest.mark.e2e
 def test_list_local_goes_on_past_every_filed_case(home: Path, tiny: bytes, kvhome: Path):
     """All of 37.5's inputs at once, through the real command: rc 0, each one line."""
     folder = _lmstudio(home)
