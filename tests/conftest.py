@@ -166,19 +166,22 @@ def _unprobed_repack(request: pytest.FixtureRequest) -> Any:
         UNPROBED_REPACK.remove(request.node.nodeid)
 
 
-@pytest.fixture(scope="session")
-def probed_repack() -> Callable[[Path], bool]:
+def probe_says_repack(path: Path) -> bool:
     """Whether the engine probe vouches for weight repacking with ``path`` on this machine:
-    the one place a test that loads a model through ``llama_cpp`` itself takes it from
-    (then ``with kvchat.engine.llama.weight_repack(probed_repack(path)): …``)."""
+    the one place a test that loads a model other than through kvchat's engine (``llama_cpp``
+    itself, a llama-server it starts) takes it from."""
     from kvchat.engine.api import EngineConfig
     from kvchat.engine.probe import probed_config
 
-    def repack(path: Path) -> bool:
-        config, _ = probed_config(EngineConfig(path, n_ctx=512, n_threads=2), in_use=True)
-        return bool(config.repack)
+    config, _ = probed_config(EngineConfig(path, n_ctx=512, n_threads=2), in_use=True)
+    return bool(config.repack)
 
-    return repack
+
+@pytest.fixture(scope="session")
+def probed_repack() -> Callable[[Path], bool]:
+    """:func:`probe_says_repack` as a fixture (then ``with
+    kvchat.engine.llama.weight_repack(probed_repack(path)): …``)."""
+    return probe_says_repack
 
 
 @pytest.fixture

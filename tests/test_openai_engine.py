@@ -82,13 +82,19 @@ class RecordingProxy:
                 self.send_header("Connection", "close")
                 self.end_headers()
                 kept = b""
+                listening = True
                 while True:
                     line = reply.readline()
                     if not line:
                         break
                     kept += line
-                    self.wfile.write(line)
-                    self.wfile.flush()
+                    if not listening:
+                        continue  # kvchat hung up once it had what it needed: still recorded
+                    try:
+                        self.wfile.write(line)
+                        self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        listening = False
                 upstream_conn.close()
                 exchanges.append(Exchange(self.path, body or b"", kept))
 
