@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# End-to-end: ruff, lint-imports, mypy and the import check run as processes.
+pytestmark = pytest.mark.e2e
 
 
 def tool(name: str) -> str:
@@ -92,9 +94,6 @@ def spy(name, globals=None, locals=None, fromlist=(), level=0):
 
 builtins.__import__ = spy
 import kvchat.service.chat, kvchat.service.exports, kvchat.store, kvchat.kvcache
-
-# End-to-end: ruff, lint-imports and mypy run as processes.
-pytestmark = pytest.mark.e2e
 made += ["textual is loaded"] if "textual" in sys.modules else []
 print("\\n".join(made))
 """
