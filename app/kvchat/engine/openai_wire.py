@@ -194,13 +194,14 @@ def _text_field(holder: dict[str, Any], *names: str) -> str:
         if value is None:
             continue
         if not isinstance(value, str):
-            raise WireError(f"a chunk whose {name} is {_kind(value)}, not text")
+            raise WireError(f"a chunk whose {name} is {json_kind(value)}, not text")
         if value:
             return clean_text(value)
     return ""
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in words (for a line saying what a field held)."""
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
@@ -293,7 +294,7 @@ def parse_chunk(event: Any) -> Chunk:
     delta): text from every choice, its finish reason and figures; an ``error`` event's
     message. A shape kvchat cannot read is a :class:`WireError`."""
     if not isinstance(event, dict):
-        raise WireError(f"a stream event that is {_kind(event)}, not an object")
+        raise WireError(f"a stream event that is {json_kind(event)}, not an object")
     if "error" in event and event["error"] is not None:
         error = event["error"]
         message = error.get("message") if isinstance(error, dict) else error
@@ -302,27 +303,27 @@ def parse_chunk(event: Any) -> Chunk:
     if choices is None:
         choices = []
     if not isinstance(choices, list):
-        raise WireError(f"a chunk whose choices is {_kind(choices)}, not a list")
+        raise WireError(f"a chunk whose choices is {json_kind(choices)}, not a list")
     if len(choices) > MAX_CHOICES:
         raise WireError(f"a chunk with {len(choices):,} choices")
     reasoning = content = ""
     finish: str | None = None
     for choice in choices:
         if not isinstance(choice, dict):
-            raise WireError(f"a chunk whose choice is {_kind(choice)}, not an object")
+            raise WireError(f"a chunk whose choice is {json_kind(choice)}, not an object")
         delta = choice.get("delta")
         if delta is None:
             delta = choice.get("message")
         if delta is None:
             delta = {}
         if not isinstance(delta, dict):
-            raise WireError(f"a chunk whose delta is {_kind(delta)}, not an object")
+            raise WireError(f"a chunk whose delta is {json_kind(delta)}, not an object")
         reasoning += _text_field(delta, "reasoning_content", "reasoning")
         content += _text_field(delta, "content")
         reason = choice.get("finish_reason")
         if reason is not None:
             if not isinstance(reason, str):
-                raise WireError(f"a chunk whose finish_reason is {_kind(reason)}, not text")
+                raise WireError(f"a chunk whose finish_reason is {json_kind(reason)}, not text")
             if reason:
                 finish = line_of(reason, 40)
     return Chunk(
@@ -347,7 +348,7 @@ class ModelEntry:
 def parse_models(value: Any) -> ModelEntry:
     """The first entry of a ``/models`` reply (an empty entry when it lists none)."""
     if not isinstance(value, dict):
-        raise WireError(f"a model list that is {_kind(value)}, not an object")
+        raise WireError(f"a model list that is {json_kind(value)}, not an object")
     entries = value.get("data")
     if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
         return ModelEntry()
@@ -356,7 +357,7 @@ def parse_models(value: Any) -> ModelEntry:
     if model_id is None:
         model_id = ""
     if not isinstance(model_id, str):
-        raise WireError(f"a model id that is {_kind(model_id)}, not text")
+        raise WireError(f"a model id that is {json_kind(model_id)}, not text")
     if len(model_id) > MAX_ID_CHARS or model_id != one_line(clean_text(model_id)):
         raise WireError(f"a model id that is not a short printable name ({line_of(model_id, 60)})")
     owner = first.get("owned_by")
@@ -599,6 +600,7 @@ def figures_from(usage: Usage | None, timings: Timings | None) -> Figures:
 
 
 __all__ = [
+    "json_kind",
     "Chunk",
     "EventReader",
     "Figures",

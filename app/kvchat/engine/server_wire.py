@@ -26,6 +26,7 @@ from kvchat.engine.openai_wire import (
     Timings,
     WireError,
     clean_text,
+    json_kind,
     line_of,
     parse_timings,
 )
@@ -42,18 +43,6 @@ MAX_BYTES = 2**53
 MAX_PATH_CHARS = 4096
 # Top log-probabilities kept per generated token (the restore check asks for a few).
 MAX_PROBS = 64
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return "text" if isinstance(value, str) else "null"
 
 
 def whole(value: Any, limit: int) -> int | None:
@@ -82,7 +71,7 @@ def text(holder: Any, name: str, limit: int = MAX_PATH_CHARS, *, line: bool = Tr
         return ""
     value = holder[name]
     if not isinstance(value, str):
-        raise WireError(f"{name} that is {_kind(value)}, not text")
+        raise WireError(f"{name} that is {json_kind(value)}, not text")
     if line:
         return line_of(value, limit)
     return clean_text(value)
@@ -91,7 +80,7 @@ def text(holder: Any, name: str, limit: int = MAX_PATH_CHARS, *, line: bool = Tr
 def token_list(value: Any, what: str) -> list[int]:
     """A list of token ids, each 0..:data:`MAX_TOKEN_ID`."""
     if not isinstance(value, list):
-        raise WireError(f"{what} that is {_kind(value)}, not a list of token ids")
+        raise WireError(f"{what} that is {json_kind(value)}, not a list of token ids")
     if len(value) > MAX_TOKENS:
         raise WireError(f"{what} of {len(value):,} tokens")
     tokens = []
@@ -124,7 +113,7 @@ def parse_props(value: Any) -> Props:
     """``/props``: a :class:`WireError` unless it is a llama-server's (it says its context
     size per slot, 1 or more); slots 1..:data:`MAX_SLOTS` (1 when not said)."""
     if not isinstance(value, dict):
-        raise WireError(f"props that are {_kind(value)}, not an object")
+        raise WireError(f"props that are {json_kind(value)}, not an object")
     settings = value.get("default_generation_settings")
     if not isinstance(settings, dict):
         raise WireError("props without default_generation_settings (not a llama-server?)")
@@ -182,7 +171,7 @@ def _flag(holder: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise WireError(f"an event whose {name} is {_kind(value)}, not true or false")
+        raise WireError(f"an event whose {name} is {json_kind(value)}, not true or false")
     return value
 
 
@@ -215,14 +204,14 @@ def _probs(value: Any) -> list[list[tuple[int, float]]]:
 def parse_event(value: Any) -> Event:
     """One ``/completion`` event (an ``error`` one: its message as one line)."""
     if not isinstance(value, dict):
-        raise WireError(f"a stream event that is {_kind(value)}, not an object")
+        raise WireError(f"a stream event that is {json_kind(value)}, not an object")
     if value.get("error") is not None:
         error = value["error"]
         message = error.get("message") if isinstance(error, dict) else error
         return Event(error=line_of(message if message is not None else error) or "an error")
     content = value.get("content")
     if content is not None and not isinstance(content, str):
-        raise WireError(f"an event whose content is {_kind(content)}, not text")
+        raise WireError(f"an event whose content is {json_kind(content)}, not text")
     tokens = value.get("tokens")
     progress = value.get("prompt_progress") is not None
     return Event(
@@ -244,7 +233,7 @@ def _timings(value: Any) -> Timings | None:
     if timings is not None and timings.doubts:
         raise WireError(f"timings with {timings.doubts[0].removeprefix('timings.')}")
     if value is not None and not isinstance(value, dict):
-        raise WireError(f"timings that are {_kind(value)}, not an object")
+        raise WireError(f"timings that are {json_kind(value)}, not an object")
     return timings
 
 
@@ -255,7 +244,7 @@ def slot_figures(value: Any, *names: str) -> dict[str, int]:
     """A slot action's figures (``n_saved``, ``n_written``, ``n_restored``, ``n_read``): each a
     count, -1 when not said (a figure that is there and not a count: a WireError)."""
     if not isinstance(value, dict):
-        raise WireError(f"a slot action's answer that is {_kind(value)}, not an object")
+        raise WireError(f"a slot action's answer that is {json_kind(value)}, not an object")
     out = {}
     for name in names:
         found = figure(value, name, MAX_BYTES, what="the slot action's")
@@ -266,7 +255,7 @@ def slot_figures(value: Any, *names: str) -> dict[str, int]:
 def tokenized(value: Any) -> list[int]:
     """``/tokenize``'s ``tokens`` as plain ids."""
     if not isinstance(value, dict):
-        raise WireError(f"a tokenization that is {_kind(value)}, not an object")
+        raise WireError(f"a tokenization that is {json_kind(value)}, not an object")
     return token_list(value.get("tokens", []), "a tokenization")
 
 
@@ -274,7 +263,7 @@ def tokenized_pieces(value: Any) -> list[tuple[int, str]]:
     """``/tokenize``'s ``tokens`` with ``with_pieces``: (id, piece) pairs (a piece that is
     not text, e.g. bytes of a partial character, comes as "")."""
     if not isinstance(value, dict):
-        raise WireError(f"a tokenization that is {_kind(value)}, not an object")
+        raise WireError(f"a tokenization that is {json_kind(value)}, not an object")
     items = value.get("tokens", [])
     if not isinstance(items, list) or len(items) > MAX_TOKENS:
         raise WireError("a tokenization whose tokens are not a list")
@@ -291,8 +280,8 @@ def tokenized_pieces(value: Any) -> list[tuple[int, str]]:
 def rendered(value: Any) -> str:
     """``/apply-template``'s ``prompt``."""
     if not isinstance(value, dict):
-        raise WireError(f"a rendering that is {_kind(value)}, not an object")
+        raise WireError(f"a rendering that is {json_kind(value)}, not an object")
     prompt = value.get("prompt")
     if not isinstance(prompt, str):
-        raise WireError(f"a rendering whose prompt is {_kind(prompt)}, not text")
+        raise WireError(f"a rendering whose prompt is {json_kind(prompt)}, not text")
     return clean_text(prompt)
