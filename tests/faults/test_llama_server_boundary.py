@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import sqlite3
 import threading
@@ -586,3 +587,23 @@ def test_the_hostile_campaign(fake: FakeServer, kvhome: Path) -> None:
             failures.append(f"{case.name}: {str(exc)[:300]}")
     print(f"hostile llama-server campaign: {CAMPAIGN} cases, {len(failures)} failures")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("damage", ["fifo", "nesting", "link", "types"])
+def test_a_damaged_supervisor_entry_is_no_server(tmp_path: Path, damage: str) -> None:
+    """The supervisor's entry for a port (kvchat's own file, but one a crash or a hand can
+    damage) is read bounded: a FIFO blocked, 200,000 '[' raised RecursionError on 0ac7b0e."""
+    from kvchat.engine.server_registry import _read
+
+    path = tmp_path / "entry.json"
+    if damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "nesting":
+        path.write_text("[" * 200_000)
+    elif damage == "link":
+        target = tmp_path / "elsewhere.json"
+        target.write_text('{"port": 1, "slot_dir": "/", "model_path": "m", "pid": 1, "url": "u"}')
+        path.symlink_to(target)
+    else:
+        path.write_text('{"port": "eight", "slot_dir": [], "model_path": 1, "pid": 1}')
+    assert _read(path) is None

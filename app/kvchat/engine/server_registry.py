@@ -76,8 +76,15 @@ def local_server(url: str, model_path: str) -> LocalServer | None:
 
 
 def _read(path: Path) -> LocalServer | None:
+    """The entry at ``path``: a small regular file (never through a link, never blocking on a
+    FIFO), or None for anything else, damaged included."""
+    from kvchat.engine.probe_book import read_bounded
+
+    raw = read_bounded(path, 65536)
+    if raw is None:
+        return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(raw)
         return LocalServer(
             port=int(data["port"]),
             slot_dir=str(data["slot_dir"]),
@@ -86,7 +93,7 @@ def _read(path: Path) -> LocalServer | None:
             url=str(data["url"]),
             server_pid=int(data.get("server_pid") or 0),
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
