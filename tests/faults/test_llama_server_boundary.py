@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +33,8 @@ import pytest
 from kvchat.config import load_settings
 from kvchat.errors import KvchatError
 from kvchat.service.chat import ChatService
+from tests.faults.hostile_http import LocalServer, RawHandler, is_one_clean_line
+from tests.faults.hostile_http import sse as _sse
 
 MAX_TOKENS = 8
 IDLE_S, TOTAL_S, REQUEST_S = 1.0, 3.0, 2.0
@@ -47,13 +48,8 @@ Writer = Callable[["Handler"], None]
 
 
 def sse(*events: Any, done: bool = False) -> bytes:
-    out = b""
-    for event in events:
-        raw = event if isinstance(event, bytes) else json.dumps(event).encode()
-        out += b"data: " + raw + b"\n\n"
-    if done:
-        out += b"data: [DONE]\n\n"
-    return out
+    """llama-server's stream: its events, ``[DONE]`` only where asked."""
+    return _sse(*events, done=done)
 
 
 def _tokens(text: str) -> list[int]:
@@ -89,22 +85,8 @@ class Case:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(RawHandler):
     server: FakeServer
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def raw(self, status: int, body: bytes, kind: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Connection", "close")
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-            self.wfile.flush()
-        except OSError:
-            pass
 
     def _answer(self) -> None:
         size = int(self.headers.get("Content-Length") or 0)
@@ -129,26 +111,18 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = _answer
 
 
-class FakeServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class FakeServer(LocalServer):
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
         self.case = Case("good")
         self.turn = 1
         self.slot: list[int] = []
         self.files: dict[str, list[int]] = {}
         self.lock = threading.Lock()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        super().__init__(Handler)
 
     def reset(self, case: Case) -> None:
         with self.lock:
             self.case, self.turn, self.slot, self.files = case, 1, [], {}
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
 
     def good(self, path: str, query: str, request: dict[str, Any]) -> tuple[str, bytes]:
         """Which request this is, and what a llama-server would answer."""
@@ -308,17 +282,6 @@ def run_turns(server: FakeServer, case: Case, home: Path) -> Outcome:
         slots = list(conn.execute("SELECT token_ids, n_bytes, n_exact FROM server_slots"))
         conn.close()
     return Outcome(turns, seconds, rows, slots)
-
-
-def is_one_clean_line(text: str) -> bool:
-    return (
-        "\n" not in text
-        and "\r" not in text
-        and "\x1b" not in text
-        and "Traceback" not in text
-        and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
-        and 0 < len(text) <= 1000
-    )
 
 
 def check(outcome: Outcome, name: str) -> None:

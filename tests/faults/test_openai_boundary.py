@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvchat.config import load_settings
 from kvchat.errors import KvchatError
 from kvchat.service.chat import ChatService
 from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN
+from tests.faults.hostile_http import LocalServer, RawHandler, is_one_clean_line, sse
 
 MAX_TOKENS = 16
 # The caps of a stream in these tests (the defaults are minutes): see StreamLimits.
@@ -39,19 +39,6 @@ Writer = Callable[["Handler"], None]
 
 
 # --- the server -----------------------------------------------------------------------------
-
-
-def sse(*events: Any, done: bool = True, keepalive: int = 0) -> bytes:
-    """A stream: each event a ``data:`` line (a dict is dumped as JSON; bytes go as they
-    are), ``keepalive`` comment lines before each, then ``[DONE]``."""
-    out = b""
-    for event in events:
-        out += b": keep-alive\n\n" * keepalive
-        raw = event if isinstance(event, bytes) else json.dumps(event).encode()
-        out += b"data: " + raw + b"\n\n"
-    if done:
-        out += b"data: [DONE]\n\n"
-    return out
 
 
 def delta(content: str = "", reasoning: str = "", finish: str | None = None) -> dict[str, Any]:
@@ -100,22 +87,8 @@ class Case:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(RawHandler):
     server: HostileServer
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def raw(self, status: int, body: bytes, kind: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Connection", "close")
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-            self.wfile.flush()
-        except OSError:
-            pass
 
     def _answer(self) -> None:
         case = self.server.case
@@ -140,19 +113,11 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = _answer
 
 
-class HostileServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class HostileServer(LocalServer):
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
         self.case = Case("good")
         self.bodies: list[bytes] = []
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")
@@ -243,17 +208,6 @@ def shown_parts(shown: str) -> tuple[str, str]:
     body = shown[len(THINK_OPEN) + 1 :]
     reasoning, _, answer = body.partition(f"\n{THINK_CLOSE}\n\n")
     return reasoning, answer
-
-
-def is_one_clean_line(text: str) -> bool:
-    return (
-        "\n" not in text
-        and "\r" not in text
-        and "\x1b" not in text
-        and "Traceback" not in text
-        and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
-        and 0 < len(text) <= 1000
-    )
 
 
 def check(outcome: Outcome, name: str) -> None:
