@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 
 import platformdirs
@@ -78,3 +79,43 @@ def bundled_model_path() -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+class NotARegularFile(OSError):
+    """What was opened is a FIFO, a device, a folder or a socket (``mode`` says which)."""
+
+    def __init__(self, mode: int) -> None:
+        super().__init__(f"not a regular file ({file_kind(mode)})")
+        self.mode = mode
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_links: bool = True) -> tuple[int, int]:
+    """A read-only descriptor of the regular file at ``path`` and its size, for reading a file
+    from outside: never blocking on a FIFO or a device (O_NONBLOCK), never a terminal, and,
+    with ``follow_links`` False, never through a link. OSError for anything else
+    (:class:`NotARegularFile` for what is not a file); the caller closes the descriptor."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotARegularFile(info.st_mode)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` that is not a regular file is, in a word or two."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a file"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +35,7 @@ from pydantic import (
 )
 
 from kvchat.errors import KvchatError
+from kvchat.paths import open_regular
 from kvchat.text import one_line
 
 # The file is a few KB per combination; more than this is not a probe file.
@@ -108,23 +108,21 @@ class UseMarker(_Strict):
 def read_bounded(path: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
     """The bytes of the regular file at ``path`` (not through a link, never blocking on a
     FIFO or device), or None when there is none or it is larger than ``limit``."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags)
+        fd, size = open_regular(path, follow_links=False)
     except OSError:
         return None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        if size > limit:
             return None
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
+        chunks, got = [], 0
+        while got <= limit:  # the file may grow after fstat: read no more than limit + 1
+            chunk = os.read(fd, min(1 << 16, limit + 1 - got))
             if not chunk:
                 break
             chunks.append(chunk)
-            size += len(chunk)
-        return None if size > limit else b"".join(chunks)
+            got += len(chunk)
+        return None if got > limit else b"".join(chunks)
     except OSError:
         return None
     finally:

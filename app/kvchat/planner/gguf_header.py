@@ -18,10 +18,11 @@ come back as :class:`Skipped` with their item count.
 from __future__ import annotations
 
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
+
+from kvchat.paths import NotARegularFile, open_regular
 
 # The header of the largest real models (vocabulary, merges, scores) is ~20 MiB.
 MAX_HEADER_BYTES = 256 << 20
@@ -94,14 +95,13 @@ def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """The metadata and tensor table of the GGUF file at ``path``; a
     :class:`GGUFHeaderError` (one line) for anything that is not a sound GGUF header."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        fd, size = open_regular(path)
+    except NotARegularFile:
+        raise GGUFHeaderError("not a regular file") from None
     except OSError as exc:
         raise GGUFHeaderError(f"cannot open it: {exc.strerror or exc}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise GGUFHeaderError("not a regular file")
-        return _Parser(fd, st.st_size).parse()
+        return _Parser(fd, size).parse()
     except OSError as exc:
         raise GGUFHeaderError(f"cannot read it: {exc.strerror or exc}") from None
     finally:

@@ -23,6 +23,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from kvchat.paths import NotARegularFile, file_kind, open_regular
+
 # Ollama manifests are a few hundred bytes; anything this large is not one.
 MAX_JSON_BYTES = 256 * 1024
 # Nesting a manifest needs: {"layers": [{...}]} is 3 deep.
@@ -63,7 +65,7 @@ def regular_size(path: Path, root: Path) -> int:
     except OSError as exc:
         raise StoreFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise StoreFileError(f"{path.name} is not a regular file ({_kind(st.st_mode)})")
+        raise StoreFileError(f"{path.name} is not a regular file ({file_kind(st.st_mode)})")
     return st.st_size
 
 
@@ -87,13 +89,12 @@ def read_head(path: Path, root: Path, count: int) -> bytes:
 
 def _read(real: Path, name: str, limit: int, exact: bool) -> bytes:
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        fd, _ = open_regular(real)
+    except NotARegularFile as exc:  # swapped between the stat and the open
+        raise StoreFileError(f"{name} is not a regular file ({file_kind(exc.mode)})") from None
     except OSError as exc:
         raise StoreFileError(f"cannot read {name}: {exc.strerror or exc}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
-            raise StoreFileError(f"{name} is not a regular file ({_kind(st.st_mode)})")
         chunks, left = [], limit + 1 if exact else limit
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 16))
@@ -146,18 +147,6 @@ def load_json(path: Path, root: Path, limit: int = MAX_JSON_BYTES) -> Any:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    return "not a file"
 
 
 __all__ = [
