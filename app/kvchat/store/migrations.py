@@ -403,6 +403,27 @@ def m017_server_slot_kv_check(db: sqlite_utils.Database) -> None:
         db["server_slots"].add_column("kv_check", str)
 
 
+def m018_documents(db: sqlite_utils.Database) -> None:
+    """Documents given to conversations (attachments) and the library that keeps them
+    (see :mod:`kvchat.store.documents_sql`): the extracted text is the truth; which
+    session uses which, at its start (message_id -1) or with one of its messages."""
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS documents (id TEXT PRIMARY KEY, name TEXT NOT NULL,"
+        " kind TEXT NOT NULL, size INTEGER NOT NULL, sha256 TEXT NOT NULL, text TEXT NOT NULL,"
+        " pages INTEGER, source TEXT NOT NULL DEFAULT '', added TEXT NOT NULL,"
+        " in_library INTEGER NOT NULL DEFAULT 0)"
+    )
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS session_documents (session_id TEXT NOT NULL,"
+        " document_id TEXT NOT NULL, message_id INTEGER NOT NULL, position INTEGER NOT NULL,"
+        " PRIMARY KEY (session_id, message_id, document_id))"
+    )
+    db.execute(
+        "CREATE INDEX IF NOT EXISTS session_documents_by_document"
+        " ON session_documents (document_id)"
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -420,6 +441,7 @@ MIGRATIONS: list[Migration] = [
     m015_server_slot_checks,
     m016_message_reasoning,
     m017_server_slot_kv_check,
+    m018_documents,
 ]
 
 

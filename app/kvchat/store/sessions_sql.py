@@ -9,6 +9,7 @@ from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, _translate, now
+from kvchat.store.documents_sql import copy_session_documents
 from kvchat.store.rows import Session, SessionSummary
 
 
@@ -273,6 +274,20 @@ class SessionsSql(SqlBase):
                 " ORDER BY id",
                 (session_id, source_id, last),
             )
+            copied = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id=? AND id<=? ORDER BY id",
+                    (source_id, last),
+                )
+            ]
+            made = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (session_id,)
+                )
+            ]
+            copy_session_documents(conn, source_id, session_id, dict(zip(copied, made)))
             if then is not None:
                 role, content, token_count = then
                 conn.execute(
@@ -344,6 +359,7 @@ class SessionsSql(SqlBase):
             conn.execute("DELETE FROM kv_snapshots WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM kv_snapshot_shelf WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM messages WHERE session_id=?", (session_id,))
+            conn.execute("DELETE FROM session_documents WHERE session_id=?", (session_id,))
             conn.execute("DELETE FROM sessions WHERE id=?", (session_id,))
 
     def get_meta(self, key: str) -> str | None:

@@ -20,6 +20,7 @@ from kvchat.store.connection import (
     now,
     read_only_uri,
 )
+from kvchat.store.documents_sql import DocumentsSql
 from kvchat.store.imports_sql import ImportsSql
 from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
@@ -154,6 +155,7 @@ class Store(
     ImportsSql,
     ServerSlotsSql,
     SessionModelsSql,
+    DocumentsSql,
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 

@@ -1,0 +1,182 @@
+"""Documents a conversation was given (attachments) and the document library.
+
+A document's row holds what was read from the file: its name, kind, size, sha256 of the
+raw bytes and the extracted text (the text is the truth: the model reads it, exports and
+bundles carry it; the file itself may change or go). One row per distinct content
+(sha256 and name), shared by every conversation that attached it. ``session_documents``
+says which session uses which documents and where: ``message_id`` NULL for documents
+given when the conversation started (rendered after the system prompt, so conversations
+with the same documents share a token prefix), else the user message they came with.
+``in_library`` marks documents the user keeps (``kvchat docs add``): read ahead of time,
+their KV exempt from the disk budget's eviction until removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvchat.store.connection import SqlBase, now
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    """One document as read (its text) and where it came from (for display only)."""
+
+    id: str
+    name: str
+    kind: str
+    size: int
+    sha256: str
+    text: str
+    pages: int | None = None
+    source: str = ""  # the path as the user gave it: shown, and re-read to spot a change
+    added: str = ""
+    in_library: bool = False
+
+    @staticmethod
+    def key(name: str, sha256: str) -> str:
+        """The row id of a document: its content and the name it is shown under (the name
+        is part of the text the model reads, so two names are two documents)."""
+        return hashlib.sha256(f"{sha256}\0{name}".encode()).hexdigest()[:32]
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> DocumentRow:
+        return cls(
+            id=str(row["id"]),
+            name=str(row["name"]),
+            kind=str(row["kind"]),
+            size=int(row["size"]),
+            sha256=str(row["sha256"]),
+            text=str(row["text"]),
+            pages=None if row["pages"] is None else int(row["pages"]),
+            source=str(row["source"] or ""),
+            added=str(row["added"] or ""),
+            in_library=bool(row["in_library"]),
+        )
+
+
+@dataclass(frozen=True)
+class SessionDocument:
+    """A document a session uses: at its start (``message_id`` None) or with a message."""
+
+    document: DocumentRow
+    message_id: int | None
+    position: int
+
+
+_COLUMNS = (
+    "d.id, d.name, d.kind, d.size, d.sha256, d.text, d.pages, d.source, d.added, d.in_library"
+)
+
+
+def copy_session_documents(
+    conn: sqlite3.Connection, source_id: str, target_id: str, message_ids: dict[int, int]
+) -> None:
+    """Give a copy of a session (a fork, an edit's branch) the documents of its source, in
+    the copy's transaction: those of the start, and those of each copied message
+    (``message_ids`` maps the source's message ids to the copy's)."""
+    rows = conn.execute(
+        "SELECT document_id, message_id, position FROM session_documents WHERE session_id=?",
+        (source_id,),
+    ).fetchall()
+    for doc_id, message_id, position in rows:
+        if message_id >= 0 and message_id not in message_ids:
+            continue
+        target_message = message_id if message_id < 0 else message_ids[message_id]
+        conn.execute(
+            "INSERT OR IGNORE INTO session_documents (session_id, document_id, message_id,"
+            " position) VALUES (?, ?, ?, ?)",
+            (target_id, doc_id, target_message, position),
+        )
+
+
+class DocumentsSql(SqlBase):
+    """The documents and session_documents tables (migration m018_documents)."""
+
+    def put_documents(self, documents: Iterable[DocumentRow]) -> None:
+        """Store documents (a row already there keeps its text: same key, same content)."""
+        stamp = now()
+        with self._tx() as conn:
+            for doc in documents:
+                conn.execute(
+                    "INSERT INTO documents (id, name, kind, size, sha256, text, pages, source,"
+                    " added, in_library) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT(id) DO UPDATE SET source=excluded.source,"
+                    " in_library=MAX(in_library, excluded.in_library)",
+                    (
+                        doc.id,
+                        doc.name,
+                        doc.kind,
+                        doc.size,
+                        doc.sha256,
+                        doc.text,
+                        doc.pages,
+                        doc.source,
+                        doc.added or stamp,
+                        int(doc.in_library),
+                    ),
+                )
+
+    def attach_documents(
+        self, session_id: str, document_ids: list[str], message_id: int | None = None
+    ) -> None:
+        """Say that a session uses these documents, in this order: at its start
+        (``message_id`` None) or with that message. Attaching again changes nothing."""
+        with self._tx() as conn:
+            for position, doc_id in enumerate(document_ids):
+                conn.execute(
+                    "INSERT OR IGNORE INTO session_documents (session_id, document_id,"
+                    " message_id, position) VALUES (?, ?, ?, ?)",
+                    (session_id, doc_id, -1 if message_id is None else message_id, position),
+                )
+
+    def session_documents(self, session_id: str) -> list[SessionDocument]:
+        """Every document the session uses: those of its start first, then by message."""
+        rows = self._rows(
+            f"SELECT {_COLUMNS}, s.message_id, s.position FROM session_documents s"
+            " JOIN documents d ON d.id = s.document_id WHERE s.session_id=?"
+            " ORDER BY s.message_id, s.position",
+            (session_id,),
+        )
+        return [
+            SessionDocument(
+                DocumentRow.from_row(r),
+                None if r["message_id"] < 0 else int(r["message_id"]),
+                int(r["position"]),
+            )
+            for r in rows
+        ]
+
+    def documents(self, *, library: bool | None = None) -> list[DocumentRow]:
+        """Every stored document (only the library's, or only the rest), by name."""
+        where = "" if library is None else f" WHERE d.in_library={int(library)}"
+        rows = self._rows(f"SELECT {_COLUMNS} FROM documents d{where} ORDER BY d.name, d.id")
+        return [DocumentRow.from_row(r) for r in rows]
+
+    def document_use(self) -> dict[str, int]:
+        """How many sessions use each document."""
+        rows = self._rows(
+            "SELECT document_id, COUNT(DISTINCT session_id) AS n FROM session_documents"
+            " GROUP BY document_id"
+        )
+        return {str(r["document_id"]): int(r["n"]) for r in rows}
+
+    def set_in_library(self, document_id: str, keep: bool) -> bool:
+        """Keep a document in the library, or take it out; False when there is no such row."""
+        with self._tx() as conn:
+            changed = conn.execute(
+                "UPDATE documents SET in_library=? WHERE id=?", (int(keep), document_id)
+            ).rowcount
+        return changed > 0
+
+    def forget_unused_documents(self) -> int:
+        """Delete documents no session uses and the library does not keep; returns rows."""
+        with self._tx() as conn:
+            return conn.execute(
+                "DELETE FROM documents WHERE in_library=0 AND id NOT IN"
+                " (SELECT document_id FROM session_documents)"
+            ).rowcount
