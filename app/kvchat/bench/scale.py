@@ -601,12 +601,14 @@ def run_scale_bench(
     ``sessions`` (× ``messages``); ``app=False`` leaves out the running app (idle CPU,
     RSS, echo: a model load each) and the long session; ``long_messages=0`` leaves out
     only the long session."""
+    from kvchat.planner.model_lookup import model_path
+
     say = progress or (lambda _line: None)
     report = ScaleReport(idle_s=idle_s)
     report.machine = {
         "cpu_cores": os.cpu_count() or 0,
         "load": round(os.getloadavg()[0], 2),
-        "model": str(settings.model_path().name),
+        "model": str(model_path(settings).name),
     }
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-scale-") as scratch:
         root = Path(scratch)

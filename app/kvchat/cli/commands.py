@@ -133,7 +133,9 @@ def ask(
         check_text(system, "the system prompt")
     settings = settings_from(ctx, **flags)
     if settings.engine != "openai":  # an OpenAI-compatible server has its own model
-        settings.model_path()
+        from kvchat.planner.model_lookup import model_path
+
+        model_path(settings)
     reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
     printer = _ReplyPrinter()
     turn: dict[str, Any] = dict(
@@ -611,9 +613,10 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     from kvchat.engine.probe import probe_words
     from kvchat.paths import config_file
     from kvchat.planner.defaults import plan_defaults
+    from kvchat.planner.model_lookup import model_path
 
     settings = settings_from(ctx, **flags)
-    path = settings.model_path()
+    path = model_path(settings)
     plan = plan_defaults(settings, path)
     effective = plan.apply(settings)
     sources = settings.sources()

@@ -73,7 +73,8 @@ def resolve_model(
     path = Path(spec).expanduser()
     if path.is_file():
         return read_gguf(path), None
-    from kvchat.config import load_settings, resolve_model_file
+    from kvchat.config import load_settings
+    from kvchat.planner.model_lookup import resolve_model_file
     from kvchat.planner.stores import is_store_name
 
     if is_store_name(spec):  # a model in another app's store: "ollama:qwen3:8b"

@@ -64,7 +64,9 @@ def create_engine(
         config = config or engine_config(settings, model_path or Path(settings.model or ""))
         opened: Engine = engine_class.from_settings(settings, config)
         return opened
+    from kvchat.planner.model_lookup import model_path as named_model
+
     engine: Engine = engine_class(
-        config or engine_config(settings, model_path or settings.model_path())
+        config or engine_config(settings, model_path or named_model(settings))
     )
     return engine

@@ -142,10 +142,11 @@ def plan_server(
 ) -> ServerPlan:
     """The command line for the settings' model, context per slot and KV types."""
     from kvchat.planner.gguf_info import read_gguf
+    from kvchat.planner.model_lookup import model_path
 
     if slots < 1:
         raise KvchatError("a llama-server needs at least one slot (--slots 1 or more)")
-    model = settings.model_path()
+    model = model_path(settings)
     swa = False
     if settings.swa_full:
         try:

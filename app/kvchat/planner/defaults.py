@@ -341,7 +341,9 @@ def _plan_defaults(
         )
     if info is None:
         if model_path is None:
-            model_path = settings.model_path()
+            from kvchat.planner.model_lookup import model_path as named_model
+
+            model_path = named_model(settings)
         from kvchat.planner.gguf_info import read_gguf
 
         info = read_gguf(model_path)

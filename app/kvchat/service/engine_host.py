@@ -19,6 +19,7 @@ from kvchat.kvcache import Fingerprint, RestoreResult
 from kvchat.kvcache.server_tiers import ServerSlots
 from kvchat.kvcache.tiers import CacheGc, HotSession, KVTiers, SnapshotWrite, Tiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
+from kvchat.planner.model_lookup import model_path
 from kvchat.service.checks import check_engine_config, same_file
 from kvchat.service.reasoning import (
     NO_SWITCH,
@@ -85,7 +86,7 @@ class EngineHost:
             self._engine, self.remote = opened, opened
             self.tiers = RemoteTiers(opened.url)
             return opened
-        path = self.settings.model_path()
+        path = model_path(self.settings)
         self.plan = plan_defaults(self.settings, path)
         planned = self.plan.apply(self.settings)
         if self._lent is not None:

@@ -34,6 +34,7 @@ from kvchat.planner.defaults import (
 from kvchat.planner.gguf_info import read_gguf
 from kvchat.planner.kv_bytes import fmt_bytes
 from kvchat.planner.model_info import model_marks
+from kvchat.planner.model_lookup import model_path
 from kvchat.planner.stores import discover
 from kvchat.service.checks import same_file
 from kvchat.service.engine_host import EngineHost
@@ -229,7 +230,7 @@ class ModelChoices:
                 "model to switch"
             )
         wanted = self.settings.model_copy(update={"model": str(spec)})
-        path = wanted.model_path()  # KvchatError: missing, not GGUF, not downloaded
+        path = model_path(wanted)  # KvchatError: missing, not GGUF, not downloaded
         loaded = self.loaded_model_path
         if loaded is not None and same_file(loaded, path):
             return loaded
@@ -246,7 +247,7 @@ class ModelChoices:
             host.settings = previous
             why = one_line(str(exc))
             try:
-                back = loaded or previous.model_path()
+                back = loaded or model_path(previous)
                 host.lend_for(back)
                 host.load()
             except (KvchatError, ValueError) as again:
