@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from kvchat.config import Settings
-from kvchat.engine import EngineCapabilities, EngineDefaults
+from kvchat.engine import EngineCapabilities
+from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chunk_reader import ChunkReader, PieceReader

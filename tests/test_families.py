@@ -24,7 +24,8 @@ import llama_cpp
 import pytest
 
 from kvchat.config import load_settings
-from kvchat.engine import EngineCapabilities, EngineConfig, EngineDefaults
+from kvchat.engine import EngineCapabilities, EngineConfig
+from tests.stand_in_engine import EngineDefaults
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.paths import bundled_model_path

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvchat.engine import EngineCapabilities, EngineDefaults
+from kvchat.engine import EngineCapabilities
+from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain

@@ -283,7 +283,7 @@ def test_a_regenerate_below_the_floor_loads_the_window_from_ram_then_disk(
         assert again.reply == full.reply and again.tokens.generated == 240
         # Without it in RAM, the checkpoint on disk serves: exactly as a restore.
         assert svc.engine.window_floor > start
-        svc.engine._held.clear()  # what a context that took many checkpoints since has
+        svc.engine._state.held.clear()  # what a context that took many checkpoints since has
         third = svc.regenerate(session)
         assert third.restore.source == "disk", third.restore.reason
         assert third.tokens.decoded <= 5 and third.reply == full.reply

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvchat.engine import EngineCapabilities, EngineDefaults
+from kvchat.engine import EngineCapabilities
+from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotRejected, SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import chunk_plan

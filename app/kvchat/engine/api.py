@@ -141,10 +141,13 @@ class GenerationStats:
 
 
 class Engine(Protocol):
-    """A loaded model and its one context (sequence 0). Not thread-safe.
+    """What every engine is (a loaded model, whoever runs it): the core the service holds.
 
-    The ``state_*`` methods move the context's KV as raw bytes; an engine whose
-    capabilities say ``seq_state=False`` raises NotImplementedError from them.
+    Anything more is a role the engine has or has not, handed out by the accessors below
+    as its :attr:`capabilities` say (``None``: not this engine's): token-level prefill and
+    generation (:class:`TokenEngine`), raw sequence-state bytes (:class:`SeqStateEngine`),
+    a llama-server's slots (:class:`SlotEngine`), whole-message chat
+    (:class:`RemoteChatEngine`). The service asks for a role, never for a type.
     """
 
     config: EngineConfig
@@ -156,17 +159,45 @@ class Engine(Protocol):
     @property
     def model_name(self) -> str: ...
 
-    # --- identity of the KV bytes (for the snapshot fingerprint and chunk parser) ----------
-
     def layout(self) -> dict[str, Any]:
         """Settings that decide the KV bytes' meaning (type_k/v, flash_attn, RoPE, SWA, n_layer)."""
         ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` as message text (no template markup); 0, the store's "not
+        counted", where the tokenizer is not kvchat's to run (a remote server's)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def token_level(self) -> TokenEngine | None:
+        """This engine as token ids in and out (kvchat renders and tokenizes), or None."""
+        ...
+
+    def seq_state(self) -> SeqStateEngine | None:
+        """This engine's KV as raw bytes (``capabilities.seq_state``), or None."""
+        ...
+
+    def server_slots(self) -> SlotEngine | None:
+        """This engine's KV in a llama-server's slots (``capabilities.server_slots``), or None."""
+        ...
+
+    def remote_chat(self) -> RemoteChatEngine | None:
+        """This engine taking whole messages (``capabilities.remote_chat``), or None."""
+        ...
+
+
+class TokenEngine(Engine, Protocol):
+    """The token-level role: kvchat renders the template, tokenizes, and the engine holds one
+    context (sequence 0) whose exact token ids it knows. Not thread-safe."""
+
+    # --- identity of the KV bytes (for the snapshot fingerprint and chunk parser) ----------
 
     def kv_shape(self) -> tuple[int, int, int] | None:
         """(layers, K width, V width) per token and layer, or None when not uniform."""
         ...
 
-    # --- where the context can be cut (EngineDefaults answers for an engine without
+    # --- where the context can be cut (WholeContext answers for an engine without
     # sliding windows or batch alignment) ------------------------------------------------
 
     # Prefill starts at a multiple of this many tokens (repacked weights decode in tiles).
@@ -225,10 +256,6 @@ class Engine(Protocol):
         can never end a turn or forge one. Deterministic (prefix reuse compares ids)."""
         ...
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of ``text`` as message text (no template markup)."""
-        ...
-
     @property
     def tokens(self) -> list[int]:
         """The exact token ids whose KV is in the context, in order."""
@@ -256,13 +283,27 @@ class Engine(Protocol):
         """Sample and stream text pieces; afterwards the context holds prompt + reply."""
         ...
 
-    def can_shift(self) -> bool: ...
-
-    def shift(self, start: int, end: int) -> int:
-        """Drop positions ``[start, end)`` and move the later ones down; returns tokens dropped."""
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """A greedy reply to ``prompt`` made beside the conversation (its KV and tokens
+        untouched); None where the engine cannot."""
         ...
 
-    # --- sequence state (capabilities.seq_state) ---------------------------------------------
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Prefill and generation tokens/s per thread count, measured without touching the
+        conversation's KV; {} where the engine cannot (a llama-server's threads are its own)."""
+        ...
+
+
+class SeqStateEngine(TokenEngine, Protocol):
+    """The role of an engine whose KV is in this process (``capabilities.seq_state``): its
+    context's KV moves as raw bytes (the RAM and disk tiers) and its positions can shift."""
+
+    def shift(self, start: int, end: int) -> int:
+        """Drop positions ``[start, end)`` and move the later ones down (only where
+        ``capabilities.can_shift``); returns tokens dropped."""
+        ...
 
     def state_size(self) -> int: ...
 
@@ -288,40 +329,79 @@ class Engine(Protocol):
 
     def state_save_file(self, path: Path) -> int: ...
 
-    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
-        """A greedy reply to ``prompt`` made beside the conversation (its KV and tokens
-        untouched); None where the engine cannot."""
-        ...
-
-    def measure_threads(
-        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
-    ) -> dict[str, dict[str, float]]:
-        """Prefill and generation tokens/s per thread count, measured without touching the
-        conversation's KV; {} where the engine cannot (a llama-server's threads are its own)."""
-        ...
-
     def state_load_file(self, path: Path) -> int: ...
 
-    def close(self) -> None: ...
 
+class SlotEngine(TokenEngine, Protocol):
+    """The role of an engine whose context is a llama-server's slot
+    (``capabilities.server_slots``): the slot tiers (kvchat.kvcache.server_tiers) save and
+    restore it as slot files on the server."""
 
-class EngineDefaults:
-    """The answers of an engine whose KV has no sliding window and no batch alignment (a
-    llama-server, a test's engine) to :class:`Engine`'s members about cutting the context,
-    and of one whose model runs elsewhere to those about its threads and scratch sequence."""
-
-    batch_align: int = 1
-    template_options: dict[str, object] = {}  # replaced whole, never changed in place
+    n_slots: int
+    # The slot that is the context now (see use_slot).
+    slot: int
+    # The server_slot_dir setting: where the server's slot files are readable here.
+    slot_dir_setting: str | None
 
     @property
-    def metadata(self) -> dict[str, str]:
-        return {}
+    def server_url(self) -> str: ...
 
-    def kv_spec(self) -> KvSpec | None:
-        return None
+    @property
+    def exact(self) -> int:
+        """How many leading tokens hold exactly the KV a full prefill of them computes."""
+        ...
 
-    def chunk_problem(self) -> str | None:
-        return None
+    def identity(self) -> dict[str, Any]:
+        """What a slot file's KV depends on, as the server reports it."""
+        ...
+
+    def use_slot(self, slot: int, tokens: Sequence[int], exact: int = 0) -> None:
+        """Make ``slot`` the context, holding ``tokens`` (the first ``exact`` exactly)."""
+        ...
+
+    def slot_save(self, filename: str) -> dict[str, int]: ...
+
+    def slot_restore(self, filename: str) -> dict[str, int]: ...
+
+    def slot_erase(self) -> None: ...
+
+    def kv_check(
+        self, tokens: Sequence[int], probe: Sequence[int] | None = None
+    ) -> tuple[list[int], list[tuple[int, float]]]:
+        """What the slot's KV for ``tokens`` gives: the probe tokens read after it, and the
+        top log-probabilities of the next token."""
+        ...
+
+
+class RemoteChatEngine(Engine, Protocol):
+    """The role of an engine that takes whole messages (``capabilities.remote_chat``, an
+    OpenAI-compatible server): its server renders, tokenizes and keeps the KV."""
+
+    url: str
+    # The server's own figures for the last reply (kvchat.engine.openai.ServerFigures).
+    figures: Any
+
+    @property
+    def note(self) -> str:
+        """Where the model runs, one line for the status bar."""
+        ...
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: GenerationParams,
+        stats: GenerationStats,
+        session_id: str,
+        think: bool | None = None,
+        cancel: CancelCheck | None = None,
+    ) -> Iterator[tuple[str, str]]:
+        """Stream the reply as ``("reasoning" | "answer", text)`` pieces."""
+        ...
+
+
+class WholeContext:
+    """The answers, about cutting the context, of an engine whose KV has no sliding window
+    and no batch alignment (a llama-server): an engine holds one and hands these on."""
 
     def reuse_point(self, held: Sequence[int], prompt: Sequence[int]) -> int:
         """The common prefix, less the two tokens a prefill always decodes."""
@@ -339,16 +419,6 @@ class EngineDefaults:
 
     def held_checkpoint(self, limit: int) -> int:
         return 0
-
-    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
-        """Nothing: no scratch sequence here (a server's slot holds the conversation)."""
-        return None
-
-    def measure_threads(
-        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
-    ) -> dict[str, dict[str, float]]:
-        """Nothing: the thread counts are set where the model runs."""
-        return {}
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,13 +12,15 @@ from kvchat.errors import KvchatError
 if TYPE_CHECKING:
     from kvchat.config import Settings
 
-# Setting value → "module:class". An engine class with a ``from_settings(settings, config)``
-# classmethod is opened through it (the llama-server engine reads its URL and key there).
+# Setting value → "module:class". Every engine class opens through its
+# ``from_settings(settings, config)`` classmethod (a server engine reads its URL and key there).
 ENGINES: dict[str, str] = {
     "llama.cpp": "kvchat.engine.llama:LlamaEngine",
     "llama-server": "kvchat.engine.server:ServerEngine",
     "openai": "kvchat.engine.openai:OpenAIEngine",
 }
+# The engines that run the model file here (the others use the one their server has open).
+LOCAL_ENGINES = frozenset({"llama.cpp"})
 # EngineConfig fields that the settings hold under the same names.
 _FROM_SETTINGS = (
     "n_ctx",
@@ -59,14 +61,12 @@ def create_engine(
     if target is None:
         raise KvchatError(f"unknown engine {settings.engine!r}; known: {', '.join(ENGINES)}")
     module, name = target.split(":")
-    engine_class = getattr(import_module(module), name)
-    if hasattr(engine_class, "from_settings"):
-        config = config or engine_config(settings, model_path or Path(settings.model or ""))
-        opened: Engine = engine_class.from_settings(settings, config)
-        return opened
-    from kvchat.planner.model_lookup import model_path as named_model
+    opener = getattr(import_module(module), name).from_settings
+    if config is None:
+        if model_path is None and settings.engine in LOCAL_ENGINES:
+            from kvchat.planner.model_lookup import model_path as named_model
 
-    engine: Engine = engine_class(
-        config or engine_config(settings, model_path or named_model(settings))
-    )
-    return engine
+            model_path = named_model(settings)
+        config = engine_config(settings, model_path or Path(settings.model or ""))
+    opened: Engine = opener(settings, config)
+    return opened

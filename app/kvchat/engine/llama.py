@@ -15,10 +15,11 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import llama_cpp
 from llama_cpp import _internals as internals
@@ -33,21 +34,27 @@ from kvchat.engine.api import (
     GenerationStats,
     KvSpec,
     PrefillResult,
+    SeqStateEngine,
+    TokenEngine,
     common_prefix,
 )
-from kvchat.engine.llama_markup import ChatTokensMixin
+from kvchat.engine.llama_markup import ChatTokens
 from kvchat.engine.llama_spec import read_spec, uniform_shape
 from kvchat.engine.llama_state import (
     PARAMS_LOCK,
     SCRATCH_SEQ,
     SEQ_ID,
-    SeqStateMixin,
-    StateBuffer,
+    ContextState,
     scratch_sequence,
 )
 from kvchat.errors import KvchatError
 from kvchat.planner.templates import CHATML, ChosenTemplate, catalog_template, choose_template
 
+if TYPE_CHECKING:
+    from kvchat.config import Settings
+
+# llama_cpp's sampler chain class is untyped; made through this typed name.
+_NEW_SAMPLER = cast(Callable[[], Any], internals.LlamaSampler)
 # Prefill is decoded in slices this long so a cancel request is honoured between them.
 PREFILL_SLICE = 128
 # llama.cpp's CPU flash attention over an f16 cache runs a tiled kernel for batches of at
@@ -75,8 +82,12 @@ GGML_TYPES: dict[str, int] = {
 CHATML_TEMPLATE = CHATML
 
 
-class LlamaEngine(ChatTokensMixin, SeqStateMixin):
-    """A loaded model and its one context (implements :class:`kvchat.engine.Engine`)."""
+class LlamaEngine:
+    """A loaded model and its one context (implements :class:`kvchat.engine.Engine` in the
+    roles of :class:`kvchat.engine.TokenEngine` and :class:`kvchat.engine.SeqStateEngine`).
+
+    It holds its helpers: :class:`ChatTokens` (messages → prompt tokens) and
+    :class:`ContextState` (the KV as bytes, state files, window checkpoints)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -137,7 +148,6 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             raise KvchatError(
                 f"the chat template {self.template.name} is not valid: {exc}"
             ) from exc
-        self._buffer = StateBuffer()
         model = self.llm._model.model
         self.n_swa = int(llama_cpp.llama_model_n_swa(model))
         # Recurrent layers (Mamba, LFM2's short convolutions, Gated DeltaNet...) keep one
@@ -156,11 +166,12 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         self._spec: KvSpec | None = None
         self._spec_problem: str | None = None
         self._read_spec()
-        # Sliding-window models: window checkpoints taken at message boundaries, by
-        # position (see SeqStateMixin._capture), and those the next save has to write.
-        self._held: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
-        self._unsaved: set[int] = set()
-        self._init_markup(self._vocab)
+        # Sliding-window models: window checkpoints taken at message boundaries (see
+        # ContextState.capture), and the state bytes in and out.
+        self._state = ContextState(
+            self.llm, self.n_swa, self.recurrent, self.interleaved, config.n_gpu_layers
+        )
+        self._chat = ChatTokens(self._vocab, self.render, self.tokenize, self._bos_before)
         self.prefill_slice = PREFILL_SLICE
         if self._one_chunk_attention():
             # A multiple of the batch alignment (see _cuts), below the tile.
@@ -168,6 +179,11 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         # Thread counts re-measured after a slow reply (see _watch_speed): when, how often.
         self._rechecked_at = -RECHECK_EVERY_S
         self.slowdowns = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, config: EngineConfig) -> LlamaEngine:
+        """The engine on ``config`` (the settings' own, or the probe's choice)."""
+        return cls(config)
 
     def _one_chunk_attention(self) -> bool:
         """Whether batches must stay below :data:`FA_TILE_ROWS` tokens: flash attention on
@@ -208,9 +224,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             "flash_attn": self.config.flash_attn,
             "rope_freq_base": float(self.metadata.get(f"{arch}.rope.freq_base", 0.0) or 0.0),
             "rope_freq_scale": float(llama_cpp.llama_model_rope_freq_scale_train(model)),
-            "n_swa": int(llama_cpp.llama_model_n_swa(model))
-            if hasattr(llama_cpp, "llama_model_n_swa")
-            else int(self.metadata.get(f"{arch}.attention.sliding_window", 0) or 0),
+            "n_swa": self.n_swa,
             "n_layer": int(llama_cpp.llama_model_n_layer(model)),
         }
 
@@ -259,7 +273,9 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The chat template over ``messages``, ending with the assistant's turn opening."""
         try:
-            return self._formatter(messages=list(messages), **self.template_options).prompt
+            # llama_cpp types the formatter's keywords as OpenAI's; templates take any.
+            formatter: Any = self._formatter
+            return str(formatter(messages=list(messages), **self.template_options).prompt)
         except Exception as exc:  # jinja2's errors, and the template's raise_exception
             raise KvchatError(f"the model's chat template refused these messages: {exc}") from exc
 
@@ -267,11 +283,18 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         """``text`` as text: a control token's spelling inside it stays plain characters."""
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
-    def _add_bos(self, text: str) -> bool:
-        bos = self.llm.token_bos()
+    def _bos_before(self, text: str) -> int | None:
+        """The BOS id a prompt rendered as ``text`` starts with (None: the vocabulary adds
+        none, or the template wrote it already)."""
+        bos = int(self.llm.token_bos())
         if bos < 0 or not llama_cpp.llama_vocab_get_add_bos(self._vocab):
-            return False
-        return not text.startswith(self._piece(bos))
+            return None
+        return None if text.startswith(self._piece(bos)) else bos
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt for ``messages`` (see :meth:`ChatTokens.chat_tokens`): only the
+        template's own markup makes control tokens."""
+        return self._chat.chat_tokens(messages)
 
     def count_tokens(self, text: str) -> int:
         return len(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
@@ -289,9 +312,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
 
     def clear(self) -> None:
         """Empty the context (the KV of every sequence, and the token list)."""
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, -1, -1)
-        self.llm.n_tokens = 0
-        self._forget_checkpoints()
+        self._state.clear()
 
     # --- where the context can be cut --------------------------------------------------------
 
@@ -332,7 +353,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             return self.n_tokens
         if not self.interleaved or not self.n_tokens:
             return 0
-        low = self._window_low()
+        low = self._state.window_low()
         if low > 0 and not self.ring_cuts_exact:
             return self.n_tokens  # a cut loads a window checkpoint or decodes from the start
         return low + self.n_swa - 1 if low > 0 else 0
@@ -376,11 +397,11 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 reused = deepest
             else:
                 held = self.held_checkpoint(reused)
-                reused = held if held and self._load_window(held) else 0
+                reused = held if held and self._state.load_window(held) else 0
         self.truncate(reused)
         reused = self.n_tokens  # 0 if llama.cpp refused the cut (the context is empty)
         if reused in marks:
-            self._capture()
+            self._state.capture()
         # Tokens decoded before but not yet counted (a decode whose logits nobody read) are
         # counted at the next synchronize: flushed now, so the count is this prefill's alone.
         llama_cpp.llama_synchronize(self.ctx)
@@ -390,7 +411,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
                 break
             self.llm.eval(list(prompt[start:end]))
             if end in marks:
-                self._capture()
+                self._state.capture()
         decoded = self._evaluated(fallback=self.n_tokens - reused)
         return PrefillResult(prompt=len(prompt), reused=reused, decoded=decoded)
 
@@ -418,7 +439,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
         if keep < self.window_floor and not self.held_checkpoint(keep):
             keep = self.n_tokens
         elif keep < self.window_floor:
-            self._load_window(self.held_checkpoint(keep))
+            self._state.load_window(self.held_checkpoint(keep))
             keep = self.n_tokens
         self.truncate(keep)
         marks = {self.reuse_point(tokens, [*tokens, 0, 0])} if self._checkpointed else set()
@@ -435,7 +456,7 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             self.clear()
             return
         self.llm.n_tokens = n_keep
-        self._forget_checkpoints(above=n_keep)
+        self._state.forget_checkpoints(above=n_keep)
 
     def can_shift(self) -> bool:
         """Whether the KV cache can move positions (RoPE re-rotation); some models can't."""
@@ -574,8 +595,9 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
-    def _sampler(self, params: GenerationParams) -> internals.LlamaSampler:
-        sampler = internals.LlamaSampler()
+    def _sampler(self, params: GenerationParams) -> Any:
+        """llama_cpp's sampler chain (its class is untyped: handled as Any)."""
+        sampler = _NEW_SAMPLER()
         if params.grammar is not None:  # first: the others pick among what it allows
             try:
                 grammar = LlamaGrammar.from_string(params.grammar, verbose=False)
@@ -679,12 +701,62 @@ class LlamaEngine(ChatTokensMixin, SeqStateMixin):
             batch.seq_id[i][0] = SCRATCH_SEQ
             batch.logits[i] = i == count - 1
         batch.n_tokens = count
-        return llama_cpp.llama_decode(self.ctx, batch) == 0
+        return int(llama_cpp.llama_decode(self.ctx, batch)) == 0
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         """Use ``n_threads`` for generation and ``n_threads_batch`` (default: the same) for
         prompt batches from the next decode on."""
         llama_cpp.llama_set_n_threads(self.ctx, n_threads, n_threads_batch or n_threads)
+
+    # --- sequence state and window checkpoints (held by ContextState) --------------------
+
+    def take_checkpoints(self) -> list[tuple[int, Any]]:
+        return self._state.take_checkpoints()
+
+    def held_checkpoint(self, limit: int) -> int:
+        return self._state.held_checkpoint(limit)
+
+    @property
+    def appends_state(self) -> bool:
+        return self._state.appends_state
+
+    def state_size(self) -> int:
+        return self._state.state_size()
+
+    def state_buffer(self, size: int) -> ctypes.Array[ctypes.c_uint8]:
+        return self._state.state_buffer(size)
+
+    def state_get(self) -> memoryview:
+        return self._state.state_get()
+
+    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
+        return self._state.state_set(buf, size, tokens)
+
+    def state_append(self, buf: Any, size: int, below: int) -> bool:
+        return self._state.state_append(buf, size, below)
+
+    def state_adopt(self, tokens: Sequence[int]) -> bool:
+        return self._state.state_adopt(tokens)
+
+    def state_save_file(self, path: Path) -> int:
+        return self._state.state_save_file(path)
+
+    def state_load_file(self, path: Path) -> int:
+        return self._state.state_load_file(path)
+
+    # --- roles (see kvchat.engine.api.Engine) ------------------------------------------------
+
+    def token_level(self) -> TokenEngine:
+        return self
+
+    def seq_state(self) -> SeqStateEngine:
+        return self
+
+    def server_slots(self) -> None:
+        return None
+
+    def remote_chat(self) -> None:
+        return None
 
     def close(self) -> None:
         self.llm.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import llama_cpp
@@ -110,19 +110,31 @@ class TextRun:
         return text
 
 
-class ChatTokensMixin:
-    """How :class:`kvchat.engine.llama.LlamaEngine` turns messages into prompt tokens; it
-    defines ``llm``, ``render``, ``tokenize`` and ``_add_bos``."""
+class ChatTokens:
+    """How :class:`kvchat.engine.llama.LlamaEngine` turns messages into prompt tokens: it
+    holds one, built on the engine's template renderer, its text tokenizer and BOS rule."""
 
-    llm: Any
-
-    def _init_markup(self, vocab: Any) -> None:
+    def __init__(
+        self,
+        vocab: Any,
+        render: Callable[[Sequence[dict[str, str]]], str],
+        tokenize: Callable[[str], list[int]],
+        bos: Callable[[str], int | None],
+    ) -> None:
+        """``bos(rendered)``: the BOS id to put before a rendering, or None for none."""
+        self.render = render
+        self.tokenize = tokenize
+        self._bos = bos
         self._markup = Markup(vocab)
         # Stands in for message i's content while the template renders: private-use
         # characters and a random part, so no message text can contain or forge one.
         self._slot_id = secrets.token_hex(8)
         self._slot = f"\ue000{self._slot_id}:"
         self._slots = re.compile(re.escape(self._slot) + r"(\d+)\ue001")
+
+    def _start(self, rendered: str) -> list[int]:
+        bos = self._bos(rendered)
+        return [] if bos is None else [bos]
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt for ``messages``: only the template's own markup makes control tokens.
@@ -163,7 +175,7 @@ class ChatTokensMixin:
             or any(self._slot_id in p for p in pieces[::2])
         ):
             return self._defanged_tokens(messages)
-        tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
+        tokens = self._start(rendered)
         run = TextRun()
         for index, piece in enumerate(pieces):
             if index % 2:  # a message's content or reasoning
@@ -199,7 +211,7 @@ class ChatTokensMixin:
             for m in messages
         ]
         rendered = self.render(safe)
-        tokens: list[int] = [self.llm.token_bos()] if self._add_bos(rendered) else []
+        tokens = self._start(rendered)
         run = TextRun()
         self._add_markup(rendered, run, tokens, shortest=2)
         tokens += self.tokenize(run.take())

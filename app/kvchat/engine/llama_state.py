@@ -46,7 +46,7 @@ PARAMS_LOCK = threading.RLock()
 def scratch_sequence(wanted: bool = True) -> Iterator[None]:
     """Contexts created inside this block (by ``llama_cpp.Llama``, which takes no such
     argument) get :data:`SCRATCH_SEQ` beside sequence 0, in one unified cache of n_ctx
-    cells: what :meth:`SeqStateMixin.state_append` needs. Decoding one sequence in it is
+    cells: what :meth:`ContextState.state_append` needs. Decoding one sequence in it is
     what it is in a single-sequence context. ``wanted`` False: sequence 0 alone."""
     module = llama_cpp.llama_cpp
     with PARAMS_LOCK:
@@ -92,25 +92,45 @@ class StateBuffer:
         return self._array
 
 
-class SeqStateMixin:
-    """Sequence-state methods of :class:`kvchat.engine.llama.LlamaEngine` (sequence 0); it
-    defines ``interleaved``, ``n_tokens`` and ``clear`` besides the attributes below."""
+class ContextState:
+    """Sequence 0's KV in a llama.cpp context as raw bytes, llama.cpp's own state files, and
+    the window checkpoints of sliding-window (and recurrent) models. The llama.cpp engine
+    holds one and hands its ``state_*`` members on; the token list it shares is ``llm``'s."""
 
-    llm: Any
-    ctx: Any
-    n_ctx: int
-    n_swa: int
-    recurrent: bool
-    # Window checkpoints by position (each valid while the context keeps the tokens before
-    # it: a cut below one drops it), and those no save has taken yet.
-    _held: dict[int, ctypes.Array[ctypes.c_uint8]]
-    _unsaved: set[int]
-    _buffer: StateBuffer
-    config: Any
+    def __init__(
+        self,
+        llm: Any,
+        n_swa: int,
+        recurrent: bool,
+        interleaved: bool,
+        n_gpu_layers: int,
+    ) -> None:
+        self.llm = llm
+        self.ctx = llm._ctx.ctx
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
+        self.n_swa = n_swa
+        self.recurrent = recurrent
+        self.interleaved = interleaved
+        self.n_gpu_layers = n_gpu_layers
+        # Window checkpoints by position (each valid while the context keeps the tokens
+        # before it: a cut below one drops it), and those no save has taken yet.
+        self.held: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self.unsaved: set[int] = set()
+        self._buffer = StateBuffer()
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.llm.n_tokens)
+
+    def clear(self) -> None:
+        """Empty the context (the KV of every sequence, the token list, the checkpoints)."""
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), -1, -1, -1)
+        self.llm.n_tokens = 0
+        self.forget_checkpoints()
 
     # --- window checkpoints (sliding-window models) -------------------------------------
 
-    def _window_low(self) -> int:
+    def window_low(self) -> int:
         """The lowest position whose cells the sliding-window cache still holds (llama.cpp's
         interleaved cache answers seq_pos_min from it); -1 when empty.
 
@@ -120,13 +140,13 @@ class SeqStateMixin:
         state holds only its last ``n_swa`` cells."""
         return int(llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(self.ctx), SEQ_ID))
 
-    def _capture(self) -> None:
+    def capture(self) -> None:
         """Keep the window's cells at the current position (llama.cpp's partial state: the
         sliding-window cache alone), if the context really holds all of them."""
         n = self.n_tokens
-        if not n or n in self._held:
+        if not n or n in self.held:
             return
-        low = self._window_low() if self.interleaved else 0
+        low = self.window_low() if self.interleaved else 0
         if low > 0 and n < low + self.n_swa:
             return
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -137,63 +157,63 @@ class SeqStateMixin:
             or llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, SEQ_ID, flags) != size
         ):
             return
-        self._held[n] = buf
+        self.held[n] = buf
         if self.interleaved:  # window pieces go to disk; a recurrent state stays in RAM
-            self._unsaved.add(n)
-        self._trim_held()
+            self.unsaved.add(n)
+        self.trim_held()
 
-    def _trim_held(self) -> None:
+    def trim_held(self) -> None:
         """Forget the oldest held checkpoints beyond the count and byte limits (never the
         two newest, nor one no save has taken yet)."""
-        while len(self._held) > 2:
-            total = sum(len(buf) for buf in self._held.values())
-            if len(self._held) <= MAX_HELD_CHECKPOINTS and total <= MAX_HELD_BYTES:
+        while len(self.held) > 2:
+            total = sum(len(buf) for buf in self.held.values())
+            if len(self.held) <= MAX_HELD_CHECKPOINTS and total <= MAX_HELD_BYTES:
                 return
-            spare = sorted(self._held)[:-2]
-            saved = [pos for pos in spare if pos not in self._unsaved]
+            spare = sorted(self.held)[:-2]
+            saved = [pos for pos in spare if pos not in self.unsaved]
             if not saved:
                 return
-            del self._held[saved[0]]
+            del self.held[saved[0]]
 
-    def _forget_checkpoints(self, above: int = -1) -> None:
+    def forget_checkpoints(self, above: int = -1) -> None:
         """Drop the held checkpoints at positions above ``above`` (all: -1)."""
-        for pos in [pos for pos in self._held if pos > above]:
-            del self._held[pos]
-            self._unsaved.discard(pos)
+        for pos in [pos for pos in self.held if pos > above]:
+            del self.held[pos]
+            self.unsaved.discard(pos)
 
     def take_checkpoints(self) -> list[tuple[int, Any]]:
         """Window checkpoints taken since the last call, as (position, partial state) with
         the context still holding the tokens before each position. They stay held in RAM
         (see :meth:`held_checkpoint`) until the context is cut below them."""
-        taken = sorted((pos, self._held[pos]) for pos in self._unsaved if pos <= self.n_tokens)
-        self._unsaved.clear()
+        taken = sorted((pos, self.held[pos]) for pos in self.unsaved if pos <= self.n_tokens)
+        self.unsaved.clear()
         return taken
 
     def held_checkpoint(self, limit: int) -> int:
         """The furthest held window checkpoint at or below ``limit`` (0: none)."""
-        below = [pos for pos in self._held if 0 < pos <= min(limit, self.n_tokens)]
+        below = [pos for pos in self.held if 0 < pos <= min(limit, self.n_tokens)]
         return max(below, default=0)
 
-    def _load_window(self, position: int) -> bool:
+    def load_window(self, position: int) -> bool:
         """Load the held checkpoint at ``position`` (llama.cpp's partial state: the
         sliding-window cache, or the recurrent state) and cut the rest of the context (its
         full-attention cells) there. False, with the context emptied, when llama.cpp
         refuses it."""
-        buf = self._held[position]
+        buf = self.held[position]
         mem = llama_cpp.llama_get_memory(self.ctx)
         flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         loaded = llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(buf), SEQ_ID, flags)
         # The state now ends at position - 1: llama.cpp cuts the cells after it.
         ok = loaded == len(buf) and llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, position, -1)
         if ok and self.interleaved:
-            ok = self._window_low() == max(0, position - self.n_swa)
+            ok = self.window_low() == max(0, position - self.n_swa)
         if ok and self.recurrent:
             ok = int(llama_cpp.llama_memory_seq_pos_max(mem, SEQ_ID)) == position - 1
         if not ok:
             self.clear()
             return False
         self.llm.n_tokens = position
-        self._forget_checkpoints(above=position)
+        self.forget_checkpoints(above=position)
         return True
 
     # --- sequence state -------------------------------------------------------------------
@@ -235,7 +255,7 @@ class SeqStateMixin:
         return (
             int(llama_cpp.llama_n_seq_max(self.ctx)) > SCRATCH_SEQ
             and not self.interleaved
-            and (self.config.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload())
+            and (self.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload())
         )
 
     def state_append(self, buf: Any, size: int, below: int) -> bool:

@@ -33,10 +33,9 @@ from kvchat.engine.api import (
     CancelCheck,
     EngineCapabilities,
     EngineConfig,
-    EngineDefaults,
     GenerationParams,
     GenerationStats,
-    PrefillResult,
+    RemoteChatEngine,
 )
 from kvchat.engine.openai_wire import (
     ERROR_BODY_S,
@@ -70,7 +69,6 @@ if TYPE_CHECKING:
 
 # Where the KV is, said wherever kvchat would show its own tiers.
 REMOTE_KV_NOTE = "the KV cache is the server's, not kvchat's: no snapshot is saved or restored"
-_NO_TOKENS = "an OpenAI-compatible server tokenizes on its side: kvchat has no token ids here"
 
 
 class OpenAIClient(ServerClient):
@@ -79,6 +77,8 @@ class OpenAIClient(ServerClient):
     JSON): what the server sends is never parsed anywhere else."""
 
     label = "the OpenAI-compatible server"
+    # Shuts a connection whose answer is late (see _connect).
+    _watchdog: threading.Timer | None = None
 
     def _refused(self, status: int, raw: bytes) -> ServerError:
         if status in (401, 403):
@@ -118,7 +118,7 @@ class OpenAIClient(ServerClient):
         try:
             return super()._send(method, path, body, timeout)
         finally:
-            watchdog = getattr(self, "_watchdog", None)
+            watchdog = self._watchdog
             if watchdog is not None:
                 watchdog.cancel()
                 self._watchdog = None
@@ -229,10 +229,10 @@ def figures_of(
     return figures_from(usage, timings)
 
 
-class OpenAIEngine(EngineDefaults):
+class OpenAIEngine:
     """Chat completions on an OpenAI-compatible server (implements
-    :class:`kvchat.engine.Engine` with ``capabilities.remote_chat``: the token-level members
-    have nothing to work on and say so; :meth:`chat` runs a turn)."""
+    :class:`kvchat.engine.Engine` in the role of :class:`kvchat.engine.RemoteChatEngine`:
+    :meth:`chat` runs a turn; it has no token-level role)."""
 
     def __init__(
         self, config: EngineConfig, url: str, api_key: str | None = None, model: str | None = None
@@ -438,72 +438,27 @@ class OpenAIEngine(EngineDefaults):
             )
         stats.finish_reason = "length" if finished == "length" else "stop"
 
-    # --- the token-level members: the server's own ----------------------------------------
-
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        raise KvchatError("an OpenAI-compatible server applies its chat template on its side")
-
-    def tokenize(self, text: str) -> list[int]:
-        raise KvchatError(_NO_TOKENS)
-
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        raise KvchatError(_NO_TOKENS)
+    # --- what is the server's own -------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:
         """0, the store's "not counted": the server's tokenizer is not kvchat's to run."""
         return 0
 
-    @property
-    def tokens(self) -> list[int]:
-        return []
+    # --- roles (see kvchat.engine.api.Engine): whole messages only ---------------------------
 
-    @property
-    def n_tokens(self) -> int:
-        return 0
+    def token_level(self) -> None:
+        """None: the server renders the template and tokenizes on its side."""
+        return None
 
-    def clear(self) -> None:
-        """Nothing here: the server's cache is its own."""
+    def seq_state(self) -> None:
+        """None: the KV is the server's (REMOTE_KV_NOTE)."""
+        return None
 
-    def prefill(self, prompt: Sequence[int], cancel: CancelCheck | None = None) -> PrefillResult:
-        raise KvchatError(_NO_TOKENS)
+    def server_slots(self) -> None:
+        return None
 
-    def settle(self, keep: int, tokens: Sequence[int], cancel: CancelCheck | None = None) -> int:
-        return 0
-
-    def generate(
-        self, params: GenerationParams, stats: GenerationStats, cancel: CancelCheck | None = None
-    ) -> Iterator[str]:
-        raise KvchatError("an OpenAI-compatible server takes messages: see OpenAIEngine.chat")
-
-    def can_shift(self) -> bool:
-        return False
-
-    def shift(self, start: int, end: int) -> int:
-        raise KvchatError("an OpenAI-compatible server's KV is not kvchat's to shift")
-
-    def state_size(self) -> int:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_buffer(self, size: int) -> Any:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_get(self) -> memoryview:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_append(self, buf: Any, size: int, below: int) -> bool:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_adopt(self, tokens: Sequence[int]) -> bool:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_save_file(self, path: Path) -> int:
-        raise NotImplementedError(REMOTE_KV_NOTE)
-
-    def state_load_file(self, path: Path) -> int:
-        raise NotImplementedError(REMOTE_KV_NOTE)
+    def remote_chat(self) -> RemoteChatEngine:
+        return self
 
     def close(self) -> None:
         """Nothing to release: the server keeps running."""

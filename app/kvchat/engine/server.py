@@ -29,10 +29,13 @@ from kvchat.engine.api import (
     CancelCheck,
     EngineCapabilities,
     EngineConfig,
-    EngineDefaults,
     GenerationParams,
     GenerationStats,
+    KvSpec,
     PrefillResult,
+    SlotEngine,
+    TokenEngine,
+    WholeContext,
     common_prefix,
 )
 from kvchat.engine.openai_wire import WireError
@@ -75,7 +78,7 @@ def batched_prefix(decoded: int, align: int, ubatch: int = SERVER_UBATCH) -> int
     return decoded - tail
 
 
-class ServerEngine(EngineDefaults):
+class ServerEngine:
     """A llama-server's slot as the context (implements :class:`kvchat.engine.Engine`)."""
 
     def __init__(self, config: EngineConfig, url: str, api_key: str | None = None) -> None:
@@ -116,6 +119,9 @@ class ServerEngine(EngineDefaults):
         self.prompts = ServerPrompts(self.client, self.props)
         ftype = self.info.model_ftype
         self.batch_align = 1 if ftype.startswith(_UNPACKED_FTYPES) else REPACK_ROWS
+        self.metadata: dict[str, str] = {}  # the GGUF is the server's to read
+        self.template_options: dict[str, object] = {}  # the server's template takes none
+        self._cuts = WholeContext()
         # The server_slot_dir setting (see kvchat.kvcache.server_tiers.ServerSlots).
         self.slot_dir_setting: str | None = None
 
@@ -534,37 +540,55 @@ class ServerEngine(EngineDefaults):
             # say: vouch for no more than it says it reused.
             self._exact = min(self._exact, reused or 0)
 
-    def can_shift(self) -> bool:
-        return False
+    # --- where the context can be cut: anywhere (no sliding window kept here) -------------
 
-    def shift(self, start: int, end: int) -> int:
-        raise KvchatError("the llama-server engine does not shift KV: the kept window is re-read")
+    def reuse_point(self, held: Sequence[int], prompt: Sequence[int]) -> int:
+        return self._cuts.reuse_point(held, prompt)
 
-    # --- sequence state: the bytes stay on the server (see kvchat.kvcache.server_tiers) ----------
+    def restore_floor(self, n_tokens: int) -> int:
+        return self._cuts.restore_floor(n_tokens)
 
-    def state_size(self) -> int:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    @property
+    def window_floor(self) -> int:
+        return self._cuts.window_floor
 
-    def state_buffer(self, size: int) -> Any:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def take_checkpoints(self) -> list[tuple[int, Any]]:
+        return self._cuts.take_checkpoints()
 
-    def state_get(self) -> memoryview:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def held_checkpoint(self, limit: int) -> int:
+        return self._cuts.held_checkpoint(limit)
 
-    def state_set(self, buf: Any, size: int, tokens: Sequence[int]) -> bool:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def kv_spec(self) -> KvSpec | None:
+        """None: the KV bytes stay on the server, kvchat never parses them."""
+        return None
 
-    def state_append(self, buf: Any, size: int, below: int) -> bool:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def chunk_problem(self) -> str | None:
+        return None
 
-    def state_adopt(self, tokens: Sequence[int]) -> bool:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def generate_aside(self, prompt: Sequence[int], max_tokens: int) -> str | None:
+        """Nothing: no scratch sequence here (a server's slot holds the conversation)."""
+        return None
 
-    def state_save_file(self, path: Path) -> int:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    def measure_threads(
+        self, counts: Sequence[int], prompt: int = 32, generate: int = 8
+    ) -> dict[str, dict[str, float]]:
+        """Nothing: the server's thread counts are its own."""
+        return {}
 
-    def state_load_file(self, path: Path) -> int:
-        raise NotImplementedError("llama-server keeps its KV: use slot files")
+    # --- roles (see kvchat.engine.api.Engine) ------------------------------------------------
+
+    def token_level(self) -> TokenEngine:
+        return self
+
+    def seq_state(self) -> None:
+        """None: the KV bytes stay on the server (see kvchat.kvcache.server_tiers)."""
+        return None
+
+    def server_slots(self) -> SlotEngine:
+        return self
+
+    def remote_chat(self) -> None:
+        return None
 
     def close(self) -> None:
         """Nothing to release: the server keeps running (and keeps its slots)."""

@@ -48,7 +48,7 @@ from kvchat.store.server_slots import ServerSlotRow
 from kvchat.store.store import StoreFull
 
 if TYPE_CHECKING:
-    from kvchat.engine.server import ServerEngine
+    from kvchat.engine import SlotEngine
 
 # A donor's file is restored only when it saves this many more tokens than the slot holds.
 MIN_DONOR_GAIN = 32
@@ -78,11 +78,11 @@ def identity_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | N
     return None
 
 
-class ServerSlots(HotSession):
+class ServerSlots:
     """Sessions' KV in a llama-server's slots and slot files (the tiers of that engine)."""
 
-    def __init__(self, store: Store, engine: ServerEngine) -> None:
-        super().__init__()
+    def __init__(self, store: Store, engine: SlotEngine) -> None:
+        self._session = HotSession()
         self.store = store
         self.engine = engine
         self.fingerprint = engine.identity()
@@ -93,9 +93,7 @@ class ServerSlots(HotSession):
         self._exact: list[int] = [0] * engine.n_slots
         self._used: list[float] = [0.0] * engine.n_slots
         # The server's slot directory, where it is readable here (None: a remote server).
-        self.slot_dir: SlotDir | None = self._find_slot_dir(
-            getattr(engine, "slot_dir_setting", None)
-        )
+        self.slot_dir: SlotDir | None = self._find_slot_dir(engine.slot_dir_setting)
 
     def _find_slot_dir(self, setting: str | None) -> SlotDir | None:
         """The ``server_slot_dir`` setting ("none": not readable here); else the directory
@@ -114,6 +112,19 @@ class ServerSlots(HotSession):
         found = listening_slot_dir(self.engine.server_url)
         return SlotDir(found) if found is not None else None
 
+    @property
+    def hot_session_id(self) -> str | None:
+        """The session whose KV the hot tier holds (None: no session's)."""
+        return self._session.id
+
+    @property
+    def dirty(self) -> bool:
+        return self._session.dirty
+
+    def mark_dirty(self) -> None:
+        """The hot KV has changed since its last save."""
+        self._session.dirty = True
+
     # --- the engine and the hot session (as KVTiers) ------------------------------------
 
     def attach(self, engine: Any, fingerprint: Any = None) -> None:
@@ -121,7 +132,7 @@ class ServerSlots(HotSession):
 
     def detach(self) -> None:
         """Before the service closes: save the hot session if its slot has unsaved KV."""
-        if self._dirty and self._hot:
+        if self._session.dirty and self._session.id:
             self.save_hot()
 
     def mark_hot(self, session_id: str | None) -> None:
@@ -132,7 +143,7 @@ class ServerSlots(HotSession):
                 self._held[index] = None
         self._held[slot] = session_id
         self._used[slot] = time.monotonic()
-        self._hot = session_id
+        self._session.id = session_id
 
     @property
     def note(self) -> str:
@@ -164,7 +175,7 @@ class ServerSlots(HotSession):
     ) -> RestoreResult:
         """Put the session's KV in a slot: held already → nothing; else restore its file."""
         engine = self.engine
-        if self._hot and self._dirty and self._hot != session_id:
+        if self._session.id and self._session.dirty and self._session.id != session_id:
             self.save_hot()
         self._remember_slot()
         if no_restore:
@@ -176,7 +187,7 @@ class ServerSlots(HotSession):
         slot = self._slot_of(session_id)
         if slot is not None:
             engine.use_slot(slot, self._tokens[slot], self._exact[slot])
-            self._hot = session_id
+            self._session.id = session_id
             self._used[slot] = time.monotonic()
             return RestoreResult("hot", tokens=engine.n_tokens)
         slot = self._pick_slot()
@@ -343,25 +354,25 @@ class ServerSlots(HotSession):
 
     def _release(self, slot: int) -> None:
         """The slot no longer holds a session of ours (it may still hold its tokens)."""
-        if self._held[slot] == self._hot:
-            self._hot = None
-            self._dirty = False
+        if self._held[slot] == self._session.id:
+            self._session.id = None
+            self._session.dirty = False
         self._held[slot] = None
 
     def spill(self) -> None:
         """Before the slot is used for something else: save the hot session if unsaved."""
-        if self._hot and self._dirty:
+        if self._session.id and self._session.dirty:
             self.save_hot()
         self._remember_slot()
         self._release(self.engine.slot)
-        self._hot = None
+        self._session.id = None
 
     # --- saving ------------------------------------------------------------------------------
 
     def save_hot(self) -> SnapshotWrite:
         """Save the hot session's slot to its file and record its tokens; errors reported."""
         engine = self.engine
-        session_id = self._hot
+        session_id = self._session.id
         if not session_id or engine.n_tokens == 0:
             return SnapshotWrite()
         started = time.perf_counter()
@@ -402,7 +413,7 @@ class ServerSlots(HotSession):
             self._count(server_bytes_written=row.n_bytes)
         except (KvchatError, OSError) as exc:
             return SnapshotWrite(error=f"could not save the server's slot: {exc}")
-        self._dirty = False
+        self._session.dirty = False
         return SnapshotWrite(
             bytes=row.n_bytes, ms=(time.perf_counter() - started) * 1000, written=row.n_bytes
         )
@@ -441,7 +452,7 @@ class ServerSlots(HotSession):
     def location(self, session_id: str) -> str:
         """hot (the slot in use), ram (another slot: no restore needed), disk (a slot file
         on the server) or none."""
-        if session_id == self._hot:
+        if session_id == self._session.id:
             return "hot"
         if self._slot_of(session_id) is not None:
             return "ram"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvchat.engine import Engine, common_prefix
+from kvchat.engine import Engine, SeqStateEngine, TokenEngine, common_prefix
 from kvchat.errors import KvchatError
 from kvchat.kvcache import Fingerprint, RestoreResult, SnapshotStore
 from kvchat.kvcache.cold import checkpoints as windows
@@ -68,30 +68,18 @@ class CacheGc:
     evicted: list[str] = field(default_factory=list)
 
 
+@dataclass
 class HotSession:
     """Which session's KV the hot tier holds, and whether it has changed since its last save
-    (shared by the local tiers and a llama-server's slots)."""
+    (held by the local tiers, a llama-server's slots and a remote server's none)."""
 
-    def __init__(self) -> None:
-        self._hot: str | None = None
-        # The hot KV holds what no saved copy has yet (e.g. a failed save).
-        self._dirty = False
-        # Where the hot KV came from when it was not computed here (a bundle's, restored):
-        # what is saved from it stays in that origin's trust domain (Fingerprint.origin).
-        self._hot_origin: str | None = None
-
-    @property
-    def hot_session_id(self) -> str | None:
-        """The session whose KV the hot tier holds (None: no session's)."""
-        return self._hot
-
-    @property
-    def dirty(self) -> bool:
-        return self._dirty
-
-    def mark_dirty(self) -> None:
-        """The hot KV has changed since its last save."""
-        self._dirty = True
+    # The session whose KV the hot tier holds (None: no session's).
+    id: str | None = None
+    # The hot KV holds what no saved copy has yet (e.g. a failed save).
+    dirty: bool = False
+    # Where the hot KV came from when it was not computed here (a bundle's, restored):
+    # what is saved from it stays in that origin's trust domain (Fingerprint.origin).
+    origin: str | None = None
 
 
 class Tiers(Protocol):
@@ -139,15 +127,17 @@ class Tiers(Protocol):
     def clear(self, session_id: str | None = None) -> int: ...
 
 
-class KVTiers(HotSession):
+class KVTiers:
     """Sessions' KV across the context, RAM and disk; the engine is attached once loaded."""
 
     def __init__(self, store: Store, cold: SnapshotStore, warm: WarmTier) -> None:
-        super().__init__()
+        self._session = HotSession()
         self.store = store
         self.cold = cold
         self.warm = warm
-        self.engine: Engine | None = None
+        # The attached engine's token-level role, and its seq-state role where it has one.
+        self.engine: TokenEngine | None = None
+        self.state: SeqStateEngine | None = None
         self.fingerprint: Fingerprint | None = None
 
     @classmethod
@@ -166,24 +156,41 @@ class KVTiers(HotSession):
             pass  # housekeeping: `kvchat cache gc` tries again; the chat needs none of it
         return cls(store, cold, WarmTier(settings.ram_cache_mib * 2**20))
 
+    @property
+    def hot_session_id(self) -> str | None:
+        """The session whose KV the hot tier holds (None: no session's)."""
+        return self._session.id
+
+    @property
+    def dirty(self) -> bool:
+        return self._session.dirty
+
+    def mark_dirty(self) -> None:
+        """The hot KV has changed since its last save."""
+        self._session.dirty = True
+
     # --- the engine and the hot session ---------------------------------------------------
 
     def attach(self, engine: Engine, fingerprint: Fingerprint) -> None:
         """Use this engine's context as the hot tier; ``fingerprint`` identifies its KV."""
-        self.engine = engine
+        self.engine = engine.token_level()
+        if self.engine is None:
+            raise KvchatError("this engine takes whole messages: its KV is not kvchat's to keep")
+        self.state = engine.seq_state()
         self.fingerprint = fingerprint
 
     def detach(self) -> None:
         """Before the engine closes: save the hot session if it has unsaved KV."""
-        if self.engine is not None and self._dirty and self._hot:
+        if self.engine is not None and self._session.dirty and self._session.id:
             self.save_hot()
         self.engine = None
+        self.state = None
 
     def mark_hot(self, session_id: str | None) -> None:
         """The context now holds ``session_id``'s KV (None: nothing a session can reuse)."""
-        self._hot = session_id
+        self._session.id = session_id
 
-    def _attached(self) -> tuple[Engine, Fingerprint]:
+    def _attached(self) -> tuple[TokenEngine, Fingerprint]:
         if self.engine is None or self.fingerprint is None:
             raise RuntimeError("KVTiers: no engine attached")
         return self.engine, self.fingerprint
@@ -208,15 +215,16 @@ class KVTiers(HotSession):
         if no_restore:
             self.spill()
             engine.clear()
-            self._hot_origin = None
+            self._session.origin = None
             return RestoreResult("none", reason="full prefill requested (--no-restore)")
-        if session_id == self._hot:
+        if session_id == self._session.id:
             if prompt is None or self._can_cut(engine, engine.tokens, prompt, hot=True):
                 return RestoreResult("hot", tokens=engine.n_tokens)
             # A sliding-window context cannot be cut back there: a checkpoint on disk can.
         self.spill()
-        self._hot_origin = None
-        if not engine.capabilities.seq_state:
+        self._session.origin = None
+        state = self.state
+        if state is None:
             engine.clear()
             return RestoreResult("none", reason="this engine cannot restore saved KV")
         if prompt is None and history is not None and self.store.get_snapshot(session_id) is None:
@@ -226,9 +234,9 @@ class KVTiers(HotSession):
         if entry is not None and not self._can_cut(engine, entry.tokens, prompt):
             entry = None  # its window can't be cut back to the prompt: try the disk
         if entry is not None and len(entry.tokens) <= engine.n_ctx:
-            if engine.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
-                self._hot = session_id
-                self._hot_origin = entry.origin
+            if state.state_set(entry.pointer(), entry.n_bytes, entry.tokens):
+                self._session.id = session_id
+                self._session.origin = entry.origin
                 # Timed before the counters' commit: the restore is the memcpy, not SQLite's.
                 elapsed = (time.perf_counter() - started) * 1000
                 self._count(
@@ -242,17 +250,17 @@ class KVTiers(HotSession):
         unused = self._unused_snapshot(session_id, prompt)
         if unused is not None:
             engine.clear()
-            self._hot = session_id
+            self._session.id = session_id
             return RestoreResult("none", reason=unused)
         try:
-            result = self.cold.restore(session_id, engine, fingerprint, prompt)
+            result = self.cold.restore(session_id, state, fingerprint, prompt)
         except StoreFull as exc:
             # Restoring also touches the index (last use, counters); with the disk full the
             # turn goes on from an empty context rather than fail.
             engine.clear()
             result = RestoreResult("none", reason=f"{exc}: full prefill")
-        self._hot = session_id
-        self._hot_origin = result.origin if result.source == "disk" else None
+        self._session.id = session_id
+        self._session.origin = result.origin if result.source == "disk" else None
         return result
 
     def _choose_snapshot(
@@ -315,7 +323,7 @@ class KVTiers(HotSession):
 
     @staticmethod
     def _can_cut(
-        engine: Engine, held: list[int], prompt: list[int] | None, hot: bool = False
+        engine: TokenEngine, held: list[int], prompt: list[int] | None, hot: bool = False
     ) -> bool:
         """Whether a context holding ``held`` can be cut where the prompt's prefill starts
         (a sliding-window state keeps only its window's cells: see
@@ -335,37 +343,38 @@ class KVTiers(HotSession):
 
     def spill(self) -> None:
         """Before the context is overwritten: keep the hot session's KV (disk and RAM)."""
-        engine = self.engine
-        if self._hot and engine is not None and engine.n_tokens:
-            if engine.capabilities.seq_state:
-                if self._dirty:
+        engine = self.state
+        if self._session.id and self.engine is not None and self.engine.n_tokens:
+            if engine is not None:
+                if self._session.dirty:
                     self.save_hot()
                 assert self.fingerprint is not None
                 self.warm.put(
-                    self._hot,
+                    self._session.id,
                     engine.tokens,
                     engine.state_get(),
                     self.fingerprint.model_id,
-                    self._hot_origin,
+                    self._session.origin,
                 )
-        self._hot = None
+        self._session.id = None
 
     def save_hot(self) -> SnapshotWrite:
         """Snapshot the hot context to disk; a failure is reported, never raised."""
-        engine = self.engine
-        if not self._hot or engine is None or engine.n_tokens == 0 or self.fingerprint is None:
+        held = self.engine.n_tokens if self.engine is not None else 0
+        if not self._session.id or not held or self.fingerprint is None:
             return SnapshotWrite()
-        if not engine.capabilities.seq_state:
+        engine = self.state
+        if engine is None:
             return SnapshotWrite(error="this engine cannot save its KV")
         started = time.perf_counter()
         try:
-            fingerprint = self.fingerprint.with_origin(self._hot_origin)
-            saved = self.cold.save(self._hot, engine, fingerprint)
+            fingerprint = self.fingerprint.with_origin(self._session.origin)
+            saved = self.cold.save(self._session.id, engine, fingerprint)
         except DamagedDatabase as exc:
             return SnapshotWrite(error=str(exc))
         except (OSError, KvchatError, sqlite3.Error) as exc:
             return SnapshotWrite(error=_save_error(exc))
-        self._dirty = False
+        self._session.dirty = False
         return SnapshotWrite(
             bytes=saved.row.n_bytes,
             ms=(time.perf_counter() - started) * 1000,
@@ -378,10 +387,10 @@ class KVTiers(HotSession):
 
     def forget(self, session_id: str) -> None:
         """Remove a session's KV from every tier (its text is not ours to touch)."""
-        if self._hot == session_id:
-            self._hot = None
-            self._dirty = False
-            self._hot_origin = None
+        if self._session.id == session_id:
+            self._session.id = None
+            self._session.dirty = False
+            self._session.origin = None
             if self.engine is not None:
                 self.engine.clear()
         self.warm.drop(session_id)
@@ -391,7 +400,7 @@ class KVTiers(HotSession):
 
     def location(self, session_id: str) -> str:
         """Where this session's KV lives now: hot, ram, disk or none."""
-        if session_id == self._hot:
+        if session_id == self._session.id:
             return "hot"
         if session_id in self.warm:
             return "ram"

@@ -198,7 +198,8 @@ class ChatService(SessionReader):
     @property
     def context_tokens(self) -> int:
         """Tokens in the live context (0 before the model loads)."""
-        engine = self.host.loaded
+        loaded = self.host.loaded
+        engine = loaded.token_level() if loaded is not None else None
         return engine.n_tokens if engine is not None else 0
 
     @property

@@ -3,21 +3,18 @@ tiers that keep its KV, closed (or set aside, when it was lent) when another mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from kvchat.config import Settings
 from kvchat.crashes import unreported_crash
-from kvchat.engine import Engine, create_engine, engine_config
-from kvchat.engine.openai import REMOTE_KV_NOTE, OpenAIEngine
+from kvchat.engine import Engine, RemoteChatEngine, TokenEngine, create_engine, engine_config
 from kvchat.engine.probe import ProbeOutcome, probed_config
-from kvchat.engine.server import ServerEngine
 from kvchat.errors import KvchatError
-from kvchat.kvcache import Fingerprint, RestoreResult
+from kvchat.kvcache import Fingerprint
+from kvchat.kvcache.remote_tiers import RemoteTiers
 from kvchat.kvcache.server_tiers import ServerSlots
-from kvchat.kvcache.tiers import CacheGc, HotSession, KVTiers, SnapshotWrite, Tiers
+from kvchat.kvcache.tiers import KVTiers, Tiers
 from kvchat.planner.defaults import DefaultsChoice, plan_defaults, retry_plan
 from kvchat.planner.model_lookup import model_path
 from kvchat.service.checks import check_engine_config, same_file
@@ -30,7 +27,6 @@ from kvchat.service.reasoning import (
     find_switch,
 )
 from kvchat.store import Store
-from kvchat.store.locks import SessionLocks
 
 # An OpenAI-compatible server's replies as the service hands them on: its reasoning
 # (reasoning_content) inside think tags before the answer (see TurnPipeline.run_remote).
@@ -61,7 +57,7 @@ class EngineHost:
         self.tiers: Tiers = tiers
         self._slots: ServerSlots | None = None
         # The engine when it takes whole messages (capabilities.remote_chat), else None.
-        self.remote: OpenAIEngine | None = None
+        self.remote: RemoteChatEngine | None = None
         self._engine: Engine | None = None
         self._lent = lent
         self._set_aside: Engine | None = None
@@ -81,10 +77,11 @@ class EngineHost:
             return self._engine
         if self.settings.engine == "openai":  # the server has the model: nothing to plan
             opened = create_engine(self.settings, Path(self.settings.openai_model or "remote"))
-            if not isinstance(opened, OpenAIEngine) or not opened.capabilities.remote_chat:
+            remote = opened.remote_chat()
+            if remote is None or not opened.capabilities.remote_chat:
                 raise KvchatError("engine openai did not open an OpenAI-compatible server")
-            self._engine, self.remote = opened, opened
-            self.tiers = RemoteTiers(opened.url)
+            self._engine, self.remote = opened, remote
+            self.tiers = RemoteTiers(remote.url)
             return opened
         path = model_path(self.settings)
         self.plan = plan_defaults(self.settings, path)
@@ -94,12 +91,15 @@ class EngineHost:
             check_engine_config(
                 engine, engine_config(planned, path), self.settings.model_fields_set
             )
-            engine.clear()  # another service's KV is not this one's
+            lent = engine.token_level()
+            if lent is not None:
+                lent.clear()  # another service's KV is not this one's
         else:
             engine = self._open(planned, path)
         self._engine = engine
-        if isinstance(engine, ServerEngine):  # a llama-server keeps the KV in its slots
-            self._slots = ServerSlots(self.store, engine)
+        slots = engine.server_slots()
+        if slots is not None:  # a llama-server keeps the KV in its slots
+            self._slots = ServerSlots(self.store, slots)
             self.tiers = self._slots
             return engine
         self._fingerprint = Fingerprint.current(path, engine.layout())
@@ -142,6 +142,14 @@ class EngineHost:
             return self._engine.capabilities.remote_chat
         return self.settings.engine == "openai"  # (before it opens)
 
+    def token_engine(self) -> TokenEngine:
+        """The engine in its token-level role (loaded on first use); a KvchatError for one
+        that takes whole messages (the service asks ``takes_messages`` first)."""
+        tokens = self.load().token_level()
+        if tokens is None:
+            raise KvchatError("this engine takes whole messages, not token ids")
+        return tokens
+
     @property
     def engine(self) -> Engine:
         """The engine, loaded on first use."""
@@ -170,7 +178,7 @@ class EngineHost:
             if self.takes_messages:  # known without asking the server
                 self._style = REMOTE_REASONING
             else:
-                self._style = detect_style(self.load().render)
+                self._style = detect_style(self.token_engine().render)
         return self._style
 
     @property
@@ -186,11 +194,12 @@ class EngineHost:
             if engine.capabilities.server_slots:
                 self._switch = NO_SWITCH
             else:
-                self._switch = find_switch(lambda options: self._render_with(engine, options))
+                tokens = self.token_engine()
+                self._switch = find_switch(lambda options: self._render_with(tokens, options))
         return self._switch
 
     @staticmethod
-    def _render_with(engine: Engine, options: dict[str, object]) -> str:
+    def _render_with(engine: TokenEngine, options: dict[str, object]) -> str:
         kept = engine.template_options
         engine.template_options = options
         try:
@@ -203,13 +212,13 @@ class EngineHost:
         template's default)."""
         if self.load().capabilities.remote_chat:
             return  # the server renders: the choice goes with each request
-        self.load().template_options = self.thinking_switch.options(think)
+        self.token_engine().template_options = self.thinking_switch.options(think)
 
     def kv(self) -> Tiers:
         """The tiers; a llama-server's slot files are known once its engine is open."""
         if self.settings.engine == "llama-server":
             self.load()
-        if self.settings.engine == "openai" and not isinstance(self.tiers, RemoteTiers):
+        if self.settings.engine == "openai" and self._engine is None:
             return RemoteTiers(self.settings.openai_url or "")  # nothing to ask the server
         return self.tiers
 
@@ -270,70 +279,3 @@ class EngineHost:
                 f"generation, {config.n_threads_batch} for prompts"
             )
         return " — ".join(notes)
-
-
-class RemoteTiers(HotSession):
-    """The tiers of an engine whose server keeps the KV (``capabilities.remote_chat``):
-    none. Nothing is saved or restored; :meth:`stats` says where the KV is."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__()
-        self.url = url
-
-    def mark_hot(self, session_id: str | None) -> None:
-        self._hot = session_id
-
-    def attach(self, engine: Engine, fingerprint: Fingerprint) -> None:
-        """Nothing to attach: the KV is the server's."""
-
-    def detach(self) -> None:
-        """Nothing to save."""
-
-    def make_hot(
-        self,
-        session_id: str,
-        *,
-        no_restore: bool = False,
-        prompt: list[int] | None = None,
-        history: Callable[[], list[int] | None] | None = None,
-    ) -> RestoreResult:
-        self._hot = session_id
-        return RestoreResult("none", reason=REMOTE_KV_NOTE)
-
-    def spill(self) -> None:
-        self._hot = None
-
-    def save_hot(self) -> SnapshotWrite:
-        return SnapshotWrite()
-
-    def forget(self, session_id: str) -> None:
-        if self._hot == session_id:
-            self._hot = None
-
-    def location(self, session_id: str) -> str:
-        return "none"
-
-    def snapshot(self, session_id: str) -> None:
-        return None
-
-    def stats(self) -> dict[str, Any]:
-        """KVTiers.stats's shape, all zero, and ``remote``: where the KV is instead."""
-        zeros = ("restores_ram", "restores_disk", "misses", "tokens_restored")
-        return {
-            "ram": {"entries": 0, "bytes": 0, "budget_bytes": 0, "hits": 0, "misses": 0},
-            "disk": {
-                "snapshots": 0,
-                "chunks": 0,
-                "bytes": 0,
-                "logical_bytes": 0,
-                "budget_bytes": 0,
-            },
-            "counters": {name: 0 for name in (*zeros, "bytes_restored", "bytes_written")},
-            "remote": {"url": self.url, "note": REMOTE_KV_NOTE},
-        }
-
-    def gc(self, locks: SessionLocks | None = None) -> CacheGc:
-        return CacheGc()
-
-    def clear(self, session_id: str | None = None) -> int:
-        return 0

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
+from kvchat.engine import (
+    CancelCheck,
+    GenerationParams,
+    GenerationStats,
+    PrefillResult,
+    TokenEngine,
+)
 from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.service.book import DEFAULT_TITLE, SessionBook
@@ -119,7 +125,7 @@ class TurnPipeline:
             raise KvchatError("the message is empty")
         if self.host.takes_messages:
             return text  # the server fits its own context (a refusal keeps the message)
-        engine = self.host.load()
+        engine = self.host.token_engine()
         head = system_head(system_prompt or self.host.settings.system_prompt)
         reserve = reply_reserve(max_tokens, engine.n_ctx)
         fit_window(
@@ -138,7 +144,7 @@ class TurnPipeline:
         session = self.store.get_session(session_id)
         thinks = self.host.reasoning_style.thinks
         chat = [m.as_chat(thinks) for m in history]
-        engine = self.host.engine
+        engine = self.host.token_engine()
         reserve = reply_reserve(
             generation_params(self.host.settings, session.settings, {}).max_tokens, engine.n_ctx
         )
@@ -292,12 +298,12 @@ class TurnPipeline:
             if not history or history[-1].role != "assistant":
                 raise KvchatError("nothing to continue: the session does not end with a reply")
             last = history[-1]
-            engine = self.host.load()
-            if engine.capabilities.remote_chat:
+            if self.host.takes_messages:
                 raise KvchatError(
                     "an OpenAI-compatible server cannot go on inside a reply: regenerate it "
                     "with a larger --max-tokens instead"
                 )
+            engine = self.host.token_engine()
             self.host.use_template_options(session_think(session.settings))
             style = self.host.reasoning_style
             self.book.remember(session_id)
@@ -346,9 +352,9 @@ class TurnPipeline:
         """
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        engine = self.host.load()
-        if engine.capabilities.remote_chat:
+        if self.host.takes_messages:
             raise KvchatError("the benchmark times kvchat's own engines, not a remote server")
+        engine = self.host.token_engine()
         self.upkeep.abandon()
         self.host.use_template_options(session_think(session.settings))
         tiers = self.host.tiers
@@ -377,9 +383,9 @@ class TurnPipeline:
         the session's turn lock held."""
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        engine = self.host.load()
-        if engine.capabilities.remote_chat:
+        if self.host.takes_messages:
             return self.run_remote(session_id, params, options, replaces)
+        engine = self.host.token_engine()
         self.host.use_template_options(session_think(session.settings))
         style = self.host.reasoning_style
         self.book.remember(session_id)
@@ -506,7 +512,7 @@ class TurnPipeline:
         tiers = self.host.tiers
         tiers.mark_hot(session_id)
         shifted = shift()
-        prefill = self._read_prompt(self.host.engine, prompt, options.cancel)
+        prefill = self._read_prompt(self.host.token_engine(), prompt, options.cancel)
         tiers.mark_dirty()
         return PromptRead(restore, prefill, shifted)
 
@@ -593,7 +599,7 @@ class TurnPipeline:
         self.upkeep.after_reply(report, session, prompt, dropped)
 
     def _read_prompt(
-        self, engine: Engine, prompt: list[int], cancel: CancelCheck | None
+        self, engine: TokenEngine, prompt: list[int], cancel: CancelCheck | None
     ) -> PrefillResult:
         """``engine.prefill``, reporting its progress to :attr:`prefill_progress`."""
         hook = self.prefill_progress
@@ -625,7 +631,8 @@ class TurnPipeline:
         context shift), so the prefill reuses the shifted KV and decodes only the new turn.
         An engine whose cache cannot shift re-reads the kept window, and says so.
         """
-        engine = self.host.engine
+        engine = self.host.token_engine()
+        state = engine.seq_state()
         plan = plan_shift(engine.chat_tokens, head, chat, engine.tokens, prompt, dropped)
         if plan is None:
             return WindowShift()
@@ -634,9 +641,9 @@ class TurnPipeline:
             return WindowShift(
                 note=f"the context does not hold the messages that left the window: {kept}"
             )
-        if not engine.capabilities.can_shift:
+        if state is None or not engine.capabilities.can_shift:
             return WindowShift(note=f"this model's KV cache cannot be shifted: {kept}")
-        n_discard = engine.shift(plan.start, plan.end)
+        n_discard = state.shift(plan.start, plan.end)
         if not n_discard:
             return WindowShift(
                 note="llama.cpp did not take back the shifted KV: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvchat.engine import CancelCheck, Engine, GenerationParams, GenerationStats, PrefillResult
+from kvchat.engine import CancelCheck, GenerationParams, GenerationStats, PrefillResult, TokenEngine
 from kvchat.errors import KvchatError
 from kvchat.service.reasoning import NO_REASONING, ReasoningStyle, split_reasoning
 from kvchat.service.reports import TokenCallback
@@ -29,7 +29,7 @@ SaveTrouble = Callable[[str | None], None]
 
 
 def stream_reply(
-    engine: Engine,
+    engine: TokenEngine,
     prefill: PrefillResult,
     params: GenerationParams,
     stats: GenerationStats,

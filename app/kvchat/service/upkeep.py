@@ -83,7 +83,7 @@ class Upkeep:
     ) -> None:
         """Queue the settle (when a reply was stored and the context holds the prompt) and
         the snapshot write; run them now unless a UI defers them."""
-        engine = self.host.engine
+        engine = self.host.token_engine()
         target = None
         if report.message_id is not None and engine.n_tokens >= len(prompt):
             try:
@@ -108,7 +108,7 @@ class Upkeep:
     def _settle_target(self, session: Session, prompt: list[int], dropped: int) -> list[int]:
         """What the context should hold after the reply: exactly the next turn's prompt up
         to the user's words (see :func:`kvchat.service.context_window.settle_target`)."""
-        engine = self.host.engine
+        engine = self.host.token_engine()
         messages = self.store.messages(session.id)[dropped:]  # the window's messages
         head = system_head(session.system_prompt or self.settings.system_prompt)
         thinks = self.host.reasoning_style.thinks
@@ -130,7 +130,7 @@ class Upkeep:
         if tiers.hot_session_id != pending.session_id:
             self._pending = None  # the context moved on (and saved what it held)
             return done
-        engine = self.host.engine
+        engine = self.host.token_engine()
         if pending.target is not None:
             started = time.perf_counter()
             try:
@@ -180,8 +180,8 @@ class Upkeep:
             {"role": "system", "content": TITLE_SYSTEM},
             {"role": "user", "content": f"Name this conversation:\n\n{first[:TITLE_SOURCE_CHARS]}"},
         ]
-        engine = self.host.engine
         try:
+            engine = self.host.token_engine()
             reply = engine.generate_aside(engine.chat_tokens(ask), TITLE_TOKENS)
         except KvchatError:
             return None
@@ -205,7 +205,8 @@ class Upkeep:
         self._yield_now.clear()
         if pending is None or pending.target is None:
             return
-        engine = self.host.loaded
+        loaded = self.host.loaded
+        engine = loaded.token_level() if loaded is not None else None
         if engine is not None and self.host.tiers.hot_session_id == pending.session_id:
             engine.settle(pending.keep, pending.target, lambda: True)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine
 from kvchat.kvcache.cold import chains as chunking
 from kvchat.kvcache.cold import files as kvfiles
 from kvchat.kvcache.cold import formats as fmt
@@ -156,7 +156,7 @@ def _chunk_data(raw: bytes, chunk: IncomingChunk, per_cell: int, label: str) -> 
     data = np.frombuffer(raw, dtype=np.uint8, count=expected, offset=data_at)
     if fmt.checksum(data) != header.get("checksum"):
         raise SnapshotRejected(f"{label} fails its checksum: the KV is corrupt")
-    if struct.unpack_from("<II", data, 0) != (chunk.start, chunk.n_tokens):
+    if struct.unpack_from("<II", data.data, 0) != (chunk.start, chunk.n_tokens):
         raise SnapshotRejected(f"{label} holds other cells than its header says")
     return data
 
@@ -170,7 +170,7 @@ def _check_layout(
         state = np.zeros(size, dtype=np.uint8)
         assembler = kvlayout.Assembler(state, layout_desc, n_tokens)
         assembler.finish(assembler.place(data, 0))
-        parsed = kvlayout.parse(memoryview(state), *shape)
+        parsed = kvlayout.parse(state.data, *shape)
     except kvlayout.LayoutError as exc:
         raise SnapshotRejected(f"the KV does not fit this model's layout ({exc})") from None
     if parsed.describe() != layout_desc or parsed.n_cells != n_tokens:
@@ -200,7 +200,7 @@ def install_chunks(
     tokens: list[int],
     layout_desc: dict[str, Any],
     chunks: Sequence[IncomingChunk],
-    engine: Engine | None = None,
+    engine: SeqStateEngine | None = None,
 ) -> tuple[SnapshotRow, FirstChunkCheck | None]:
     """Write ``chunks`` as ``session_id``'s snapshot of ``tokens``; returns its index row
     and what recomputing the first chunk showed.
@@ -276,7 +276,7 @@ def install_chunks(
 
 
 def _recompute(
-    engine: Engine,
+    engine: SeqStateEngine,
     shape: tuple[int, int, int],
     tokens: list[int],
     data: np.ndarray,
@@ -317,7 +317,7 @@ def install_blob(
     fingerprint: Fingerprint,
     tokens: list[int],
     read: Callable[[], bytes],
-    engine: Engine | None = None,
+    engine: SeqStateEngine | None = None,
     shape: tuple[int, int, int] | None = None,
 ) -> tuple[SnapshotRow, FirstChunkCheck | None]:
     """Write a whole-state blob file as ``session_id``'s snapshot of ``tokens``; with
@@ -347,7 +347,7 @@ def install_blob(
     check: FirstChunkCheck | None = None
     if engine is not None and shape is not None:
         check = _blob_check(engine, shape, tokens, state)
-    parts, digest = fmt.blob_parts(session_id, fingerprint.to_dict(), tokens, memoryview(state))
+    parts, digest = fmt.blob_parts(session_id, fingerprint.to_dict(), tokens, state.data)
     name = fmt.blob_name(session_id)
     path = snapshots.directory / name
     kvfiles.write_atomically(path, parts)
@@ -370,12 +370,12 @@ def install_blob(
 
 
 def _blob_check(
-    engine: Engine, shape: tuple[int, int, int], tokens: list[int], state: np.ndarray
+    engine: SeqStateEngine, shape: tuple[int, int, int], tokens: list[int], state: np.ndarray
 ) -> FirstChunkCheck | None:
     """Recompute a whole state's first cells and compare (None: a state kvchat cannot cut,
     so there is nothing to compare cell by cell)."""
     try:
-        parsed = kvlayout.parse(memoryview(state), *shape)
+        parsed = kvlayout.parse(state.data, *shape)
     except kvlayout.LayoutError:
         return None
     if parsed.n_cells != len(tokens):

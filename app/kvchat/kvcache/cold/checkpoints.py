@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine
 from kvchat.kvcache import defects
 from kvchat.kvcache.cold.chains import window_key
 from kvchat.kvcache.cold.formats import valid_key
@@ -120,7 +120,7 @@ def cover(pieces: Sequence[Piece], first: int, end: int) -> list[Piece] | None:
 
 
 def choose(
-    row: SnapshotRow, keep: int, prompt: Sequence[int] | None, engine: Engine
+    row: SnapshotRow, keep: int, prompt: Sequence[int] | None, engine: SeqStateEngine
 ) -> WindowPoint:
     """The furthest position, at most ``keep`` tokens into ``row`` (a sliding-window
     chain), where it can be restored for ``prompt`` exactly: the window's cells there are
@@ -200,7 +200,7 @@ def assemble_window(
         section = out[8:]
         spec = kvlayout.swa_spec(layout_desc)
         assert spec is not None
-        parsed = kvlayout.parse_section(memoryview(section), spec, end, header=False)
+        parsed = kvlayout.parse_section(section.data, spec, end, header=False)
     except (kvlayout.LayoutError, ValueError, IndexError) as exc:
         raise SnapshotRejected(f"the window checkpoint does not fit its snapshot: {exc}") from None
     described = parsed.describe()

@@ -128,7 +128,7 @@ class ChunkReader:
             raise LayoutError("output buffer too small")
         self.out = out
         self.layout = layout
-        self._view = memoryview(out)
+        self._view = out.data
         self._per_cell = layout.per_cell_bytes()
         # Bytes of transposed V per cell (read through the scratch buffer).
         self._scattered = (
@@ -166,7 +166,7 @@ class ChunkReader:
                 at = layer.offset + start * layer.row_size
                 targets.append(view[at : at + n * layer.row_size])
         if layout.v_trans:
-            targets.append(memoryview(scratch))
+            targets.append(scratch.data)
         return targets
 
     def _scatter(self, scratch: np.ndarray, start: int, n: int) -> None:
@@ -193,7 +193,7 @@ class Piece:
     def __init__(self, layout: StateLayout, data: np.ndarray) -> None:
         self.layout = layout
         self.size = layout.total
-        n, view = layout.n_cells, memoryview(data)
+        n, view = layout.n_cells, data.data
         targets = [view[PREAMBLE : PREAMBLE + layout.meta_size]]
         for layer in layout.k_layers:
             targets.append(view[layer.offset : layer.offset + n * layer.row_size])

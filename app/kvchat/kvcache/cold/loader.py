@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine
 from kvchat.kvcache import defects
 from kvchat.kvcache.cold import chains as chunking
 from kvchat.kvcache.cold import checkpoints as windows
@@ -46,14 +46,14 @@ class SnapshotLoader:
         self._pieces: PieceReader | None = None
 
     def load(
-        self, row: SnapshotRow, engine: Engine, keep: int, window: windows.WindowPoint | None
+        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, window: windows.WindowPoint | None
     ) -> None:
         if row.format == "chunks":
             self._load_chunks(row, engine, keep, window)
         else:
             self._load_blob(row, engine)
 
-    def _load_blob(self, row: SnapshotRow, engine: Engine) -> None:
+    def _load_blob(self, row: SnapshotRow, engine: SeqStateEngine) -> None:
         """Map, verify and load one blob file (named by the session id, never by the row)."""
         path = self._housekeeper.blob_path(row)
         if path is None:
@@ -71,7 +71,7 @@ class SnapshotLoader:
                 del state
 
     def _load_chunks(
-        self, row: SnapshotRow, engine: Engine, keep: int, window: windows.WindowPoint | None
+        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, window: windows.WindowPoint | None
     ) -> None:
         """Verify the chain's chunks covering the first ``keep`` tokens, reassemble, load
         (with the window checkpoint ``window`` appended, for a sliding-window chain)."""
@@ -153,7 +153,7 @@ class SnapshotLoader:
     def _assemble(
         self,
         row: SnapshotRow,
-        engine: Engine,
+        engine: SeqStateEngine,
         keep: int,
         needed: list[tuple[ChunkRow, int]],
         out: Any,
@@ -207,7 +207,7 @@ class SnapshotLoader:
             raise SnapshotRejected("llama.cpp rejected the reassembled snapshot state")
 
     def _append_chunks(
-        self, row: SnapshotRow, engine: Engine, keep: int, needed: list[tuple[ChunkRow, int]]
+        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, needed: list[tuple[ChunkRow, int]]
     ) -> None:
         """Load the chain one chunk at a time, each read, verified and handed to llama.cpp
         while it is still in the CPU's cache (see :class:`PieceReader`). Nothing unverified

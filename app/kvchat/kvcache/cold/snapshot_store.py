@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine
 from kvchat.kvcache.cold import chains as chunking
 from kvchat.kvcache.cold import checkpoints as windows
 from kvchat.kvcache.cold import files as kvfiles
@@ -92,7 +92,7 @@ class SnapshotStore:
 
     # --- save -----------------------------------------------------------------------------
 
-    def save(self, session_id: str, engine: Engine, fingerprint: Fingerprint) -> SaveResult:
+    def save(self, session_id: str, engine: SeqStateEngine, fingerprint: Fingerprint) -> SaveResult:
         """Snapshot the context as ``session_id``'s KV, replacing its previous snapshot.
 
         Raises :class:`SnapshotsUnavailable` (an OSError) when snapshots are disabled.
@@ -127,7 +127,7 @@ class SnapshotStore:
 
     @staticmethod
     def _parse(
-        engine: Engine, state: memoryview
+        engine: SeqStateEngine, state: memoryview
     ) -> tuple[memoryview, kvlayout.StateLayout | None, str | None]:
         """The state (its window cells in position order: see
         :func:`kvlayout.in_position_order`) and its layout, or None and why it is stored
@@ -163,7 +163,7 @@ class SnapshotStore:
     def restore(
         self,
         session_id: str,
-        engine: Engine,
+        engine: SeqStateEngine,
         fingerprint: Fingerprint,
         prompt: list[int] | None = None,
     ) -> RestoreResult:
@@ -229,7 +229,7 @@ class SnapshotStore:
 
     @staticmethod
     def _window_point(
-        row: SnapshotRow, keep: int, prompt: list[int] | None, engine: Engine
+        row: SnapshotRow, keep: int, prompt: list[int] | None, engine: SeqStateEngine
     ) -> windows.WindowPoint | None:
         """For a sliding-window chain: the checkpoint to restore at (see
         :func:`windows.choose`). A whole-state snapshot must fit the prompt as it is: its

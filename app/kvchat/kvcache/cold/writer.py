@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine, common_prefix
 from kvchat.kvcache.cold import chains as chunking
 from kvchat.kvcache.cold import checkpoints as windows
 from kvchat.kvcache.cold import files as kvfiles
@@ -69,7 +69,7 @@ class SnapshotWriter:
         state: memoryview,
         layout: kvlayout.StateLayout,
         fingerprint: Fingerprint,
-        engine: Engine | None = None,
+        engine: SeqStateEngine | None = None,
         pending: list[tuple[int, Any]] | None = None,
     ) -> SaveResult:
         data = np.frombuffer(state, dtype=np.uint8)
@@ -143,7 +143,7 @@ class SnapshotWriter:
         data: np.ndarray,
         layout: kvlayout.StateLayout,
         fingerprint: Fingerprint,
-        engine: Engine,
+        engine: SeqStateEngine,
         pending: list[tuple[int, Any]],
         known: dict[str, ChunkRow],
     ) -> tuple[list[list[object]], list[ChunkRow], int]:
@@ -159,7 +159,7 @@ class SnapshotWriter:
         sections: list[tuple[int, np.ndarray, kvlayout.StateLayout]] = []
         end_section = data[layout.swa.offset : layout.total]
         try:
-            parsed = kvlayout.parse_section(memoryview(end_section), spec, n, header=False)
+            parsed = kvlayout.parse_section(end_section.data, spec, n, header=False)
             sections.append((n, end_section, parsed))
         except kvlayout.LayoutError:
             pass
@@ -169,7 +169,7 @@ class SnapshotWriter:
             try:
                 ordered = kvlayout.in_position_order(partial, spec, partial=True)
                 body = np.frombuffer(ordered, dtype=np.uint8)[8:]
-                parsed = kvlayout.parse_section(memoryview(body), spec, position, header=False)
+                parsed = kvlayout.parse_section(body.data, spec, position, header=False)
             except kvlayout.LayoutError:
                 continue  # not the window this state's layout has: leave it out
             sections.append((position, body, parsed))
@@ -233,7 +233,7 @@ class SnapshotWriter:
             row = donor[0] if donor else None
         if row is None or not row.checkpoints:
             return []
-        shared = chunking.common_prefix(row.token_ids, tokens)
+        shared = common_prefix(row.token_ids, tokens)
         candidates = [
             piece
             for piece in windows.pieces_of(row)

@@ -14,17 +14,17 @@ from kvchat.kvcache.state.layout import PREAMBLE, LayoutError, StateLayout, layo
 def write_headers(out: np.ndarray, layout: StateLayout) -> None:
     """Write every header of a whole state of ``layout`` into ``out`` (the cells' bytes
     go between them)."""
-    struct.pack_into("<QII", out, 0, layout.magic, 1, layout.n_cells)
-    struct.pack_into("<II", out, PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
+    struct.pack_into("<QII", out.data, 0, layout.magic, 1, layout.n_cells)
+    struct.pack_into("<II", out.data, PREAMBLE + layout.meta_size, layout.v_trans, layout.n_layer)
     for layer in layout.k_layers:
-        struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
+        struct.pack_into("<iQ", out.data, layer.offset - 12, layer.type, layer.row_size)
     for layer in layout.v_layers:
         if layout.v_trans:
             struct.pack_into(
-                "<iII", out, layer.offset - 12, layer.type, layer.row_size, layer.n_dims
+                "<iII", out.data, layer.offset - 12, layer.type, layer.row_size, layer.n_dims
             )
         else:
-            struct.pack_into("<iQ", out, layer.offset - 12, layer.type, layer.row_size)
+            struct.pack_into("<iQ", out.data, layer.offset - 12, layer.type, layer.row_size)
 
 
 class Assembler:
@@ -48,7 +48,7 @@ class Assembler:
 
         Chunks cover disjoint cells, so several may be placed at once from threads.
         """
-        start, n = struct.unpack_from("<II", chunk, 0)
+        start, n = (int(v) for v in struct.unpack_from("<II", chunk.data, 0))
         if start != expected_start or len(chunk) != 8 + n * self._per_cell:
             raise LayoutError("chunks do not tile the token range")
         cut = max(0, min(n, self.n_cells - start))
@@ -60,7 +60,7 @@ class Assembler:
         """Copy cells [first, first + count) of ``chunk`` (whatever start its header names)
         to cells [at, at + count) of the output."""
         layout, out = self.layout, self.out
-        (n,) = struct.unpack_from("<I", chunk, 4)
+        (n,) = struct.unpack_from("<I", chunk.data, 4)
         if len(chunk) != 8 + n * self._per_cell:
             raise LayoutError("a chunk's size does not match its cell count")
         if first < 0 or count < 0 or first + count > n or at < 0 or at + count > self.n_cells:

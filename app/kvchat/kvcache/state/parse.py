@@ -134,7 +134,7 @@ def in_position_order(
             out[layer.offset : layer.offset + size] = grid[:, order, :].reshape(-1)
         else:
             permute(layer.offset, layer.row_size)
-    return memoryview(out).cast("B")
+    return out.data.cast("B")
 
 
 def _section(
@@ -188,7 +188,7 @@ def _read_section(
             positions.append(pos)
             continue
         if pos != expected_pos:
-            raise LayoutError(f"cell positions are not {first_pos}, {first_pos + 1}, …")
+            raise LayoutError(f"cell positions are not {first_pos}, {(first_pos or 0) + 1}, …")
         expected_pos += 1
     order: np.ndarray | None = None
     if first_pos is None:

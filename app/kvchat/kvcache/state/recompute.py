@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvchat.engine import Engine
+from kvchat.engine import SeqStateEngine
 from kvchat.kvcache.rejected import SnapshotRejected
 from kvchat.kvcache.state import ranges as kvlayout
 
@@ -127,7 +127,7 @@ def compare_cells(
 
 
 def check_first_cells(
-    engine: Engine,
+    engine: SeqStateEngine,
     shape: tuple[int, int, int],
     tokens: list[int],
     theirs: np.ndarray,
