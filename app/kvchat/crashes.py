@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
+from kvchat.system import current as current_system
+
 CRASH_DIR = "crashes"
 SEEN_SUFFIX = ".seen"
 # Crash logs kept (the oldest are removed when a process starts).
@@ -169,13 +171,7 @@ def _remove(path: Path) -> None:
 
 
 def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid.isdigit() and current_system().pid_alive(int(pid))
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from pathlib import Path
 import platformdirs
 
 from kvchat.errors import KvchatError
+from kvchat.system import current as current_system
 
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -94,10 +95,11 @@ def open_regular(path: str | os.PathLike[str], *, follow_links: bool = True) -> 
     from outside: never blocking on a FIFO or a device (O_NONBLOCK), never a terminal, and,
     with ``follow_links`` False, never through a link. OSError for anything else
     (:class:`NotARegularFile` for what is not a file); the caller closes the descriptor."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-    if not follow_links:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
+    if follow_links:
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+        fd = os.open(path, flags)
+    else:
+        fd = current_system().open_no_follow(Path(path), os.O_RDONLY, nonblocking=True)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

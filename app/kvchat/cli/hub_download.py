@@ -15,8 +15,8 @@ writes to disk.
   answer must start where the file stopped (``Content-Range``).
 - **The ``.partial`` file is kvchat's own or nothing.** Something else at its path (a link,
   a FIFO, a device, a file with other links or another owner) is refused before anything is
-  downloaded; the file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and appended to with
-  ``O_NOFOLLOW``, so no write ever goes through a link.
+  downloaded; the file is created with ``O_CREAT | O_EXCL`` and appended to, never through a
+  link (``kvchat.system``'s no-follow open), so no write ever goes through a link.
 - **What the hub publishes is checked**: a sha256 is 64 hex digits, a size a positive whole
   number; anything else counts as not published.
 """
@@ -40,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvchat.errors import KvchatError
+from kvchat.system import current as current_system
 from kvchat.text import one_line
 
 HEADERS_S = 60.0
@@ -126,7 +127,7 @@ def _own(partial: Path, st: os.stat_result) -> None:
         what = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
     elif st.st_nlink != 1:
         what = "a file with other names (hard links)"
-    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
+    elif not current_system().owned_by_me(st):
         what = "another user's file"
     else:
         return
@@ -139,14 +140,15 @@ def _own(partial: Path, st: os.stat_result) -> None:
 def open_partial(partial: Path, resume: bool) -> int:
     """A descriptor to write ``partial`` with: appended to (``resume``) or new; never
     through a link, never a FIFO or device."""
-    nofollow = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    system = current_system()
     try:
         if resume:
-            fd = os.open(partial, os.O_WRONLY | os.O_APPEND | nofollow)
+            fd = system.open_no_follow(partial, os.O_WRONLY | os.O_APPEND, nonblocking=True)
         else:
             if partial_size(partial) or os.path.lexists(partial):
                 os.unlink(partial)  # our own regular file (partial_size checked)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+            new = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            fd = system.open_no_follow(partial, new, nonblocking=True)
     except OSError as exc:
         raise KvchatError(f"cannot write {partial}: {exc.strerror or exc}") from None
     try:
@@ -161,7 +163,7 @@ def open_partial(partial: Path, resume: bool) -> int:
 def sha256_of(partial: Path, progress: Callable[[int], None] = lambda _n: None) -> str:
     """The sha256 of kvchat's own ``partial`` file (never read through a link)."""
     digest = hashlib.sha256()
-    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = current_system().open_no_follow(partial, os.O_RDONLY, nonblocking=True)
     try:
         _own(partial, os.fstat(fd))
         while chunk := os.read(fd, HASH_CHUNK):

@@ -34,6 +34,7 @@ from kvchat.engine.api import EngineConfig
 from kvchat.engine.probe_book import OutcomeRecord, ProbeBook
 from kvchat.errors import KvchatError
 from kvchat.planner.gguf_info import read_gguf
+from kvchat.system import current as current_system
 from kvchat.text import one_line
 
 PROBE_FILE = "engine-probe.json"
@@ -217,7 +218,7 @@ class ProbeOutcome:
             trial=Trial(**record.trial.model_dump()),
             wanted=Trial(**record.wanted.model_dump()),
             failures=list(record.failures),
-            speeds={n: dict(row) for n, row in record.speeds.items()},
+            speeds={n: {str(k): v for k, v in row.items()} for n, row in record.speeds.items()},
             probe_ms=record.probe_ms,
             when=record.when,
             amx=record.amx,
@@ -283,16 +284,8 @@ def probe_file(directory: Path | None = None) -> Path:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (empty where the OS does not say)."""
+    return set(current_system().cpu().flags)
 
 
 def has_amx(flags: set[str] | None = None) -> bool:
@@ -380,7 +373,7 @@ def run_child(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            **current_system().child_options(),  # the child dies with kvchat where it can
         )
     except OSError as exc:
         return ChildResult(False, error=f"the test run could not start ({exc})")
@@ -434,17 +427,6 @@ def child_answer(stdout: str) -> dict[str, Any]:
 
 
 _ANY_TRIAL = {"repack": False, "flash_attn": False, "n_gpu_layers": 0}
-
-
-def _die_with_parent() -> None:
-    """In the child, before it runs: a SIGKILL when kvchat's thread that started it ends
-    (Linux's PR_SET_PDEATHSIG), so a killed kvchat leaves no probe running."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _native_message(stderr: str) -> str:
@@ -695,14 +677,9 @@ def known_outcomes(directory: Path | None = None) -> list[ProbeOutcome]:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "Hardware"):
-                    return value.strip()
-    except OSError:
-        pass
+    model = current_system().cpu().model
+    if model:
+        return model
     import platform
 
     return platform.processor() or platform.machine()

@@ -36,6 +36,7 @@ from pydantic import (
 
 from kvchat.errors import KvchatError
 from kvchat.paths import open_regular
+from kvchat.system import current as current_system
 from kvchat.text import one_line
 
 # The file is a few KB per combination; more than this is not a probe file.
@@ -190,8 +191,8 @@ class ProbeBook:
         try:
             ensure_private_dir(self.path.parent)
             temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(temporary, flags, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            fd = current_system().open_no_follow(temporary, flags)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 json.dump({"version": 1, "outcomes": outcomes}, fh, indent=1, sort_keys=True)
                 fh.flush()
@@ -208,8 +209,8 @@ class ProbeBook:
         marker = self.path.with_name(f"{self.path.name}{USE_MARKER}{os.getpid()}")
         body = UseMarker(key=key, crash_log=str(crash_log or "")).model_dump_json()
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(marker, flags, 0o600)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            fd = current_system().open_no_follow(marker, flags)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(body)
         except OSError:
@@ -256,15 +257,7 @@ def _remove(path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
+    return current_system().pid_alive(pid)
 
 
 __all__ = [

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvchat.engine.probe import PROBE_CTX, PROBE_GENERATE, PROBE_PROMPT
+from kvchat.system import current as current_system
 
 TEST_CRASH_ENV = "KVCHAT_TEST_PROBE_CRASH"
 # Plain text whose tokens fill the prompt batch (repeated as needed).
@@ -37,12 +37,12 @@ def _test_crash(request: dict[str, Any]) -> None:
         or ("gpu" in wanted and request["n_gpu_layers"] != 0)
     )
     if hit:
-        os.kill(os.getpid(), signal.SIGSEGV)
+        current_system().crash_self()
 
 
 def _watch_parent(parent: int) -> None:
     """End this child when the kvchat that started it is gone (where the kernel does not
-    do it for us: see ``kvchat.engine.probe._die_with_parent``)."""
+    do it for us: see ``kvchat.system``'s ``child_options``)."""
     import threading
     import time
 

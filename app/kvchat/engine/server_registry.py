@@ -25,6 +25,9 @@ from urllib.parse import urlsplit
 
 import platformdirs
 
+from kvchat.system import Listener
+from kvchat.system import current as current_system
+
 
 @dataclass(frozen=True)
 class LocalServer:
@@ -98,15 +101,7 @@ def _read(path: Path) -> LocalServer | None:
 
 
 def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return current_system().pid_alive(pid)
 
 
 def _is_this_machine(host: str) -> bool:
@@ -130,77 +125,33 @@ def _is_this_machine(host: str) -> bool:
     return False
 
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 _SLOT_FLAG = "--slot-save-path"
 
 
 def listening_slot_dir(url: str) -> Path | None:
     """The ``--slot-save-path`` of the process of this user that listens on ``url``'s port
-    on this machine (Linux ``/proc``), when it is a directory; else None."""
+    on this machine (where the OS says which process listens), when it is a directory;
+    else None."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     if not parts.hostname or not _is_this_machine(parts.hostname):
         return None
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return None
-    try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return None
-    for pid in pids:
-        found = _slot_dir_of(pid, inodes)
+    for listener in current_system().listeners(port):
+        found = _slot_dir_of(listener)
         if found is not None:
             return found
     return None
 
 
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on ``port`` (IPv4 and IPv6) in this network namespace."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii", errors="replace") as lines:
-                next(lines, None)
-                for line in lines:
-                    fields = line.split()
-                    if len(fields) < 10 or fields[3] != _LISTEN:
-                        continue
-                    _addr, _, hex_port = fields[1].rpartition(":")
-                    if hex_port and int(hex_port, 16) == port:
-                        inodes.add(fields[9])
-        except (OSError, ValueError):
-            continue
-    return inodes
-
-
-def _slot_dir_of(pid: str, inodes: set[str]) -> Path | None:
-    """Process ``pid``'s ``--slot-save-path`` if it holds one of ``inodes`` (else None)."""
-    base = Path("/proc") / pid
-    try:
-        args = (base / "cmdline").read_bytes()[: 1 << 20].split(b"\0")
-    except OSError:
-        return None
+def _slot_dir_of(listener: Listener) -> Path | None:
+    """The listener's ``--slot-save-path`` when it names a directory (else None)."""
     value: bytes | None = None
-    for index, arg in enumerate(args):
-        if arg == _SLOT_FLAG.encode() and index + 1 < len(args):
-            value = args[index + 1]
+    for index, arg in enumerate(listener.argv):
+        if arg == _SLOT_FLAG.encode() and index + 1 < len(listener.argv):
+            value = listener.argv[index + 1]
         elif arg.startswith(_SLOT_FLAG.encode() + b"="):
             value = arg.split(b"=", 1)[1]
     if not value:
         return None
-    try:
-        fds = os.listdir(base / "fd")
-        cwd = os.readlink(base / "cwd")
-    except OSError:  # another user's process: not ours to look into
-        return None
-    targets = set()
-    for fd in fds:
-        try:
-            targets.add(os.readlink(base / "fd" / fd))
-        except OSError:  # closed meanwhile
-            continue
-    if not any(f"socket:[{inode}]" in targets for inode in inodes):
-        return None
-    path = Path(cwd) / os.fsdecode(value)
+    path = Path(listener.cwd) / os.fsdecode(value)
     return path if path.is_dir() else None

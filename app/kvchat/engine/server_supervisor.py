@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from kvchat.engine.server_registry import LocalServer, register, unregister
+from kvchat.system import current as current_system
 
 # Pauses before each restart in a row, in seconds (the last one repeats).
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -145,7 +146,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until stopped; returns the server's last exit status (0 when stopped)."""
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in current_system().stop_signals():
             if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup keeps ignoring SIGHUP
                 signal.signal(sig, self.stop)
         slot_dir = Path(self.entry.slot_dir)

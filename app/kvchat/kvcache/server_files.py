@@ -19,6 +19,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvchat.system import current as current_system
+
 _NAME = re.compile(r"kvchat-[0-9a-f]{32}-[01]\.bin")
 _CHUNK = 4 << 20
 
@@ -40,7 +42,7 @@ class SlotDir:
     def _open(self, name: str) -> int:
         if not _NAME.fullmatch(name):
             raise FileNotFoundError(errno.ENOENT, "not a kvchat slot file name", name)
-        fd = os.open(self.path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = current_system().open_no_follow(self.path / name, os.O_RDONLY)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise FileNotFoundError(errno.ENOENT, "not a regular file", name)

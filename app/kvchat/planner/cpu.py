@@ -15,6 +15,7 @@ from typing import Any
 from kvchat.planner.kv_bytes import fmt_bytes, kv_bytes_per_token
 from kvchat.planner.model_info import ModelInfo
 from kvchat.planner.plan import PlanConfig, compute_bytes, window_cells
+from kvchat.system import current as current_system
 
 # Besides weights, KV and compute: llama.cpp's own buffers, the tokenizer, Python.
 RAM_OVERHEAD = 256 * 2**20
@@ -56,15 +57,8 @@ class CpuFit:
 
 
 def available_ram() -> int | None:
-    """The RAM the kernel says is available for new work (``MemAvailable``), in bytes."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """The RAM the OS says is available for new work, in bytes (None where unknown)."""
+    return current_system().available_ram()
 
 
 def ram_needed(

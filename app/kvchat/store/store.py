@@ -31,6 +31,7 @@ from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
 from kvchat.store.versions_sql import VersionsSql
+from kvchat.system import current as current_system
 
 __all__ = ["DamagedDatabase", "Store", "StoreFull", "damaged_message", "now"]
 
@@ -69,7 +70,7 @@ def _create_private_file(path: Path) -> None:
     """Create ``path`` as 0600 before SQLite opens it; its -wal/-shm inherit the mode."""
     if path.exists():
         return
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    fd = current_system().open_no_follow(path, os.O_CREAT | os.O_RDWR)
     os.close(fd)
     os.chmod(path, 0o600)
 

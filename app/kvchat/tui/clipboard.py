@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.system import current as current_system
+
 # tmux's set-clipboard values that keep an application's OSC 52 from the terminal.
 BLOCKING = frozenset({"external", "off"})
 ENABLE_HINT = "add `set -g set-clipboard on` to ~/.tmux.conf to copy straight from kvchat"
@@ -70,21 +72,10 @@ def tmux_set_clipboard(env: Mapping[str, str], run: Runner = subprocess.run) -> 
 
 
 def clipboard_command(env: Mapping[str, str]) -> tuple[str, ...] | None:
-    """A clipboard command that is installed and usable here, or None.
-
-    ``wl-copy`` needs a Wayland session and ``xclip`` an X display; ``pbcopy`` is macOS's.
-    """
-    path = env.get("PATH")
-    wl_copy = shutil.which("wl-copy", path=path)
-    if wl_copy and env.get("WAYLAND_DISPLAY"):
-        return (wl_copy,)
-    xclip = shutil.which("xclip", path=path)
-    if xclip and env.get("DISPLAY"):
-        return (xclip, "-selection", "clipboard")
-    pbcopy = shutil.which("pbcopy", path=path)
-    if pbcopy:
-        return (pbcopy,)
-    return None
+    """A clipboard command that is installed and usable here, or None (``kvchat.system``
+    knows which: ``wl-copy`` with Wayland, ``xclip`` with X, ``pbcopy``; ``clip`` on
+    Windows)."""
+    return current_system().clipboard_command(env)
 
 
 def choose_route(env: Mapping[str, str] | None = None, run: Runner = subprocess.run) -> CopyRoute:
@@ -120,10 +111,11 @@ def deliver(route: CopyRoute, text: str, directory: Path) -> CopyOutcome:
         else:
             return CopyOutcome("command", name, f"with {name}: {why}; {ENABLE_HINT}")
     path = write_private(directory / FALLBACK_FILE, text)
+    tools = ", ".join(current_system().clipboard_tools)
     return CopyOutcome(
         "file",
         str(path),
-        f"to {path}: {why} and no clipboard tool (wl-copy, xclip, pbcopy) worked; {ENABLE_HINT}",
+        f"to {path}: {why} and no clipboard tool ({tools}) worked; {ENABLE_HINT}",
     )
 
 

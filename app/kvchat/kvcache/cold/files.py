@@ -6,7 +6,7 @@ the old file or the new one, never a torn one under the final name.
 
 Nothing here follows a symbolic link: a directory is used only when it is a real
 directory (:func:`dir_problem`), a file is read only when it is a regular file opened
-with ``O_NOFOLLOW``, and only regular files are ever removed (:func:`remove_file`).
+without following a link (``kvchat.system``), and only regular files are ever removed (:func:`remove_file`).
 Existing directories are never chmod-ed; new ones are made 0700 by
 :func:`kvchat.paths.ensure_private_dir`.
 """
@@ -26,6 +26,7 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.kvcache.rejected import SnapshotRejected
 from kvchat.paths import ensure_private_dir
+from kvchat.system import current as current_system
 
 TEMP_SUFFIX = ".tmp"
 # Test hook: seconds to stall halfway through writing a snapshot file, so a test can kill
@@ -33,9 +34,6 @@ TEMP_SUFFIX = ".tmp"
 STALL_ENV = "KVCHAT_FAULT_STALL_SNAPSHOT_WRITE"
 # Shortest file that can hold a magic and a header length.
 MIN_FILE_BYTES = 12
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-# Buffers one preadv call takes.
-IOV_MAX = 1024
 
 
 def dir_problem(path: Path) -> str | None:
@@ -69,17 +67,13 @@ def prepare_dir(path: Path) -> str | None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    current_system().fsync_dir(path)
 
 
 def write_atomically(final: Path, parts: list[Any]) -> int:
     """Write ``parts`` to ``final`` via a fsynced temp file and a rename; returns bytes."""
     tmp = final.with_name(f"{final.name}.{os.getpid()}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = current_system().open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     written = 0
     try:
         with os.fdopen(fd, "wb", buffering=0) as fh:
@@ -107,17 +101,11 @@ def write_atomically(final: Path, parts: list[Any]) -> int:
 def temp_writer_alive(name: str) -> bool:
     """Whether temp file ``name`` belongs to another process that is still running."""
     pid_text = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-    return pid_text.isdigit() and int(pid_text) != os.getpid() and _pid_alive(int(pid_text))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0  # someone else's process (or a pid too large to be one)
-    return True
+    return (
+        pid_text.isdigit()
+        and int(pid_text) != os.getpid()
+        and current_system().pid_alive(int(pid_text))
+    )
 
 
 def regular_file(path: Path) -> os.stat_result | None:
@@ -151,7 +139,7 @@ def open_regular(path: Path, label: str) -> tuple[int, int]:
     a directory) or too short to be ours.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = current_system().open_no_follow(path, os.O_RDONLY)
     except FileNotFoundError:
         raise SnapshotRejected(f"snapshot file is missing: {label}") from None
     except OSError as exc:
@@ -173,11 +161,11 @@ def open_regular(path: Path, label: str) -> tuple[int, int]:
 
 
 def map_file(path: Path, label: str) -> mmap.mmap:
-    """The file mapped read-only (MAP_POPULATE: no copy into Python); raises
+    """The file mapped read-only (no copy into Python); raises
     :class:`SnapshotRejected` as :func:`open_regular` does."""
     fd, size = open_regular(path, label)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+        return current_system().map_read_only(fd, size)
     except OSError as exc:
         raise SnapshotRejected(
             f"snapshot file {label} cannot be read ({exc.strerror or exc})"
@@ -187,17 +175,9 @@ def map_file(path: Path, label: str) -> mmap.mmap:
 
 
 def read_into(fd: int, buffers: list[memoryview], offset: int = 0) -> int:
-    """Read the file from ``offset`` straight into ``buffers`` in order (``preadv``, at most
-    ``IOV_MAX`` buffers a call); returns the bytes read, short at the end of the file."""
-    done = 0
-    for first in range(0, len(buffers), IOV_MAX):
-        batch = buffers[first : first + IOV_MAX]
-        want = sum(len(b) for b in batch)
-        got = os.preadv(fd, batch, offset + done)
-        done += got
-        if got != want:
-            break
-    return done
+    """Read the file from ``offset`` straight into ``buffers`` in order; returns the bytes
+    read, short at the end of the file."""
+    return current_system().read_into(fd, buffers, offset)
 
 
 @contextmanager
