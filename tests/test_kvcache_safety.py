@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvchat import system
 from kvchat.engine import EngineCapabilities
-from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import KEYS_MISMATCH, chain_keys, chunk_plan, verify_chain
@@ -31,6 +31,7 @@ from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.kvcache.rejected import SnapshotRejected, SnapshotsUnavailable
 from kvchat.store import Store
 from tests.conftest import FAST
+from tests.stand_in_engine import EngineDefaults
 
 FP = Fingerprint("id0", "m.gguf", "0.3", "f16", "f16", False, 10000.0, 1.0, 0, 2)
 N_LAYER, WIDTH = 2, 4
@@ -445,7 +446,17 @@ def test_a_header_that_is_json_but_not_an_object_falls_back(home: Path, header: 
     assert restore(snapshots, b, 1)[0].source == "disk"
 
 
-def test_a_symlinked_chunk_file_is_not_followed(home: Path, tmp_path: Path) -> None:
+@pytest.fixture(params=system.NAMES)
+def os_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each of kvchat.system's implementations in turn (also in processes started here)."""
+    monkeypatch.setenv(system.PLATFORM_ENV, request.param)
+    yield system.use(request.param)
+    system.use(None)
+
+
+def test_a_symlinked_chunk_file_is_not_followed(
+    home: Path, tmp_path: Path, os_calls: system.System
+) -> None:
     store, snapshots, (a, b) = saved_sessions(home)
     key = store.get_snapshot(a).chunk_keys[0]
     path = home / "snapshots" / "chunks" / fmt.chunk_name(key)
@@ -460,7 +471,9 @@ def test_a_symlinked_chunk_file_is_not_followed(home: Path, tmp_path: Path) -> N
     assert copy.exists()
 
 
-def test_a_symlinked_chunk_subdirectory_is_not_followed(home: Path, tmp_path: Path) -> None:
+def test_a_symlinked_chunk_subdirectory_is_not_followed(
+    home: Path, tmp_path: Path, os_calls: system.System
+) -> None:
     store, snapshots, (a, b) = saved_sessions(home)
     key = store.get_snapshot(a).chunk_keys[0]
     subdir = home / "snapshots" / "chunks" / key[:2]

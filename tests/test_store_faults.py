@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchat import system
 from kvchat.errors import KvchatError
 from kvchat.paths import ensure_private_dir
 from kvchat.store import Store
@@ -163,13 +164,21 @@ def test_an_existing_shared_directory_keeps_its_mode(tmp_path: Path):
     assert stat.S_IMODE((shared / "kvchat.db").stat().st_mode) == 0o600
 
 
+@pytest.fixture(params=system.NAMES)
+def os_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each of kvchat.system's implementations in turn (also in processes started here)."""
+    monkeypatch.setenv(system.PLATFORM_ENV, request.param)
+    yield system.use(request.param)
+    system.use(None)
+
+
 def _hold_then_report(directory: str, session_id: str, ready, release) -> None:
     with SessionLocks(Path(directory)).hold(session_id):
         ready.set()
         release.wait(30)
 
 
-def test_a_session_lock_held_elsewhere_says_which_process(tmp_path: Path):
+def test_a_session_lock_held_elsewhere_says_which_process(tmp_path: Path, os_calls):
     ctx = multiprocessing.get_context("spawn")
     ready, release = ctx.Event(), ctx.Event()
     holder = ctx.Process(target=_hold_then_report, args=(str(tmp_path), "abcd1234", ready, release))
