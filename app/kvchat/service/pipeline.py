@@ -298,7 +298,7 @@ class TurnPipeline:
             if not history or history[-1].role != "assistant":
                 raise KvchatError("nothing to continue: the session does not end with a reply")
             last = history[-1]
-            if self.host.takes_messages:
+            if self.host.load().capabilities.remote_chat:
                 raise KvchatError(
                     "an OpenAI-compatible server cannot go on inside a reply: regenerate it "
                     "with a larger --max-tokens instead"
@@ -352,7 +352,7 @@ class TurnPipeline:
         """
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        if self.host.takes_messages:
+        if self.host.load().capabilities.remote_chat:
             raise KvchatError("the benchmark times kvchat's own engines, not a remote server")
         engine = self.host.token_engine()
         self.upkeep.abandon()
@@ -383,7 +383,7 @@ class TurnPipeline:
         the session's turn lock held."""
         stats = GenerationStats()
         session = self.store.get_session(session_id)
-        if self.host.takes_messages:
+        if self.host.load().capabilities.remote_chat:
             return self.run_remote(session_id, params, options, replaces)
         engine = self.host.token_engine()
         self.host.use_template_options(session_think(session.settings))
