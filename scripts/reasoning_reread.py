@@ -63,12 +63,12 @@ def run(template: str | None, written: str, settle: bool, threads: int) -> tuple
             n_ctx=2048, temperature=0.0, max_tokens=160, n_threads=threads, **extra
         )
         service = ChatService(settings, home=Path(home))
-        service.defer_housekeeping = True
+        service.upkeep.deferred = True
         try:
-            session = service.new_session().id
+            session = service.sessions.new_session().id
             first = service.send(session, "What is two and two?", grammar=forced(written))
             if settle:
-                service.housekeep()
+                service.upkeep.run_pending()
             second = service.send(session, "And three and three?", max_tokens=8)
             thought = service.engine.count_tokens(first.reasoning) if first.reasoning else 0
             return thought, first.tokens.rerendered, second.tokens.decoded

@@ -30,14 +30,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         settings = load_settings(n_ctx=4096, temperature=0.0, n_threads=args.threads)
         svc = ChatService(settings, home=Path(home))
-        svc.defer_housekeeping = True
+        svc.upkeep.deferred = True
         try:
-            session = svc.new_session()
+            session = svc.sessions.new_session()
             print("reply_tokens  gen_ms  settle_ms  settle_ms/token  settle/gen  settled_tokens")
             for text, max_tokens in ASKS:
                 report = svc.send(session.id, text, max_tokens=max_tokens)
                 gen_ms = 1000 * report.tokens.generated / (report.tokens_per_s or 1)
-                done = svc.housekeep()
+                done = svc.upkeep.run_pending()
                 n = report.tokens.generated
                 print(
                     f"{n:>12}  {gen_ms:>6.0f}  {done.settle_ms:>9.0f}  "

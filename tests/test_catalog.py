@@ -238,7 +238,7 @@ def test_models_list_and_plan_show_thinking_and_hybrid(kvhome: Path) -> None:
 async def test_the_picker_shows_the_marks(kvhome: Path) -> None:
     service = ChatService(Settings(n_threads=1))  # type: ignore[call-arg]
     try:
-        choices = service.model_choices()
+        choices = service.models.model_choices()
     finally:
         service.close()
     by_name = {c.name: c for c in choices}

@@ -247,7 +247,7 @@ def test_e2e_chunk_restore_continues_like_the_hot_context(
     settings = Settings(**SMALL_CHUNKS, flash_attn=flash_attn)
     first, second = "Name three rivers and say where each one flows.", "Which is the longest?"
     hot = ChatService(settings, home=tmp_path / "hot")
-    session = hot.new_session()
+    session = hot.sessions.new_session()
     hot.send(session.id, first)
     kept = hot.send(session.id, second)
     assert kept.restore.source == "hot"
@@ -255,7 +255,7 @@ def test_e2e_chunk_restore_continues_like_the_hot_context(
 
     cold_home = tmp_path / "cold"
     writer = ChatService(settings, home=cold_home)
-    twin = writer.new_session()
+    twin = writer.sessions.new_session()
     assert writer.send(twin.id, first).snapshot.chunks_written >= 3
     writer.close()
     resumed = ChatService(settings, home=cold_home)
@@ -279,9 +279,9 @@ def test_e2e_chunks_loaded_one_at_a_time_rebuild_the_saved_state_byte_for_byte(
     service = ChatService(Settings(**SMALL_CHUNKS, flash_attn=flash_attn), home=tmp_path)
     engine = service.load_engine()
     assert engine.capabilities.appends_state
-    session = service.new_session()
+    session = service.sessions.new_session()
     service.send(session.id, "Name three rivers and say where each one flows.")
-    tiers = service.tiers
+    tiers = service.host.tiers
     row = tiers.snapshot(session.id)
     assert row is not None and row.format == "chunks"
     assert engine.tokens == row.token_ids  # the context holds what was saved
@@ -298,7 +298,7 @@ def test_e2e_chunks_loaded_one_at_a_time_rebuild_the_saved_state_byte_for_byte(
     assert bytes(engine.state_get()) == saved
 
     keep = 37  # inside a chunk: the chain's last chunk used is cut short
-    other = service.new_session()
+    other = service.sessions.new_session()
     prompt = [*row.token_ids[:keep], *row.token_ids[keep:][::-1]]
     engine.clear()
     result = tiers.cold.restore(other.id, engine, fingerprint, prompt=prompt)
@@ -318,7 +318,7 @@ def test_e2e_a_damaged_chunk_of_a_real_state_falls_back_with_the_reason(
 ) -> None:
     settings = Settings(**SMALL_CHUNKS)
     service = ChatService(settings)
-    session = service.new_session()
+    session = service.sessions.new_session()
     service.send(session.id, "Name three rivers and say where each one flows.")
     service.close()
     flip_last_byte(next((kvhome / "snapshots" / "chunks").rglob("*.kvc")))

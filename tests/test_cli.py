@@ -72,7 +72,7 @@ def test_list_into_head_ends_quietly(kvhome: Path, tmp_path: Path):
 
     service = ChatService(Settings())
     for n in range(1500):  # more than a pipe holds: the writer meets the closed pipe
-        service.new_session(f"Session number {n}")
+        service.sessions.new_session(f"Session number {n}")
     service.close()
     env = {**clean_env(), "KVCHAT_HOME": str(kvhome)}
     proc = subprocess.run(
@@ -99,8 +99,8 @@ def test_list_columns_line_up_with_wide_titles(kvhome: Path, cli):
         "Plan a trip to Japan",
         "東京と京都と大阪と奈良と広島の旅行の計画を立てる",
     ):
-        session = service.new_session(title)
-        service.add_message(session.id, "user", "hello")
+        session = service.sessions.new_session(title)
+        service.sessions.add_message(session.id, "user", "hello")
     service.close()
     lines = cli(kvhome, "list").stdout.splitlines()
     assert len(lines) == 4

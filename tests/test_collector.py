@@ -102,7 +102,7 @@ async def test_the_app_collects_when_idle_and_gives_python_its_defaults_back(
     gc.unfreeze()
     saved = gc.get_threshold()
     service = StandInService(Settings(n_ctx=8192, n_threads=1))
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     async with app.run_test(size=(100, 30)) as pilot:
         await _settled(pilot)
         await _wait(lambda: app.collector.started)

@@ -118,26 +118,26 @@ def test_edit_and_fork_wait_for_the_turn_lock_then_say_busy(kvhome: Path):
 
     service = ChatService(Settings(temperature=0.0, max_tokens=8, n_ctx=1024))
     try:
-        session = service.new_session()
-        first = service.add_message(session.id, "user", "Hi")
-        service.add_message(session.id, "assistant", "Hello", partial=True)  # streaming
+        session = service.sessions.new_session()
+        first = service.sessions.add_message(session.id, "user", "Hi")
+        service.sessions.add_message(session.id, "assistant", "Hello", partial=True)  # streaming
         ctx = multiprocessing.get_context("spawn")
         ready, release = ctx.Event(), ctx.Event()
         holder = ctx.Process(target=_hold, args=(str(kvhome / "locks"), session.id, ready, release))
         holder.start()
         try:
             assert ready.wait(60)
-            before = len(service.list_sessions())
+            before = len(service.sessions.list_sessions())
             for act in (
-                lambda: service.edit(session.id, first.id, "Hi there"),
-                lambda: service.fork(session.id),
+                lambda: service.sessions.edit(session.id, first.id, "Hi there"),
+                lambda: service.sessions.fork(session.id),
             ):
                 with pytest.raises(SessionBusy, match="busy"):
                     act()
-            assert len(service.list_sessions()) == before  # no branch of a streaming reply
+            assert len(service.sessions.list_sessions()) == before  # no branch of a streaming reply
         finally:
             release.set()
             holder.join(60)
-        assert service.fork(session.id).id  # free again: the fork is made
+        assert service.sessions.fork(session.id).id  # free again: the fork is made
     finally:
         service.close()

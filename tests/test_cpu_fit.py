@@ -57,7 +57,7 @@ def test_plan_and_picker_say_ram_and_the_speed_measured_here(
 
     service = ChatService(load_settings())
     try:
-        choices = {c.name: c for c in service.model_choices()}
+        choices = {c.name: c for c in service.models.model_choices()}
     finally:
         service.close()
     assert (

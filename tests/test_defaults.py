@@ -275,9 +275,11 @@ def test_service_applies_the_plan_when_it_loads_the_model(monkeypatch: pytest.Mo
         assert engine.n_ctx == 256
         assert engine.config.flash_attn and engine.config.type_k == "f16"
         assert engine.config.n_gpu_layers == -1
-        assert service.fingerprint.flash_attn
-        assert service.plan_note and service.plan_note.startswith("GPU plan for vram 6.00 GiB")
-        assert "set by you: n_ctx" in service.plan_note
+        assert service.host.fingerprint.flash_attn
+        assert service.host.plan_note and service.host.plan_note.startswith(
+            "GPU plan for vram 6.00 GiB"
+        )
+        assert "set by you: n_ctx" in service.host.plan_note
     finally:
         service.close()
 

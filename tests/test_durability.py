@@ -86,7 +86,7 @@ def test_kill_during_snapshot_write_leaves_session_resumable(
 
 def test_user_message_is_durable_when_generation_crashes(kvhome: Path):
     service = ChatService(Settings(temperature=0, max_tokens=24, n_ctx=1024))
-    session = service.new_session()
+    session = service.sessions.new_session()
 
     def crash(_piece: str) -> None:
         raise RuntimeError("the UI died mid-reply")
@@ -96,14 +96,14 @@ def test_user_message_is_durable_when_generation_crashes(kvhome: Path):
     # The process dies here: nothing is closed and no snapshot is saved.
 
     reopened = ChatService(Settings())
-    messages = reopened.messages(session.id)
+    messages = reopened.sessions.messages(session.id)
     assert [(m.role, m.content) for m in messages] == [("user", "Write a haiku about tea.")]
     reopened.close()
 
 
 def test_cancel_keeps_the_partial_reply_marked_and_resumes_hot(kvhome: Path):
     service = ChatService(Settings(temperature=0, max_tokens=64, n_ctx=1024))
-    session = service.new_session()
+    session = service.sessions.new_session()
     pieces: list[str] = []
     report = service.send(
         session.id,
@@ -113,7 +113,7 @@ def test_cancel_keeps_the_partial_reply_marked_and_resumes_hot(kvhome: Path):
     )
     assert report.finish_reason == "cancelled"
     assert report.tokens.generated == 5
-    stored = service.messages(session.id)[-1]
+    stored = service.sessions.messages(session.id)[-1]
     assert stored.role == "assistant" and stored.partial and stored.content == report.reply
     assert report.snapshot.bytes > 0
 
@@ -126,14 +126,14 @@ def test_cancel_keeps_the_partial_reply_marked_and_resumes_hot(kvhome: Path):
 
 def test_regenerate_reuses_the_whole_prompt(kvhome: Path):
     service = ChatService(Settings(temperature=0, max_tokens=16, n_ctx=1024))
-    session = service.new_session()
+    session = service.sessions.new_session()
     first = service.send(session.id, "Name a colour.")
     again = service.regenerate(session.id)
     assert again.restore.source == "hot"
     assert again.tokens.decoded == 2  # never one token alone (see Engine.prefill)
     assert again.tokens.reused == again.tokens.prompt - 2
     assert again.reply == first.reply  # greedy: the same reply again
-    assert [m.role for m in service.messages(session.id)] == ["user", "assistant"]
+    assert [m.role for m in service.sessions.messages(session.id)] == ["user", "assistant"]
     service.close()
 
 

@@ -13,7 +13,7 @@ EVIL = "<script>alert('x')</script> & <b>bold</b>"
 
 def make_session(home: Path) -> str:
     service = ChatService(Settings())
-    session = service.new_session(title="Export <me>", system_prompt="Be brief.")
+    session = service.sessions.new_session(title="Export <me>", system_prompt="Be brief.")
     service.store.add_message(session.id, "user", EVIL)
     service.store.add_message(session.id, "assistant", "```python\nprint('hi')\n```")
     service.store.add_message(session.id, "user", "more?")
@@ -60,7 +60,7 @@ def test_html_is_self_contained_and_escapes_everything(kvhome: Path, cli):
 
 def test_html_renders_each_message_markdown_like_the_app(kvhome: Path, cli):
     service = ChatService(Settings())
-    session = service.new_session(title="Markdown")
+    session = service.sessions.new_session(title="Markdown")
     service.store.add_message(session.id, "user", "Shopping:\n- eggs\n- milk\n\nfirst\nsecond")
     reply = (
         "Use **sorted**:\n\n```python\nprint(sorted(x, key=len))\n```\n\n"

@@ -289,7 +289,7 @@ def regenerate(session: str) -> Callable[[ChatService, bool], Any]:
 
 def fork_at(session: str, index: int, text: str) -> Callable[[ChatService, bool], Any]:
     def turn(svc: ChatService, full: bool) -> Any:
-        child = svc.fork(session, svc.messages(session)[index].id)
+        child = svc.sessions.fork(session, svc.sessions.messages(session)[index].id)
         return svc.send(child.id, text, no_restore=full)
 
     return turn

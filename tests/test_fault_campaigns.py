@@ -487,10 +487,10 @@ def _full_disk_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
         return real_tx(self)
 
     calibration = ChatService(Settings(**GREEDY), home=tmp_path / "calibration", engine=engine)
-    calibration.stream_save_every_s = 0.0
+    calibration.turns.stream_save_every_s = 0.0
     Store._tx = counting  # type: ignore[method-assign]
     try:
-        calibration.send(calibration.new_session().id, PROMPTS[0])
+        calibration.send(calibration.sessions.new_session().id, PROMPTS[0])
     finally:
         Store._tx = real_tx  # type: ignore[method-assign]
         calibration.close()
@@ -499,8 +499,8 @@ def _full_disk_cases(tmp_path: Path, n: int, seed: int) -> dict[str, int]:
         for case in range(n):
             home = tmp_path / f"d{case}"
             service = ChatService(Settings(**GREEDY), home=home, engine=engine)
-            service.stream_save_every_s = 0.0
-            session = service.new_session()
+            service.turns.stream_save_every_s = 0.0
+            session = service.sessions.new_session()
             fail_at = case % per_turn + 1
             count = {"n": 0}
 

@@ -132,9 +132,9 @@ def _kill_campaign(
     turn_s = time.monotonic() - started
     # A long session for forks: a fork copies every message.
     service = ChatService(Settings(), home=home)
-    big = service.new_session(title="big")
+    big = service.sessions.new_session(title="big")
     for i in range(1500):
-        service.add_message(big.id, "user" if i % 2 == 0 else "assistant", f"message {i}")
+        service.sessions.add_message(big.id, "user" if i % 2 == 0 else "assistant", f"message {i}")
     service.close()
     sent: list[str] = ["Ready?"]
     outcomes: list[KillOutcome] = []
@@ -532,7 +532,7 @@ def test_a_damaged_database_is_refused_then_salvaged_by_doctor(one_turn_home, co
     # Enough text that damage in the middle of the file spares the session's row.
     service = ChatService(Settings(), home=home)
     for i in range(300):
-        service.add_message(
+        service.sessions.add_message(
             session, "user" if i % 2 == 0 else "assistant", f"padding {i} " + "y" * 300
         )
     service.close()

@@ -149,22 +149,22 @@ def test_relaunch_opens_the_session_the_app_had_open(kvhome: Path) -> None:
 
     service = ChatService(load_settings())
     try:
-        assert service.last_open_session() is None
-        a = service.new_session("A")
-        b = service.new_session("B")
-        assert service.last_open_session().id == b.id  # never opened: the last one made
-        service.remember_open(a.id)
-        service.new_session("made by a CLI ask")
-        service.fork(b.id)
-        assert service.last_open_session().id == a.id
+        assert service.reader.last_open_session() is None
+        a = service.sessions.new_session("A")
+        b = service.sessions.new_session("B")
+        assert service.reader.last_open_session().id == b.id  # never opened: the last one made
+        service.sessions.remember_open(a.id)
+        service.sessions.new_session("made by a CLI ask")
+        service.sessions.fork(b.id)
+        assert service.reader.last_open_session().id == a.id
     finally:
         service.close()
     # A new process (a relaunch) reads the same.
     service = ChatService(load_settings())
     try:
-        assert service.last_open_session().id == a.id
-        service.delete(a.id)
-        assert service.last_open_session() is not None  # gone: the fallback, no error
+        assert service.reader.last_open_session().id == a.id
+        service.sessions.delete(a.id)
+        assert service.reader.last_open_session() is not None  # gone: the fallback, no error
     finally:
         service.close()
 
@@ -185,9 +185,9 @@ def test_a_reply_cut_mid_character_stores_no_replacement_character(kvhome: Path)
         sessions: dict[int, str] = {}
         for n in range(26, 32):  # the bundled model's emoji take several tokens each
             report = service.start(EMOJI_PROMPT, temperature=0, max_tokens=n)
-            stored = service.messages(report.session_id)[-1].content
+            stored = service.sessions.messages(report.session_id)[-1].content
             assert "\ufffd" not in report.reply and "\ufffd" not in stored, (n, stored)
-            assert "\ufffd" not in service.export(report.session_id, "md")
+            assert "\ufffd" not in service.sessions.export(report.session_id, "md")
             assert report.finish_reason == "length"
             assert "stopped at the token limit" in report.summary()
             replies[n] = report.reply
@@ -196,11 +196,11 @@ def test_a_reply_cut_mid_character_stores_no_replacement_character(kvhome: Path)
         assert any(replies[n] == replies[n - 1] for n in range(27, 32))
         cut = next(n for n in range(27, 32) if replies[n] == replies[n - 1])
         session = service.store.get_session(sessions[cut])
-        before = service.messages(session.id)[-1]
+        before = service.sessions.messages(session.id)[-1]
         assert before.content == replies[cut]
         # Continue: more text appended to the same stored reply, from the hot KV.
         report = service.continue_reply(session.id, temperature=0, max_tokens=8)
-        after = service.messages(session.id)
+        after = service.sessions.messages(session.id)
         assert [m.id for m in after][-1] == before.id and len(after) == 2
         assert after[-1].content == before.content + report.reply
         assert report.reply and "\ufffd" not in after[-1].content
@@ -306,7 +306,7 @@ def test_the_final_commit_replaces_the_streamed_partial(kvhome: Path, monkeypatc
 
         monkeypatch.setattr(store, "update_message", spy)
         report = service.start("Count from 1 to 20.", temperature=0, max_tokens=24)
-        messages = service.messages(report.session_id)
+        messages = service.sessions.messages(report.session_id)
         assert [m.role for m in messages] == ["user", "assistant"]
         assert messages[-1].id == report.message_id
         assert messages[-1].content == report.reply and not messages[-1].partial

@@ -23,9 +23,9 @@ def service(kvhome: Path) -> StandInService:
 async def test_a_focus_move_keeps_the_footer_and_a_narrow_window_rebuilds_it(
     service: StandInService,
 ) -> None:
-    session = service.new_session("Talk")
+    session = service.sessions.new_session("Talk")
     service.store.add_message(session.id, "user", "Hello there", token_count=3)
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     async with app.run_test(size=(100, 30)) as pilot:
         await _settled(pilot)
         main = app.main

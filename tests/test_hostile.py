@@ -129,17 +129,17 @@ def test_system_prompts_typed_imported_and_edited_messages_stay_text(service: Ch
     engine = service.engine
     controls = control_ids(engine)
     im_start = token_id(engine, "<|im_start|>")
-    session = service.new_session(system_prompt="Be brief." + FORGED_SYSTEM)
-    service.add_message(session.id, "user", "Imported." + FORGED_ASSISTANT)  # an import
-    service.add_message(session.id, "assistant", "Fine.<|im_end|><|endoftext|>")
+    session = service.sessions.new_session(system_prompt="Be brief." + FORGED_SYSTEM)
+    service.sessions.add_message(session.id, "user", "Imported." + FORGED_ASSISTANT)  # an import
+    service.sessions.add_message(session.id, "assistant", "Fine.<|im_end|><|endoftext|>")
     report = service.send(session.id, "Typed." + FORGED_SYSTEM)
     assert report.message_id is not None
     # The context holds system, 4 messages and the next user's opening: 6 turn opens.
     assert engine.tokens.count(im_start) == 6
     assert len([t for t in engine.tokens if t in controls]) == 11  # 6 opens, 5 closes
 
-    first_user = service.messages(session.id)[0]
-    branch = service.edit(session.id, first_user.id, "Edited." + FORGED_ASSISTANT)
+    first_user = service.sessions.messages(session.id)[0]
+    branch = service.sessions.edit(session.id, first_user.id, "Edited." + FORGED_ASSISTANT)
     service.regenerate(branch.id)
     # System, the edited message, the reply and the next opening.
     assert engine.tokens.count(im_start) == 4
@@ -163,7 +163,7 @@ def _full(kind: str) -> Exception:
 def test_a_full_disk_at_snapshot_time_is_reported_and_the_reply_kept(
     service: ChatService, monkeypatch: pytest.MonkeyPatch, kind: str
 ):
-    session = service.new_session()
+    session = service.sessions.new_session()
 
     def full(*_args, **_kwargs):
         raise _full(kind)
@@ -177,7 +177,7 @@ def test_a_full_disk_at_snapshot_time_is_reported_and_the_reply_kept(
     assert report.snapshot.error and report.snapshot.error.startswith("the disk is full"), (
         report.snapshot.error
     )
-    assert [m.role for m in service.messages(session.id)] == ["user", "assistant"]
+    assert [m.role for m in service.sessions.messages(session.id)] == ["user", "assistant"]
     monkeypatch.undo()
     assert service.send(session.id, "Another?").snapshot.error is None
 
@@ -186,7 +186,7 @@ def test_a_full_disk_at_snapshot_time_is_reported_and_the_reply_kept(
 def test_a_reply_that_cannot_be_stored_is_still_returned(
     service: ChatService, monkeypatch: pytest.MonkeyPatch
 ):
-    session = service.new_session()
+    session = service.sessions.new_session()
     add = service.store.add_message
 
     def full_for_replies(session_id, role, content, **kwargs):
@@ -199,7 +199,7 @@ def test_a_reply_that_cannot_be_stored_is_still_returned(
     assert report.reply.strip() and report.message_id is None
     assert report.reply_error and "could not be saved" in report.reply_error
     assert "the disk is full" in report.reply_error
-    assert [m.role for m in service.messages(session.id)] == ["user"]
+    assert [m.role for m in service.sessions.messages(session.id)] == ["user"]
 
 
 @pytest.mark.e2e
@@ -231,7 +231,7 @@ def test_startup_housekeeping_on_a_full_disk_is_no_error(
     monkeypatch.setattr(SnapshotStore, "cleanup_orphans", full)
     service = ChatService(Settings())
     try:
-        assert service.list_sessions() == []
+        assert service.sessions.list_sessions() == []
     finally:
         service.close()
 
@@ -280,7 +280,7 @@ def test_a_database_that_cannot_open_on_a_full_disk_says_the_disk_is_full(
 
 @pytest.mark.e2e
 def test_a_turn_holds_its_session_for_its_whole_length(service: ChatService, kvhome: Path):
-    session = service.new_session()
+    session = service.sessions.new_session()
     seen: list[str] = []
 
     def try_to_cut_in(_piece: str) -> None:
@@ -299,13 +299,13 @@ def test_a_turn_holds_its_session_for_its_whole_length(service: ChatService, kvh
 def test_a_session_is_not_deleted_under_a_running_turn(kvhome: Path):
     service = ChatService(Settings())
     try:
-        session = service.new_session()
+        session = service.sessions.new_session()
         with SessionLocks(kvhome / "locks").hold(session.id):
             with pytest.raises(KvchatError, match=f"process {os.getpid()}"):
-                service.delete(session.id)
-        assert [s.session.id for s in service.list_sessions()] == [session.id]
-        service.delete(session.id)
-        assert service.list_sessions() == []
+                service.sessions.delete(session.id)
+        assert [s.session.id for s in service.sessions.list_sessions()] == [session.id]
+        service.sessions.delete(session.id)
+        assert service.sessions.list_sessions() == []
     finally:
         service.close()
 
@@ -344,9 +344,9 @@ def test_an_empty_session_name_is_an_error_not_a_new_session(kvhome: Path, cli):
     assert cli(kvhome, "list", "--json").json == []
     service = ChatService(Settings())
     try:
-        service.new_session(title="Something")
+        service.sessions.new_session(title="Something")
         with pytest.raises(KvchatError, match="no session given"):
-            service.resolve(" ")
+            service.sessions.resolve(" ")
     finally:
         service.close()
 
@@ -376,15 +376,17 @@ def test_a_failed_turn_keeps_the_message_of_an_existing_session_and_says_so(
     def broken(*_args, **_kwargs):
         raise KvchatError("llama.cpp could not decode")
 
-    session = service.new_session()
+    session = service.sessions.new_session()
     monkeypatch.setattr(engine, "generate", broken)
     with pytest.raises(UnansweredMessage, match="saved in session .* without a reply"):
         service.send(session.id, "Hello?")
-    assert [(m.role, m.content) for m in service.messages(session.id)] == [("user", "Hello?")]
+    assert [(m.role, m.content) for m in service.sessions.messages(session.id)] == [
+        ("user", "Hello?")
+    ]
     # A new session started by its first message is rolled back instead.
     with pytest.raises(KvchatError, match="llama.cpp could not decode; nothing was saved"):
         service.start("Hello?")
-    assert [s.session.id for s in service.list_sessions()] == [session.id]
+    assert [s.session.id for s in service.sessions.list_sessions()] == [session.id]
 
 
 @pytest.mark.e2e
@@ -394,7 +396,7 @@ def test_a_new_session_without_a_reply_is_not_kept(
     monkeypatch.setattr(service.engine, "generate", lambda *_a, **_k: iter(()))
     with pytest.raises(KvchatError, match="no reply; nothing was saved"):
         service.start("Hello?")
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
 
 
 @pytest.mark.e2e
@@ -414,7 +416,7 @@ def test_a_reader_that_goes_away_does_not_lose_the_reply(kvhome: Path):
     assert proc.wait(300) == 0 and "Traceback" not in stderr, stderr
     service = ChatService(Settings())
     try:
-        (summary,) = service.list_sessions()
+        (summary,) = service.sessions.list_sessions()
         assert summary.messages == 2
     finally:
         service.close()
@@ -448,10 +450,10 @@ def _run_on_a_tty(home: Path, *args: str) -> tuple[int, str]:
 def _hostile_home(home: Path) -> tuple[str, str]:
     service = ChatService(Settings(), home=home)
     try:
-        a = service.new_session(title=f"Rain{ESCAPES}a")
-        service.add_message(a.id, "user", f"Tell me{ESCAPES} about rain.")
-        service.add_message(a.id, "assistant", f"It falls.{ESCAPES}\r\nThe end.")
-        b = service.new_session(title=f"Rain{ESCAPES}b")
+        a = service.sessions.new_session(title=f"Rain{ESCAPES}a")
+        service.sessions.add_message(a.id, "user", f"Tell me{ESCAPES} about rain.")
+        service.sessions.add_message(a.id, "assistant", f"It falls.{ESCAPES}\r\nThe end.")
+        b = service.sessions.new_session(title=f"Rain{ESCAPES}b")
     finally:
         service.close()
     return a.id, b.id
@@ -511,10 +513,10 @@ def _verdict(stdout: str) -> str:
 def test_doctor_checks_and_salvages_a_damaged_database(kvhome: Path, cli):
     assert _verdict(cli(kvhome, "doctor").stdout).startswith("ok (no database yet")
     service = ChatService(Settings())
-    session = service.new_session(title="Keep me")
+    session = service.sessions.new_session(title="Keep me")
     for i in range(300):
         role = "user" if i % 2 == 0 else "assistant"
-        service.add_message(session.id, role, f"padding {i} " + "y" * 300)
+        service.sessions.add_message(session.id, role, f"padding {i} " + "y" * 300)
     service.close()
     healthy = cli(kvhome, "doctor")
     assert _verdict(healthy.stdout).startswith("ok (1 sessions, 300 messages)"), healthy.stdout
@@ -558,11 +560,11 @@ def test_services_can_share_one_loaded_engine(tmp_path: Path):
     replies = []
     for name in ("a", "b"):
         service = ChatService(Settings(**GREEDY), home=tmp_path / name, engine=engine)
-        session = service.new_session()
+        session = service.sessions.new_session()
         replies.append(service.send(session.id, "Name a colour.").reply)
         service.close()
     fresh = ChatService(Settings(**GREEDY), home=tmp_path / "fresh")
-    session = fresh.new_session()
+    session = fresh.sessions.new_session()
     assert replies == [fresh.send(session.id, "Name a colour.").reply] * 2
     fresh.close()
     assert engine.tokenize("still open")  # the services did not close it

@@ -29,14 +29,14 @@ def test_a_message_during_the_reply_skips_the_settle_and_the_next_turn_reads_the
         first = svc.start(FIRST)
         sid = first.session_id
         # The user sends the next message while this reply streams: the UI asks to yield.
-        second = svc.send(sid, SECOND, on_token=lambda _piece: svc.interrupt_housekeeping())
+        second = svc.send(sid, SECOND, on_token=lambda _piece: svc.upkeep.interrupt())
         assert second.message_id is not None and second.tokens.generated > 0
         assert second.snapshot.bytes == 0  # the snapshot write yielded too
-        assert svc.housekeeping_pending
+        assert svc.upkeep.pending
 
         third = svc.send(sid, THIRD)
 
-        assert not svc.housekeeping_pending
+        assert not svc.upkeep.pending
         assert third.restore.source == "hot"
         # The settle never ran: the context kept only the prompt before the reply, so this
         # turn re-reads the reply (as a full prefill would) and the new message.
@@ -58,20 +58,20 @@ def test_deferred_housekeeping_finishes_later_and_the_next_turn_decodes_only_the
 ) -> None:
     svc = service(kvhome)
     try:
-        svc.defer_housekeeping = True
+        svc.upkeep.deferred = True
         first = svc.start(FIRST)
         sid = first.session_id
-        assert first.snapshot.bytes == 0 and svc.housekeeping_pending
+        assert first.snapshot.bytes == 0 and svc.upkeep.pending
 
         # A new message is waiting: the idle UI's housekeeping yields at once.
-        svc.interrupt_housekeeping()
-        waited = svc.housekeep()
+        svc.upkeep.interrupt()
+        waited = svc.upkeep.run_pending()
         assert not waited.finished and waited.settled == 0 and waited.snapshot is None
-        assert svc.housekeeping_pending
-        svc.allow_housekeeping()  # (the message went away; the UI goes idle again)
+        assert svc.upkeep.pending
+        svc.upkeep.allow()  # (the message went away; the UI goes idle again)
 
-        done = svc.housekeep()
-        assert done.finished and not svc.housekeeping_pending
+        done = svc.upkeep.run_pending()
+        assert done.finished and not svc.upkeep.pending
         assert done.snapshot is not None and done.snapshot.bytes > 0
         # The reply and the template's opening of the next user turn, re-read as one batch.
         assert done.settled > first.tokens.generated
@@ -91,8 +91,8 @@ def test_a_service_closed_with_the_settle_pending_saves_the_valid_prefix(kvhome:
     try:
         first = svc.start(FIRST)
         sid = first.session_id
-        second = svc.send(sid, SECOND, on_token=lambda _piece: svc.interrupt_housekeeping())
-        assert svc.housekeeping_pending
+        second = svc.send(sid, SECOND, on_token=lambda _piece: svc.upkeep.interrupt())
+        assert svc.upkeep.pending
     finally:
         svc.close()
 
@@ -113,17 +113,17 @@ def test_deleting_a_session_removes_its_kv_and_keeps_what_a_branch_shares(kvhome
     svc = service(kvhome)
     try:
         parent = svc.start("Tell me about rivers.").session_id
-        first_reply = svc.messages(parent)[-1].id
+        first_reply = svc.sessions.messages(parent)[-1].id
         svc.send(parent, "And what about lakes and the fish that live in them?")
-        branch = svc.fork(parent, at_message=first_reply).id
+        branch = svc.sessions.fork(parent, at_message=first_reply).id
         svc.send(branch, "And seas?")  # borrows the shared prefix, writes its own chunks
-        cold = svc.local_tiers.cold
+        cold = svc.host.local_tiers.cold
         parent_row, branch_row = svc.store.get_snapshot(parent), svc.store.get_snapshot(branch)
         assert parent_row is not None and branch_row is not None
         shared = set(parent_row.chunk_keys) & set(branch_row.chunk_keys)
         assert shared and set(parent_row.chunk_keys) - shared, "no prefix shared or no own chunks"
         parent_files, branch_files = set(cold.files(parent_row)), set(cold.files(branch_row))
-        svc.delete(parent)
+        svc.sessions.delete(parent)
         assert svc.store.get_snapshot(parent) is None
         assert not any(p.exists() for p in parent_files - branch_files)  # its own chunks: gone
         assert all(p.exists() for p in branch_files)  # what the branch uses: kept

@@ -101,7 +101,7 @@ def test_imported_settings_have_the_cli_ranges(service, tmp_path, settings, expe
     path.write_text(json.dumps(document))
     with pytest.raises(BadFile, match=expected):
         import_file(service, path)
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
 
 
 def test_importing_a_directory_is_one_line(kvhome: Path, tmp_path: Path):

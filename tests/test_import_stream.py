@@ -169,8 +169,8 @@ def _fts_trigger(service: ChatService) -> str | None:
 def test_an_import_indexes_its_messages_for_search_and_puts_the_trigger_back(service, tmp_path):
     before = _fts_trigger(service)
     assert before is not None
-    session = service.new_session("Made here")
-    service.add_message(session.id, "user", "a zebra before the import")
+    session = service.sessions.new_session("Made here")
+    service.sessions.add_message(session.id, "user", "a zebra before the import")
     path = tmp_path / "conversations.json"
     write_chatgpt_export(path, 40, 26)
     import_file(service, path)
@@ -187,7 +187,9 @@ def test_an_import_indexes_its_messages_for_search_and_puts_the_trigger_back(ser
     # FTS5's own check of the index against the messages (raises when they differ).
     with db:
         db.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES ('integrity-check', 1)")
-    service.add_message(session.id, "user", "a zebra after the import")  # the trigger works
+    service.sessions.add_message(
+        session.id, "user", "a zebra after the import"
+    )  # the trigger works
     assert len(service.store.search(RARE_WORD, limit=100)) == rare_hits(40, 26) + 2
 
 
@@ -201,8 +203,8 @@ def test_a_failed_import_leaves_the_search_trigger_in_place(service, tmp_path):
     with pytest.raises(BadFile):
         import_file(service, path)
     assert _fts_trigger(service) == before
-    session = service.new_session("After")
-    service.add_message(session.id, "user", "zebra")
+    session = service.sessions.new_session("After")
+    service.sessions.add_message(session.id, "user", "zebra")
     assert len(service.store.search(RARE_WORD)) == 1
 
 

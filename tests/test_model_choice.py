@@ -58,7 +58,7 @@ def bundled() -> Path:
 def test_choices_list_catalog_local_and_bundled_models_with_their_fit(tiny: Path) -> None:
     service = ChatService(settings())
     try:
-        choices = service.model_choices()
+        choices = service.models.model_choices()
     finally:
         service.close()
     by_path = {c.path.resolve(): c for c in choices if c.path is not None}
@@ -92,30 +92,30 @@ def test_switch_model_and_back_and_each_session_remembers_its_model(tiny: Path) 
     try:
         first = service.start("Name a colour.")
         assert first.reply.strip()
-        remembered = service.session_model(first.session_id)
+        remembered = service.models.session_model(first.session_id)
         assert remembered is not None and remembered.loaded and remembered.present
         assert remembered.path == bundled().resolve()
 
-        assert service.switch_model(TINY + ".gguf") == tiny
-        assert service.loaded_model_path == tiny
+        assert service.models.switch_model(TINY + ".gguf") == tiny
+        assert service.host.loaded_model_path == tiny
         assert service.engine.config.model_path == tiny
-        other = service.new_session()
+        other = service.sessions.new_session()
         service.send(other.id, "Hello there")
-        on_tiny = service.session_model(other.id)
+        on_tiny = service.models.session_model(other.id)
         assert on_tiny is not None and on_tiny.name == TINY and on_tiny.loaded
-        before = service.session_model(first.session_id)
+        before = service.models.session_model(first.session_id)
         assert before is not None and before.path == bundled().resolve()
         assert before.present and not before.loaded
-        assert [c.name for c in service.model_choices() if c.loaded] == [f"{TINY}.gguf"]
+        assert [c.name for c in service.models.model_choices() if c.loaded] == [f"{TINY}.gguf"]
 
-        assert service.switch_model("bundled") == bundled()
+        assert service.models.switch_model("bundled") == bundled()
         again = service.send(first.session_id, "And another colour?")
         assert again.reply.strip()
         # The session's KV saved before the first switch comes back for the same model.
         assert again.restore.source in ("ram", "disk"), again.restore
-        back = service.session_model(first.session_id)
+        back = service.models.session_model(first.session_id)
         assert back is not None and back.loaded
-        tiny_session = service.session_model(other.id)
+        tiny_session = service.models.session_model(other.id)
         assert tiny_session is not None and not tiny_session.loaded
     finally:
         service.close()
@@ -127,22 +127,22 @@ def test_a_missing_or_unloadable_model_is_a_clear_error_and_the_old_model_still_
 ) -> None:
     service = ChatService(settings())
     try:
-        session = service.new_session()
+        session = service.sessions.new_session()
         assert service.send(session.id, "Say hello.").reply.strip()
         with pytest.raises(KvchatError, match="model file not found") as missing:
-            service.switch_model(tmp_path / "nowhere.gguf")
+            service.models.switch_model(tmp_path / "nowhere.gguf")
         assert "\n" not in str(missing.value)
         with pytest.raises(KvchatError, match="in the catalog but not downloaded"):
-            service.switch_model("qwen2.5-3b")
+            service.models.switch_model("qwen2.5-3b")
         broken = tmp_path / "broken.gguf"
         broken.write_bytes(b"GGUF" + bytes(64))
         with pytest.raises(KvchatError) as failed:
-            service.switch_model(broken)
+            service.models.switch_model(broken)
         message = str(failed.value)
         assert message.startswith("cannot load broken.gguf") and "\n" not in message
         assert f"still on {bundled().stem}" in message
         assert broken.read_bytes() == b"GGUF" + bytes(64)  # the user's file is only read
-        assert service.loaded_model_path == bundled()
+        assert service.host.loaded_model_path == bundled()
         report = service.send(session.id, "Say hello again.")
         assert report.reply.strip()
     finally:
@@ -209,7 +209,7 @@ async def test_pick_another_model_in_the_app_and_sessions_remember_theirs(
         assert reply.strip()
         on_smol = main.session_id
         assert app.service is not None
-        remembered = app.service.session_model(on_smol or "")
+        remembered = app.service.models.session_model(on_smol or "")
         assert remembered is not None and remembered.loaded
 
         # Back in the first session: the status line names the model it was made with, and

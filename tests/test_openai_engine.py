@@ -203,7 +203,7 @@ def test_the_request_prefix_is_byte_stable_and_carries_session_affinity(
         report = service.start("Hi", system_prompt="Be brief.", seed=1)
         session = report.session_id
         service.send(session, "More?", seed=2)
-        service.configure(session, settings={"think": True})
+        service.sessions.configure(session, settings={"think": True})
         service.send(session, "Why?")
         last_sent = service.engine.last_request  # type: ignore[attr-defined]
     finally:
@@ -233,11 +233,11 @@ def test_cancel_mid_reply_keeps_the_message_and_the_part_said(server: Server, kv
     service = remote_service(kvhome, server.url, max_tokens=200)
     pieces: list[str] = []
     try:
-        session = service.new_session()
+        session = service.sessions.new_session()
         report = service.send(
             session.id, "Tell me a story.", on_token=pieces.append, cancel=lambda: len(pieces) >= 3
         )
-        messages = service.messages(session.id)
+        messages = service.sessions.messages(session.id)
     finally:
         service.close()
     assert report.finish_reason == "cancelled"

@@ -51,7 +51,9 @@ def service(home: Path) -> ChatService:
 def would_overflow(svc: ChatService, session_id: str, text: str) -> bool:
     engine = svc.engine
     session = svc.store.get_session(session_id)
-    chat = [m.as_chat() for m in svc.messages(session_id)] + [{"role": "user", "content": text}]
+    chat = [m.as_chat() for m in svc.sessions.messages(session_id)] + [
+        {"role": "user", "content": text}
+    ]
     prompt = engine.chat_tokens(svc.turns.head(session) + chat)
     return len(prompt) > engine.n_ctx - min(MAX_TOKENS, engine.n_ctx // 4)
 
@@ -75,7 +77,7 @@ def full_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
         mp.setenv("KVCHAT_HOME", str(home))
         svc = service(home)
         try:
-            session = svc.new_session()
+            session = svc.sessions.new_session()
             i = 0
             while not would_overflow(svc, session.id, message(i)):
                 report = svc.send(session.id, message(i))
@@ -156,7 +158,7 @@ def test_shift_in_process_keeps_tokens_positions_and_cells_in_order(
         assert report.shifted_tokens > 0 and report.shifted_messages == report.dropped_messages
         assert "KV shift" in report.summary() and "left the window" in report.summary()
         # The context holds the window's prompt (then the reply): tokens and positions agree.
-        window = [m.as_chat() for m in svc.messages(session)[report.dropped_messages :]]
+        window = [m.as_chat() for m in svc.sessions.messages(session)[report.dropped_messages :]]
         prompt = engine.chat_tokens(svc.turns.head(svc.store.get_session(session)) + window[:-1])
         assert engine.tokens[: len(prompt)] == prompt
         mem = llama_cpp.llama_get_memory(engine.ctx)

@@ -284,8 +284,8 @@ def test_the_service_opens_the_model_on_a_smaller_plan_and_says_why(kvhome, monk
     try:
         service.load_engine()
         assert [ctx for ctx, _ in tried] == [8192, 4096]
-        assert service.plan is not None and service.plan.n_ctx == 4096
-        assert "the GPU could not open the model with n_ctx 8,192" in (service.plan_note or "")
+        assert service.host.plan is not None and service.host.plan.n_ctx == 4096
+        assert "the GPU could not open the model with n_ctx 8,192" in (service.host.plan_note or "")
         report = service.start("Hi")
         assert report.reply
     finally:

@@ -161,16 +161,16 @@ def test_reasoning_is_stored_apart_and_the_next_turn_decodes_only_the_new_messag
 ) -> None:
     service = service_on(kvhome, template, tmp_path)
     try:
-        session = service.new_session().id
+        session = service.sessions.new_session().id
         first = service.send(session, "What is two and two?", grammar=forced(written))
         assert (first.reasoning, first.reply) == (REASONING, ANSWER)
-        stored = service.messages(session)[-1]
+        stored = service.sessions.messages(session)[-1]
         assert (stored.reasoning, stored.content) == (REASONING, ANSWER)
         assert first.to_json()["reasoning"] == REASONING
         # The template renders the reply without its reasoning next turn: the context
         # held it as generated, so those tokens are re-rendered (and settled now).
         assert first.tokens.rerendered > 10
-        fork = service.fork(session).id
+        fork = service.sessions.fork(session).id
         second = service.send(session, "And three and three?")
         assert second.tokens.decoded < 64, second.summary()
         fresh = service.send(fork, "And three and three?", no_restore=True)
@@ -184,19 +184,19 @@ def test_reasoning_is_stored_apart_and_the_next_turn_decodes_only_the_new_messag
 def test_reasoning_goes_into_every_export_and_can_be_left_out(kvhome: Path, tmp_path: Path) -> None:
     service = service_on(kvhome, KEEP_AFTER_LAST_QUESTION, tmp_path)
     try:
-        session = service.new_session().id
+        session = service.sessions.new_session().id
         written = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
         service.send(session, "What is two and two?", grammar=forced(written))
-        as_json = json.loads(service.export(session, "json"))
+        as_json = json.loads(service.sessions.export(session, "json"))
         reply = as_json["messages"][-1]
         assert (reply["content"], reply["reasoning_content"]) == (ANSWER, REASONING)
-        markdown = service.export(session, "md")
+        markdown = service.sessions.export(session, "md")
         assert f"> **Reasoning**\n>\n> {REASONING}\n\n{ANSWER}" in markdown
-        page = service.export(session, "html")
+        page = service.sessions.export(session, "html")
         assert '<details class="reasoning"><summary>Reasoning</summary>' in page
         assert REASONING in page and "<think>" not in page
         for fmt in ("json", "md", "html"):
-            assert REASONING not in service.export(session, fmt, reasoning=False)
+            assert REASONING not in service.sessions.export(session, fmt, reasoning=False)
     finally:
         service.close()
 
@@ -207,14 +207,14 @@ def test_a_json_export_imports_back_with_its_reasoning(kvhome: Path, tmp_path: P
 
     service = service_on(kvhome, KEEP_AFTER_LAST_QUESTION, tmp_path)
     try:
-        session = service.new_session().id
+        session = service.sessions.new_session().id
         written = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
         service.send(session, "What is two and two?", grammar=forced(written))
         exported = tmp_path / "session.json"
-        exported.write_text(service.export(session, "json"), encoding="utf-8")
+        exported.write_text(service.sessions.export(session, "json"), encoding="utf-8")
         imported = import_file(service, exported).sessions[0].session
-        before = [(m.role, m.content, m.reasoning) for m in service.messages(session)]
-        after = [(m.role, m.content, m.reasoning) for m in service.messages(imported)]
+        before = [(m.role, m.content, m.reasoning) for m in service.sessions.messages(session)]
+        after = [(m.role, m.content, m.reasoning) for m in service.sessions.messages(imported)]
         assert after == before and after[-1] == ("assistant", ANSWER, REASONING)
     finally:
         service.close()
@@ -265,14 +265,14 @@ def test_other_apps_reasoning_is_imported_apart_from_the_answer(
     service = ChatService(load_settings(), home=kvhome)
     try:
         first = import_file(service, openai_style).sessions[0].session
-        assert [(m.content, m.reasoning) for m in service.messages(first)] == [
+        assert [(m.content, m.reasoning) for m in service.sessions.messages(first)] == [
             ("Q1", ""),
             ("A1", "R1"),
             ("Q2", ""),
             ("A2", "R2"),
         ]
         second = import_file(service, chatgpt).sessions[0].session
-        assert [(m.content, m.reasoning) for m in service.messages(second)] == [
+        assert [(m.content, m.reasoning) for m in service.sessions.messages(second)] == [
             ("Q", ""),
             ("A", "Plan\n\nThink."),
         ]
@@ -313,15 +313,15 @@ def test_a_session_turns_thinking_off_through_the_templates_own_switch(
 ) -> None:
     service = service_on(kvhome, SWITCHED, tmp_path)
     try:
-        assert service.thinking_switch().keyword == "enable_thinking"
-        quiet = service.new_session().id
-        service.configure(quiet, settings={"think": False})
+        assert service.host.thinking_switch.keyword == "enable_thinking"
+        quiet = service.sessions.new_session().id
+        service.sessions.configure(quiet, settings={"think": False})
         off = service.send(quiet, "Hi", max_tokens=2)
         engine = service.engine
         prompt = engine.tokens[: off.tokens.prompt]
         assert "<think>\n\n</think>" in engine.llm.detokenize(prompt).decode()
-        thinking = service.new_session().id
-        service.configure(thinking, settings={"think": True})
+        thinking = service.sessions.new_session().id
+        service.sessions.configure(thinking, settings={"think": True})
         on = service.send(thinking, "Hi", max_tokens=2)
         assert "</think>" not in engine.llm.detokenize(engine.tokens[: on.tokens.prompt]).decode()
         assert on.tokens.prompt < off.tokens.prompt

@@ -186,7 +186,7 @@ def test_two_slots_keep_two_sessions_hot(tmp_path: Path) -> None:
         assert again.tokens.decoded < 32
         assert service.kv_location(b.session_id) == "ram"  # the other slot
         # The status bar says where the model runs.
-        assert service.plan_note == f"llama-server {running.url} · 2 slots of {N_CTX:,} tokens"
+        assert service.host.plan_note == f"llama-server {running.url} · 2 slots of {N_CTX:,} tokens"
     finally:
         service.close()
         running.stop()
@@ -356,7 +356,7 @@ def test_a_fork_resumes_from_its_parents_slot_file(server: Server, tmp_path: Pat
         service.send(parent, "And dogs?")
         service.start("Something else entirely.")  # takes the one slot
         first_two = service.store.messages(parent)[1].id
-        fork = service.fork(parent, first_two)
+        fork = service.sessions.fork(parent, first_two)
         report = service.send(fork.id, "And birds?")
         assert report.restore.source == "server" and report.restore.donor == parent
         assert report.tokens.decoded < 32, report.tokens

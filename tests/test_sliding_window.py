@@ -303,14 +303,14 @@ def test_edit_and_fork_past_the_ring_decode_only_the_new_part(
         svc.send(session, "And the baker?")
         # The hot context can no longer be cut where the branches part.
         assert svc.engine.window_floor > second.tokens.reused
-        messages = svc.messages(session)
+        messages = svc.sessions.messages(session)
 
         def edit(s: ChatService) -> Any:
-            branch = s.edit(session, messages[2].id, "What did the weaver say?")
+            branch = s.sessions.edit(session, messages[2].id, "What did the weaver say?")
             return s.regenerate(branch.id, no_restore=s is not svc)
 
         def fork(s: ChatService) -> Any:
-            child = s.fork(session, messages[1].id)
+            child = s.sessions.fork(session, messages[1].id)
             return s.send(child.id, "Who was the miller?", no_restore=s is not svc)
 
         for turn, shared in ((edit, second.tokens.reused), (fork, second.tokens.reused)):

@@ -211,16 +211,16 @@ def test_forks_and_edits_record_their_parent_and_delete_reparents(
     monkeypatch.setattr(ChatService, "engine", property(lambda self: Counting()))
     service = ChatService(Settings())
     try:
-        root = service.new_session("Root")
-        question = service.add_message(root.id, "user", "first question")
-        service.add_message(root.id, "assistant", "first answer")
+        root = service.sessions.new_session("Root")
+        question = service.sessions.add_message(root.id, "user", "first question")
+        service.sessions.add_message(root.id, "assistant", "first answer")
         assert root.parent_id is None
-        fork = service.fork(root.id)
-        edit = service.edit(root.id, question.id, "edited question")
-        grandchild = service.fork(fork.id)
+        fork = service.sessions.fork(root.id)
+        edit = service.sessions.edit(root.id, question.id, "edited question")
+        grandchild = service.sessions.fork(fork.id)
         assert fork.parent_id == root.id and edit.parent_id == root.id
         assert grandchild.parent_id == fork.id
-        parents = {s.session.id: s.session.parent_id for s in service.list_sessions()}
+        parents = {s.session.id: s.session.parent_id for s in service.sessions.list_sessions()}
         assert parents == {
             root.id: None,
             fork.id: root.id,
@@ -228,10 +228,10 @@ def test_forks_and_edits_record_their_parent_and_delete_reparents(
             grandchild.id: fork.id,
         }
 
-        service.delete(fork.id)  # its branch moves up to the grandparent
-        assert service.resolve(grandchild.id).parent_id == root.id
-        service.delete(root.id)  # and to no parent at the top
-        parents = {s.session.id: s.session.parent_id for s in service.list_sessions()}
+        service.sessions.delete(fork.id)  # its branch moves up to the grandparent
+        assert service.sessions.resolve(grandchild.id).parent_id == root.id
+        service.sessions.delete(root.id)  # and to no parent at the top
+        parents = {s.session.id: s.session.parent_id for s in service.sessions.list_sessions()}
         assert parents == {edit.id: None, grandchild.id: None}
     finally:
         service.close()

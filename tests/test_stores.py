@@ -102,7 +102,7 @@ def test_every_store_is_found_with_its_names_and_problems(stores: Path) -> None:
 def test_the_picker_offers_them_and_says_why_not(stores: Path, kvhome: Path) -> None:
     service = ChatService(load_settings(model_dirs=[str(stores)]))
     try:
-        choices = {c.name: c for c in service.model_choices()}
+        choices = {c.name: c for c in service.models.model_choices()}
     finally:
         service.close()
     tiny = choices["ollama:tiny:latest"]

@@ -61,7 +61,7 @@ def chunk_files(home: Path) -> list[Path]:
 
 def test_each_turn_writes_only_new_chunks_and_resumes_exactly(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS))
-    session = service.new_session()
+    session = service.sessions.new_session()
     first = service.send(session.id, "Name three rivers.")
     second = service.send(session.id, "And three mountains?")
     per_token = second.snapshot.bytes / service.context_tokens
@@ -79,7 +79,7 @@ def test_each_turn_writes_only_new_chunks_and_resumes_exactly(kvhome: Path):
     assert restored.tokens.reused == restored.restore.tokens
     resumed.close()
     baseline = ChatService(Settings(**SMALL_CHUNKS))
-    baseline.store.delete_message(baseline.messages(session.id)[-1].id)
+    baseline.store.delete_message(baseline.sessions.messages(session.id)[-1].id)
     again = baseline.regenerate(session.id, no_restore=True)
     assert again.reply == restored.reply
     baseline.close()
@@ -87,11 +87,11 @@ def test_each_turn_writes_only_new_chunks_and_resumes_exactly(kvhome: Path):
 
 def test_forks_share_their_prefix_on_disk(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS))
-    parent = service.new_session()
+    parent = service.sessions.new_session()
     service.send(parent.id, "Tell me about the sea. " * 6)
     service.send(parent.id, "More about waves.")
     parent_row = service.store.get_snapshot(parent.id)
-    forks = [service.fork(parent.id) for _ in range(3)]
+    forks = [service.sessions.fork(parent.id) for _ in range(3)]
     for index, child in enumerate(forks):
         report = service.send(child.id, f"Branch {index}: now tell me about ships.")
         assert report.restore.source in ("disk", "ram")
@@ -99,7 +99,7 @@ def test_forks_share_their_prefix_on_disk(kvhome: Path):
     rows = {r.session_id: r for r in service.store.snapshots()}
     assert set(rows) == {parent.id, *(f.id for f in forks)}
     logical = sum(r.n_bytes for r in rows.values())
-    on_disk = service.cache_stats()["disk"]["bytes"]
+    on_disk = service.host.kv().stats()["disk"]["bytes"]
     # The parent's full chunks are stored once, however many branches use them.
     shared_keys = set(rows[parent.id].chunk_keys[:-1])
     for child in forks:
@@ -118,13 +118,13 @@ def test_forks_share_their_prefix_on_disk(kvhome: Path):
 
 def test_fork_at_an_earlier_message_borrows_the_shared_prefix(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS))
-    parent = service.new_session()
+    parent = service.sessions.new_session()
     service.send(parent.id, "List some fruits. " * 8)
     service.send(parent.id, "Now vegetables.")
-    first_reply = service.messages(parent.id)[1]
-    child = service.fork(parent.id, at_message=first_reply.id)
-    assert [m.content for m in service.messages(child.id)] == [
-        m.content for m in service.messages(parent.id)[:2]
+    first_reply = service.sessions.messages(parent.id)[1]
+    child = service.sessions.fork(parent.id, at_message=first_reply.id)
+    assert [m.content for m in service.sessions.messages(child.id)] == [
+        m.content for m in service.sessions.messages(parent.id)[:2]
     ]
     service.close()
     service = ChatService(Settings(**SMALL_CHUNKS))  # a new process: nothing hot or in RAM
@@ -139,8 +139,8 @@ def test_fork_at_an_earlier_message_borrows_the_shared_prefix(kvhome: Path):
 
 def test_switching_back_restores_from_ram(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS))
-    a = service.new_session()
-    b = service.new_session()
+    a = service.sessions.new_session()
+    b = service.sessions.new_session()
     first = service.send(a.id, "Say hello.")
     service.send(b.id, "Say goodbye.")
     assert service.kv_location(a.id) == "ram" and service.kv_location(b.id) == "hot"
@@ -148,7 +148,7 @@ def test_switching_back_restores_from_ram(kvhome: Path):
     assert back.restore.source == "ram"
     assert back.tokens.reused == back.restore.tokens
     assert back.tokens.decoded < 32
-    assert service.cache_stats()["ram"]["hits"] == 1
+    assert service.host.kv().stats()["ram"]["hits"] == 1
     del first
     service.close()
 
@@ -159,8 +159,8 @@ def test_a_ram_restore_continues_exactly_as_a_full_prefill(kvhome: Path, tmp_pat
     import shutil
 
     service = ChatService(Settings(**SMALL_CHUNKS))
-    a = service.new_session()
-    b = service.new_session()
+    a = service.sessions.new_session()
+    b = service.sessions.new_session()
     service.send(a.id, "Tell me about cats.")
     service.send(b.id, "Say goodbye.")
     assert service.kv_location(a.id) == "ram"
@@ -186,8 +186,8 @@ def test_a_second_ram_round_trip_restores_the_latest_turn(kvhome: Path, tmp_path
     import shutil
 
     service = ChatService(Settings(**SMALL_CHUNKS))
-    a = service.new_session()
-    b = service.new_session()
+    a = service.sessions.new_session()
+    b = service.sessions.new_session()
     service.send(a.id, "Tell me about cats.")
     service.send(b.id, "Say goodbye.")
     assert service.send(a.id, "Tell me more.").restore.source == "ram"
@@ -212,8 +212,8 @@ def test_a_second_ram_round_trip_restores_the_latest_turn(kvhome: Path, tmp_path
 
 def test_ram_budget_zero_falls_through_to_disk(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS, ram_cache_mib=0))
-    a = service.new_session()
-    b = service.new_session()
+    a = service.sessions.new_session()
+    b = service.sessions.new_session()
     service.send(a.id, "Say hello.")
     service.send(b.id, "Say goodbye.")
     assert service.send(a.id, "Again.").restore.source == "disk"
@@ -222,20 +222,20 @@ def test_ram_budget_zero_falls_through_to_disk(kvhome: Path):
 
 def test_disk_budget_evicts_least_recently_used_snapshots_never_text(kvhome: Path):
     probe = ChatService(Settings(**SMALL_CHUNKS))
-    s0 = probe.new_session()
+    s0 = probe.sessions.new_session()
     one = probe.send(s0.id, "Describe a cat.").snapshot.bytes
     probe.close()
     budget_gib = 2.5 * one / 2**30
     service = ChatService(Settings(**SMALL_CHUNKS, disk_cache_gib=budget_gib))
-    sessions = [s0] + [service.new_session() for _ in range(3)]
+    sessions = [s0] + [service.sessions.new_session() for _ in range(3)]
     for index, session in enumerate(sessions[1:]):
         service.send(session.id, f"Describe animal number {index}.")
-        disk = service.cache_stats()["disk"]
+        disk = service.host.kv().stats()["disk"]
         assert disk["bytes"] <= disk["budget_bytes"]
     kept = {r.session_id for r in service.store.snapshots()}
     assert sessions[-1].id in kept and s0.id not in kept
     for session in sessions:  # text is never evicted
-        assert [m.role for m in service.messages(session.id)] == ["user", "assistant"]
+        assert [m.role for m in service.sessions.messages(session.id)] == ["user", "assistant"]
     service.close()
     service = ChatService(Settings(**SMALL_CHUNKS, disk_cache_gib=budget_gib))  # nothing hot
     report = service.send(s0.id, "Go on.")
@@ -272,13 +272,13 @@ def test_cache_figures_add_up(kvhome: Path, cli):
 
 def test_editing_a_past_message_branches_and_reuses_the_shared_prefix(kvhome: Path):
     service = ChatService(Settings(**SMALL_CHUNKS))
-    session = service.new_session()
+    session = service.sessions.new_session()
     service.send(session.id, "Tell me about cats. " * 8)
     service.send(session.id, "And dogs?")
-    second_question = service.messages(session.id)[2]
-    branch = service.edit(session.id, second_question.id, "And birds?")
-    assert [m.content for m in service.messages(branch.id)][-1] == "And birds?"
-    assert [m.content for m in service.messages(session.id)][2] == "And dogs?"  # kept
+    second_question = service.sessions.messages(session.id)[2]
+    branch = service.sessions.edit(session.id, second_question.id, "And birds?")
+    assert [m.content for m in service.sessions.messages(branch.id)][-1] == "And birds?"
+    assert [m.content for m in service.sessions.messages(session.id)][2] == "And dogs?"  # kept
     service.close()
     service = ChatService(Settings(**SMALL_CHUNKS))  # a new process: nothing hot or in RAM
     report = service.regenerate(branch.id)

@@ -74,11 +74,11 @@ def test_the_model_names_a_session_and_the_next_turn_reads_only_the_new_message(
 @pytest.mark.e2e
 def test_a_title_the_user_set_is_kept_and_the_setting_turns_naming_off(kvhome: Path) -> None:
     service = greedy_service(kvhome)
-    service.defer_housekeeping = True  # as the app does: naming waits for an idle moment
+    service.upkeep.deferred = True  # as the app does: naming waits for an idle moment
     try:
         report = service.start("Tell me about cats.")
-        service.rename(report.session_id, "My cats")
-        assert service.housekeep().title is None
+        service.sessions.rename(report.session_id, "My cats")
+        assert service.upkeep.run_pending().title is None
         assert service.store.get_session(report.session_id).title == "My cats"
     finally:
         service.close()

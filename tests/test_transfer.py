@@ -34,7 +34,7 @@ def service(kvhome: Path) -> Iterator[ChatService]:
 
 
 def texts(chat: ChatService, session_id: str) -> list[tuple[str, str, bool]]:
-    return [(m.role, m.content, m.partial) for m in chat.messages(session_id)]
+    return [(m.role, m.content, m.partial) for m in chat.sessions.messages(session_id)]
 
 
 def write_json(path: Path, document: Any) -> Path:
@@ -46,13 +46,13 @@ def write_json(path: Path, document: Any) -> Path:
 
 
 def test_kvchat_json_round_trip_keeps_messages_prompt_settings_and_times(service, tmp_path):
-    original = service.new_session("Ünïcode & <b>tags</b>", "Answer in French.")
-    service.configure(original.id, settings={"temperature": 0.2, "seed": 7})
-    service.add_message(original.id, "user", "## not a heading\n```\nopen fence")
-    service.add_message(original.id, "assistant", "Réponse 🚀", partial=True)
-    service.add_message(original.id, "user", "   spaces kept   ")
+    original = service.sessions.new_session("Ünïcode & <b>tags</b>", "Answer in French.")
+    service.sessions.configure(original.id, settings={"temperature": 0.2, "seed": 7})
+    service.sessions.add_message(original.id, "user", "## not a heading\n```\nopen fence")
+    service.sessions.add_message(original.id, "assistant", "Réponse 🚀", partial=True)
+    service.sessions.add_message(original.id, "user", "   spaces kept   ")
     path = tmp_path / "chat.json"
-    path.write_text(service.export(original.id, "json"), encoding="utf-8")
+    path.write_text(service.sessions.export(original.id, "json"), encoding="utf-8")
 
     result = import_file(service, path)
 
@@ -66,8 +66,8 @@ def test_kvchat_json_round_trip_keeps_messages_prompt_settings_and_times(service
         {"temperature": 0.2, "seed": 7},
     )
     assert texts(service, copy.id) == texts(service, original.id)
-    assert [m.created for m in service.messages(copy.id)] == [
-        m.created for m in service.messages(original.id)
+    assert [m.created for m in service.sessions.messages(copy.id)] == [
+        m.created for m in service.sessions.messages(original.id)
     ]
 
 
@@ -204,7 +204,7 @@ def test_a_reexported_archive_imports_only_the_new_conversations(service, tmp_pa
     [one] = import_file(service, first).sessions
     again = import_file(service, later).sessions
     assert [(s.session == one.session, s.new) for s in again] == [(True, False), (False, True)]
-    assert len(service.list_sessions()) == 2
+    assert len(service.sessions.list_sessions()) == 2
 
 
 def test_a_real_llm_logs_db_imports_read_only(service, tmp_path):
@@ -353,7 +353,7 @@ def test_a_broken_file_imports_nothing_and_says_why_on_one_line(service, tmp_pat
     message = str(raised.value)
     assert message.startswith(f"{path}: ") and expected in message
     assert "\n" not in message
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
     assert service.store.get_meta("import:" + "0" * 64) is None
 
 
@@ -363,7 +363,7 @@ def test_one_bad_conversation_in_an_archive_imports_none_of_it(service, tmp_path
     path = write_json(tmp_path / "c.json", [chatgpt_conversation("c-1", "One", "a2"), broken])
     with pytest.raises(BadFile, match="unknown role 'narrator'"):
         import_file(service, path)
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
 
 
 def test_sizes_and_counts_are_bounded_before_reading(service, tmp_path, monkeypatch):
@@ -377,14 +377,14 @@ def test_sizes_and_counts_are_bounded_before_reading(service, tmp_path, monkeypa
         import_file(service, path)
     with pytest.raises(BadFile, match="is a directory"):
         import_file(service, tmp_path)
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
 
 
 def text_bundle(service: ChatService, tmp_path: Path) -> Path:
     """A bundle of a session that has no KV (text only): no model needed."""
-    session = service.new_session("Bundle me")
-    service.add_message(session.id, "user", "Hello")
-    service.add_message(session.id, "assistant", "Hi!")
+    session = service.sessions.new_session("Bundle me")
+    service.sessions.add_message(session.id, "user", "Hello")
+    service.sessions.add_message(session.id, "assistant", "Hi!")
     written = write_bundle(service, session.id, tmp_path / "text.kvchat")
     assert written.reason == "the session has no saved KV" and written.kv_tokens == 0
     return written.path
@@ -419,14 +419,14 @@ def test_a_bundle_with_a_path_member_writes_nothing_anywhere(service, tmp_path, 
     work.mkdir(parents=True)
     hostile = rezip(source, work / "hostile.kvchat", {name: b"owned"})
     before = {p for p in tmp_path.rglob("*")}
-    sessions = len(service.list_sessions())
+    sessions = len(service.sessions.list_sessions())
 
     with pytest.raises(BadFile, match="a member kvchat does not write"):
         import_file(service, hostile)
 
     assert {p for p in tmp_path.rglob("*")} == before
     assert not Path("/tmp/kvchat-absolute-escape.txt").exists()
-    assert len(service.list_sessions()) == sessions
+    assert len(service.sessions.list_sessions()) == sessions
 
 
 def test_a_zip_bomb_is_refused_before_it_is_read(service, tmp_path):
@@ -443,7 +443,7 @@ def test_a_zip_bomb_is_refused_before_it_is_read(service, tmp_path):
         BadFile, match=r"messages.json would unpack 67,108,864 bytes from .*zip bomb"
     ):
         import_file(service, bomb)
-    assert len(service.list_sessions()) == 1  # the bundled session, not an imported one
+    assert len(service.sessions.list_sessions()) == 1  # the bundled session, not an imported one
 
 
 def test_a_member_claiming_a_huge_size_is_refused_before_it_is_read(service, tmp_path):
@@ -479,7 +479,7 @@ def test_not_a_zip_and_an_empty_file_are_one_line_each(service, tmp_path):
         path.write_bytes(data)
         with pytest.raises(KvchatError, match=expected):
             import_file(service, path)
-    assert service.list_sessions() == []
+    assert service.sessions.list_sessions() == []
 
 
 # --- bundles with KV (the real model) ------------------------------------------------------

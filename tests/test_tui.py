@@ -122,7 +122,7 @@ async def test_send_stream_quit_and_resume_from_disk(home: Path) -> None:
         assert reply.role == "assistant" and reply.text.strip()
         assert main.last_turn is not None and main.last_turn.pieces > 0  # it streamed
         assert reply.message_id is not None and not reply.partial
-        stored = service_of(app).messages(open_id(main))
+        stored = service_of(app).sessions.messages(open_id(main))
         assert reply.body.source == reply.text == stored[-1].content  # streamed == committed
         assert main.status.turn_text.startswith("full prefill:")
         assert "decoded" in main.status.turn_text
@@ -177,16 +177,16 @@ async def test_escape_cancels_and_keeps_the_partial_reply(home: Path) -> None:
         assert view.partial and view.has_class("-partial")
         assert "partial" in view.drawn_lines[0]
         assert "cancelled" in main.status.turn_text
-        stored = service_of(app).messages(open_id(main))
+        stored = service_of(app).sessions.messages(open_id(main))
         assert stored[-1].role == "assistant" and stored[-1].partial
         assert stored[-1].content == view.text
         # Regenerate replaces the partial reply with a complete one (greedy, short).
-        service_of(app).configure(open_id(main), settings={"max_tokens": 12})
+        service_of(app).sessions.configure(open_id(main), settings={"max_tokens": 12})
         before = main.last_turn
         await pilot.press("ctrl+r")
         await wait_until(lambda: main.last_turn is not before and main.turn is None)
         await pilot.pause()
-        stored = service_of(app).messages(open_id(main))
+        stored = service_of(app).sessions.messages(open_id(main))
         assert [m.role for m in stored] == ["user", "assistant"]
         assert main.conversation.views[-1].text == stored[-1].content
         assert main.last_report is not None and main.last_report.tokens.generated <= 12
@@ -209,7 +209,7 @@ async def test_sessions_new_switch_rename_delete(home: Path) -> None:
         # Switch back: the first session is restored from its snapshot (the warm tier in
         # RAM when the service keeps one, else the file on disk), not re-read.
         await wait_until(lambda: main.housekeeping_idle)
-        first_saved = service_of(app).tiers.snapshot(first)
+        first_saved = service_of(app).host.tiers.snapshot(first)
         assert first_saved is not None
         main.open_session(first)  # what selecting it in the sidebar does
         await wait_until(
@@ -232,31 +232,31 @@ async def test_sessions_new_switch_rename_delete(home: Path) -> None:
         await pilot.press(*"Colors")
         await pilot.press("enter")
         await wait_until(lambda: "Colors" in [r.summary.session.title for r in main.sessions.rows])
-        assert first is not None and service_of(app).resolve(first).title == "Colors"
+        assert first is not None and service_of(app).sessions.resolve(first).title == "Colors"
 
         # Delete (F8) asks first; "n" keeps it, "y" deletes it.
         await pilot.press("f8")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("n")
         await wait_until(lambda: app.screen is main)
-        assert len(service_of(app).list_sessions()) == 2
+        assert len(service_of(app).sessions.list_sessions()) == 2
         await pilot.press("f8")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("y")
         await wait_until(lambda: len(main.sessions.rows) == 1 and main.session_id == second)
-        assert [s.session.id for s in service_of(app).list_sessions()] == [second]
+        assert [s.session.id for s in service_of(app).sessions.list_sessions()] == [second]
         await wait_until(lambda: texts(main) and texts(main)[0] == ("user", "Name a fruit."))
 
 
 async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) -> None:
     # Two sessions written through the service (no model needed to store text).
     service = ChatService(make_settings())
-    target = service.new_session("Travel")
-    service.add_message(target.id, "user", "Where is the Eiffel tower?")
+    target = service.sessions.new_session("Travel")
+    service.sessions.add_message(target.id, "user", "Where is the Eiffel tower?")
     reply = "The **Eiffel tower** is in Paris.\n\n```python\nprint('Paris')\n```"
-    service.add_message(target.id, "assistant", reply)
-    other = service.new_session("Other")
-    service.add_message(other.id, "user", "Tell me about pancakes")
+    service.sessions.add_message(target.id, "assistant", reply)
+    other = service.sessions.new_session("Other")
+    service.sessions.add_message(other.id, "user", "Tell me about pancakes")
     service.close()
 
     app = make_app()
@@ -333,8 +333,8 @@ async def test_session_settings_help_and_palette(home: Path) -> None:
         await pilot.press("ctrl+s")
         await wait_until(lambda: app.screen is main)
         assert main.session_id is not None
-        await wait_until(lambda: service_of(app).resolve(open_id(main)).settings != {})
-        session = service_of(app).resolve(open_id(main))
+        await wait_until(lambda: service_of(app).sessions.resolve(open_id(main)).settings != {})
+        session = service_of(app).sessions.resolve(open_id(main))
         assert session.system_prompt == "Answer like a pirate."
         assert session.settings == {"temperature": 0.2, "max_tokens": 16}
 
@@ -407,9 +407,9 @@ async def test_not_a_gguf_file_shows_an_error_screen(home: Path, tmp_path: Path)
 
 async def test_a_long_session_shows_its_latest_messages_and_jumps_to_old_hits(home: Path) -> None:
     service = ChatService(make_settings())
-    session = service.new_session("Long")
+    session = service.sessions.new_session("Long")
     for i in range(70):
-        service.add_message(session.id, "user" if i % 2 == 0 else "assistant", f"line {i}")
+        service.sessions.add_message(session.id, "user" if i % 2 == 0 else "assistant", f"line {i}")
     service.close()
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -438,7 +438,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         await send(pilot, main, "Name a color.")
         await send(pilot, main, "Name a fruit.")
         original = open_id(main)
-        before = service_of(app).messages(original)
+        before = service_of(app).sessions.messages(original)
         assert len(before) == 4
         first_reply = main.conversation.views[1]
         assert first_reply.role == "assistant"
@@ -449,7 +449,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         branch = open_id(main)
         await wait_until(lambda: main.last_restore is not None and main.hot_id == branch)
         assert len(main.sessions.rows) == 2 and branch in {r.id for r in main.sessions.rows}
-        stored = service_of(app).messages(branch)
+        stored = service_of(app).sessions.messages(branch)
         assert [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in before[:2]]
         assert texts(main) == [(m.role, m.content) for m in before[:2]]
         # Not a full prefill: the shared prefix came from the original's snapshot.
@@ -459,7 +459,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         assert main.status.memory_text.startswith("KV: restored")
         assert "shared prefix" in main.status.memory_text
         assert main.status.used == restore.tokens
-        assert service_of(app).messages(original) == before  # the original is kept
+        assert service_of(app).sessions.messages(original) == before  # the original is kept
         # The next turn in the branch decodes only what follows the restored prefix.
         await send(pilot, main, "Name a tree.")
         report = main.last_report
@@ -477,7 +477,7 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
         await send(pilot, main, "Name a color.")
         await send(pilot, main, "Name another one.")
         original = open_id(main)
-        before = service_of(app).messages(original)
+        before = service_of(app).sessions.messages(original)
 
         main.conversation.views[1].focus()  # a reply: not editable
         await pilot.press("e")
@@ -500,7 +500,7 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
         await pilot.pause()
         branch = open_id(main)
         assert branch != original
-        stored = service_of(app).messages(branch)
+        stored = service_of(app).sessions.messages(branch)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[0].content == "Name a fruit."
         assert stored[1].content.strip() and not stored[1].partial
@@ -509,7 +509,7 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
         assert texts(main) == [(m.role, m.content) for m in stored]
         assert main.status.turn_text and "error" not in main.status.turn_text
         await wait_until(lambda: len(main.sessions.rows) == 2)
-        assert service_of(app).messages(original) == before  # the original is kept
+        assert service_of(app).sessions.messages(original) == before  # the original is kept
 
         # F4 with nothing selected edits your last message; Esc leaves everything as is.
         main.prompt.focus()
@@ -518,4 +518,4 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
         assert app.screen.query_one("#edit-text", PromptInput).text == "Name a fruit."
         await pilot.press("escape")
         await wait_until(lambda: app.screen is main)
-        assert len(service_of(app).list_sessions()) == 2
+        assert len(service_of(app).sessions.list_sessions()) == 2

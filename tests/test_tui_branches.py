@@ -33,13 +33,13 @@ def titles(main: MainScreen) -> list[str]:
 @pytest.mark.e2e
 async def test_the_sidebar_shows_forks_under_their_parent_and_folds_them(kvhome: Path) -> None:
     service = ChatService(make_settings())
-    alpha = service.new_session("Alpha")
-    service.add_message(alpha.id, "user", "alpha question")
-    service.add_message(alpha.id, "assistant", "alpha answer")
-    beta = service.new_session("Beta")
-    service.add_message(beta.id, "user", "beta question")
-    fork = service.fork(alpha.id)  # the newest: listed first were it not Alpha's branch
-    service.remember_open(beta.id)
+    alpha = service.sessions.new_session("Alpha")
+    service.sessions.add_message(alpha.id, "user", "alpha question")
+    service.sessions.add_message(alpha.id, "assistant", "alpha answer")
+    beta = service.sessions.new_session("Beta")
+    service.sessions.add_message(beta.id, "user", "beta question")
+    fork = service.sessions.fork(alpha.id)  # the newest: listed first were it not Alpha's branch
+    service.sessions.remember_open(beta.id)
     service.close()
 
     app = make_app()

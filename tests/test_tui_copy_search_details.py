@@ -54,7 +54,7 @@ def service(kvhome: Path, monkeypatch: pytest.MonkeyPatch) -> StandInService:
 
 
 def start(service: StandInService, size: tuple[int, int] = SIZE) -> tuple[KvchatApp, Any]:
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     return app, app.run_test(size=size)
 
 
@@ -96,7 +96,7 @@ def test_no_key_is_tmux_prefix_and_every_key_works_while_typing() -> None:
 
 
 async def test_f5_copies_a_code_block_while_typing(service: StandInService) -> None:
-    session = service.new_session("Code")
+    session = service.sessions.new_session("Code")
     service.store.add_message(session.id, "user", "sort?", token_count=2)
     service.store.add_message(session.id, "assistant", REPLY, token_count=9)
     app, run = start(service)
@@ -111,7 +111,7 @@ async def test_f5_copies_a_code_block_while_typing(service: StandInService) -> N
 async def test_tab_stops_once_on_the_messages_and_arrows_move_between_them(
     service: StandInService,
 ) -> None:
-    session = service.new_session("Six")
+    session = service.sessions.new_session("Six")
     add_pairs(service, session.id, 3)
     app, run = start(service)
     async with run as pilot:
@@ -209,7 +209,7 @@ async def test_copy_under_tmux_external_writes_the_file_and_says_where(
     folder = _fake_bin(tmp_path, tmux="echo external")
     monkeypatch.setenv("TMUX", "/tmp/tmux-1/default,1,0")
     monkeypatch.setenv("PATH", str(folder))
-    session = service.new_session("Code")
+    session = service.sessions.new_session("Code")
     service.store.add_message(session.id, "user", "a question", token_count=2)
     app, run = start(service)
     async with run as pilot:
@@ -227,13 +227,13 @@ async def test_copy_under_tmux_external_writes_the_file_and_says_where(
 
 
 async def test_messages_show_their_number_in_the_session(service: StandInService) -> None:
-    session = service.new_session("Long")
+    session = service.sessions.new_session("Long")
     add_pairs(service, session.id, 35)  # 70 messages: the last SHOWN are shown
     app, run = start(service)
     async with run as pilot:
         await _settled(pilot)
         main = app.main
-        stored = service.messages(session.id)
+        stored = service.sessions.messages(session.id)
         views = main.conversation.views
         first = 70 - SHOWN + 1
         assert views[0].number == first and header(views[0]) == f"You · #{first}"
@@ -248,7 +248,7 @@ async def test_messages_show_their_number_in_the_session(service: StandInService
 
 
 async def test_search_snippets_keep_square_brackets(service: StandInService) -> None:
-    session = service.new_session("Rust")
+    session = service.sessions.new_session("Rust")
     service.store.add_message(session.id, "user", f"What is {RUST}?", token_count=9)
     app, run = start(service)
     async with run as pilot:
@@ -303,7 +303,7 @@ def _frames(app: KvchatApp, main: MainScreen, hit_text: str) -> list[tuple[int, 
 async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(
     service: StandInService,
 ) -> None:
-    long = service.new_session("Long")
+    long = service.sessions.new_session("Long")
     for i in range(300):
         text = f"message {i} with **bold** text\n\n- one\n- two"
         if i == 4:
@@ -311,7 +311,7 @@ async def test_a_jump_to_an_old_hit_mounts_its_page_and_is_never_blank(
         service.store.add_message(
             long.id, "user" if i % 2 == 0 else "assistant", text, token_count=5
         )
-    other = service.new_session("Other")
+    other = service.sessions.new_session("Other")
     service.store.add_message(other.id, "user", "hello", token_count=1)
     app, run = start(service)
     async with run as pilot:
@@ -377,7 +377,7 @@ def _info(app: KvchatApp, session_id: str) -> tuple[str, str]:
 async def test_sidebar_tokens_match_the_gauge_and_an_empty_session_is_not_hot(
     service: StandInService,
 ) -> None:
-    session = service.new_session("Sort")
+    session = service.sessions.new_session("Sort")
     service.store.add_message(session.id, "user", "How do I sort?", token_count=7)
     service.store.add_message(session.id, "assistant", "sorted()", token_count=5)
     app, run = start(service)
@@ -450,7 +450,7 @@ def test_counts_have_thousands_separators() -> None:
 async def test_export_defaults_to_the_data_dir_and_never_overwrites_silently(
     service: StandInService, kvhome: Path
 ) -> None:
-    session = service.new_session("Travel")
+    session = service.sessions.new_session("Travel")
     service.store.add_message(session.id, "user", "Where is the Eiffel tower?", token_count=7)
     app, run = start(service)
     async with run as pilot:
@@ -490,7 +490,7 @@ async def test_export_defaults_to_the_data_dir_and_never_overwrites_silently(
 
 
 async def test_settings_dialog_refuses_values_out_of_range(service: StandInService) -> None:
-    session = service.new_session("Tuning")
+    session = service.sessions.new_session("Tuning")
     app, run = start(service)
     async with run as pilot:
         await _settled(pilot)
@@ -520,8 +520,8 @@ async def test_settings_dialog_refuses_values_out_of_range(service: StandInServi
         fields["max_tokens"].value = "100"
         await pilot.press("ctrl+s")
         await _wait(lambda: app.screen is app.main)
-        await _wait(lambda: service.resolve(session.id).settings != {})
-        assert service.resolve(session.id).settings == {
+        await _wait(lambda: service.sessions.resolve(session.id).settings != {})
+        assert service.sessions.resolve(session.id).settings == {
             "temperature": 0.5,
             "top_p": 0.9,
             "max_tokens": 100,
@@ -574,7 +574,7 @@ def test_run_app_exits_with_the_apps_status(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 async def test_message_details_on_demand(service: StandInService) -> None:
-    session = service.new_session("Figures")
+    session = service.sessions.new_session("Figures")
     service.store.add_message(session.id, "user", "Earlier question", token_count=4)
     service.store.add_message(session.id, "assistant", "Earlier answer", token_count=6)
     app, run = start(service)
@@ -627,7 +627,7 @@ async def test_help_lists_the_new_keys(service: StandInService) -> None:
 async def test_sidebar_widens_and_messages_keep_a_readable_width(
     service: StandInService, width: int, sidebar: int
 ) -> None:
-    session = service.new_session("A title long enough to be cut on a narrow terminal")
+    session = service.sessions.new_session("A title long enough to be cut on a narrow terminal")
     service.store.add_message(session.id, "user", "word " * 200, token_count=200)
     app, run = start(service, (width, 30))
     async with run as pilot:
@@ -645,8 +645,8 @@ async def test_settings_offer_system_prompt_presets_from_the_config_file(kvhome:
         'temperature = 0.3\n\n[presets]\npirate = "Answer like a pirate."\nbad = 3\n'
     )
     service = StandInService(Settings(n_ctx=8192, n_threads=1))  # the table is no setting
-    assert service.settings.temperature == 0.3
-    session = service.new_session("Ahoy")
+    assert service.host.settings.temperature == 0.3
+    session = service.sessions.new_session("Ahoy")
     app, run = start(service)
     async with run as pilot:
         await _settled(pilot)
@@ -661,7 +661,9 @@ async def test_settings_offer_system_prompt_presets_from_the_config_file(kvhome:
         await pilot.pause()
         assert dialog.query_one("#system-prompt", TextArea).text == "Answer like a pirate."
         await pilot.press("ctrl+s")
-        await _wait(lambda: service.resolve(session.id).system_prompt == "Answer like a pirate.")
+        await _wait(
+            lambda: service.sessions.resolve(session.id).system_prompt == "Answer like a pirate."
+        )
         await _wait(lambda: app.screen is app.main)
         await pilot.press("ctrl+g")  # the preset in use is shown as picked
         await _wait(lambda: isinstance(app.screen, SettingsDialog))
@@ -695,7 +697,7 @@ async def test_real_turns_numbers_details_and_figures_agree(kvhome: Path, no_tmu
         assert report is not None and report.snapshot.written > 0
         # The last reply, when cut at max_tokens, says so and how to go on (issue 11.4); an
         # earlier one cut says so too, from its stored finish reason (issue 22.4).
-        first = app.service.messages(main.session_id)[1]  # type: ignore[union-attr,arg-type]
+        first = app.service.sessions.messages(main.session_id)[1]  # type: ignore[union-attr,arg-type]
         cut = " · stopped at the token limit"
         assert [header(v) for v in main.conversation.views] == [
             "You · #1",

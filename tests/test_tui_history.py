@@ -55,8 +55,8 @@ def build_home(home: Path, sessions: int) -> None:
     service = ChatService(make_settings(), home=home)
     try:
         for i in range(sessions):
-            session = service.new_session(f"Session {i:04d}")
-            service.add_message(session.id, "user", f"question {i}", token_count=3)
+            session = service.sessions.new_session(f"Session {i:04d}")
+            service.sessions.add_message(session.id, "user", f"question {i}", token_count=3)
     finally:
         service.close()
 
@@ -147,8 +147,8 @@ async def test_sessions_are_grouped_by_date(kvhome: Path) -> None:
         "Long ago": datetime(2024, 3, 15, 12, tzinfo=UTC),
     }
     for title, when in dates.items():
-        session = service.new_session(title)
-        service.add_message(session.id, "user", "hi", token_count=1)
+        session = service.sessions.new_session(title)
+        service.sessions.add_message(session.id, "user", "hi", token_count=1)
         with service.store.conn:
             service.store.conn.execute(
                 "UPDATE sessions SET updated = ? WHERE id = ?", (when.isoformat(), session.id)
@@ -192,7 +192,7 @@ async def test_a_session_made_elsewhere_appears_and_a_change_redraws_one_row(
             monkeypatch.setattr(sessions, "refresh_lines", record.__get__(sessions))
             lines_before = sessions.line_count
             started = time.monotonic()
-            other.rename(target.id, "Renamed elsewhere")
+            other.sessions.rename(target.id, "Renamed elsewhere")
             await wait_until(lambda: on_screen(main, "Renamed elsewhere"), timeout=10)
             assert time.monotonic() - started < 4  # the watch looks every 2 s
             # Its two lines only (the same sessions in the same order: nothing else moved).
@@ -200,12 +200,12 @@ async def test_a_session_made_elsewhere_appears_and_a_change_redraws_one_row(
             assert set(redrawn) == {(1, 2)}, redrawn  # under the "Today" header
 
             # A new session from elsewhere shows up on top within the same two seconds.
-            made = other.new_session("Made in the shell")
-            other.add_message(made.id, "user", "hello", token_count=1)
+            made = other.sessions.new_session("Made in the shell")
+            other.sessions.add_message(made.id, "user", "hello", token_count=1)
             await wait_until(lambda: sessions.rows[0].id == made.id, timeout=10)
             assert on_screen(main, "Made in the shell")
             # Deleted elsewhere: gone from the list.
-            other.delete(made.id)
+            other.sessions.delete(made.id)
             await wait_until(lambda: all(r.id != made.id for r in sessions.rows), timeout=10)
         finally:
             other.close()
@@ -251,11 +251,11 @@ async def test_first_paint_and_memory_hardly_grow_from_100_to_1000_sessions(
 
 async def test_every_message_of_a_long_session_is_reachable_by_pgup_and_home(kvhome: Path) -> None:
     service = ChatService(make_settings())
-    session = service.new_session("Long")
+    session = service.sessions.new_session("Long")
     for i in range(500):
         role = "user" if i % 2 == 0 else "assistant"
-        service.add_message(session.id, role, f"message {i}", token_count=2)
-    service.remember_open(session.id)
+        service.sessions.add_message(session.id, role, f"message {i}", token_count=2)
+    service.sessions.remember_open(session.id)
     service.close()
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -322,7 +322,7 @@ def build_long_session(home: Path) -> str:
         item = {"title": "Five thousand", "messages": [("user", "the zebra", None, 2, False)]}
         item["messages"] += messages  # type: ignore[operator]
         [(session_id, _)] = service.store.import_sessions([item], "test:long")
-        service.remember_open(session_id)
+        service.sessions.remember_open(session_id)
         return session_id
     finally:
         service.close()
@@ -395,12 +395,12 @@ async def test_the_search_dialog_searches_once_a_word_is_typed(
 
 async def test_a_message_of_a_megabyte_opens_folded_and_unfolds_on_enter(kvhome: Path) -> None:
     service = ChatService(make_settings())
-    session = service.new_session("Big answer")
+    session = service.sessions.new_session("Big answer")
     log = "".join(f"line {i:06d} of a long log that was pasted whole\n" for i in range(21_000))
     assert len(log) > 1_000_000
-    service.add_message(session.id, "user", "Show me the log.", token_count=5)
-    service.add_message(session.id, "assistant", log, token_count=5)  # an imported reply
-    service.remember_open(session.id)
+    service.sessions.add_message(session.id, "user", "Show me the log.", token_count=5)
+    service.sessions.add_message(session.id, "assistant", log, token_count=5)  # an imported reply
+    service.sessions.remember_open(session.id)
     service.close()
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -34,9 +34,9 @@ async def test_an_idle_app_draws_nothing_and_reads_one_row_per_look(
     monkeypatch.setattr(app_module, "BLINK_REST_S", 1.0)
     service = ChatService(make_settings())
     for i in range(30):
-        session = service.new_session(f"Session {i}")
-        service.add_message(session.id, "user", f"question {i}", token_count=3)
-    service.remember_open(session.id)
+        session = service.sessions.new_session(f"Session {i}")
+        service.sessions.add_message(session.id, "user", f"question {i}", token_count=3)
+    service.sessions.remember_open(session.id)
     service.close()
     app = KvchatApp(make_settings(), cursor_blink=True)
     async with app.run_test(size=SIZE) as pilot:
@@ -84,11 +84,11 @@ def _home_of_five() -> str:
     service = ChatService(make_settings())
     ids = []
     for i in range(5):
-        session = service.new_session(f"Session {i}")
-        service.add_message(session.id, "user", f"question {i}", token_count=3)
-        service.add_message(session.id, "assistant", f"answer {i}", token_count=3)
+        session = service.sessions.new_session(f"Session {i}")
+        service.sessions.add_message(session.id, "user", f"question {i}", token_count=3)
+        service.sessions.add_message(session.id, "assistant", f"answer {i}", token_count=3)
         ids.append(session.id)
-    service.remember_open(ids[1])
+    service.sessions.remember_open(ids[1])
     service.close()
     return ids[1]
 

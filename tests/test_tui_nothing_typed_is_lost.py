@@ -15,7 +15,7 @@ from tests.test_tui_relaunch_and_continue import header, make_app
 
 def stored(app: object, session_id: str | None) -> list[tuple[str, str]]:
     assert session_id is not None
-    return [(m.role, m.content) for m in service_of(app).messages(session_id)]  # type: ignore[arg-type]
+    return [(m.role, m.content) for m in service_of(app).sessions.messages(session_id)]  # type: ignore[arg-type]
 
 
 # --- item 1: text typed right after Enter is never lost ---------------------------------------
@@ -189,10 +189,10 @@ async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: P
     from tests.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
-    other = service.new_session("Other chat")
-    service.add_message(other.id, "user", "other question")
-    opened = service.new_session("Open chat")  # the last made: what the app opens
-    service.add_message(opened.id, "user", "open question")
+    other = service.sessions.new_session("Other chat")
+    service.sessions.add_message(other.id, "user", "other question")
+    opened = service.sessions.new_session("Open chat")  # the last made: what the app opens
+    service.sessions.add_message(opened.id, "user", "open question")
     service.close()
 
     app = make_app()
@@ -210,7 +210,7 @@ async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: P
         assert "Other chat" in question
         await pilot.press("y")
         await wait_until(lambda: [r.id for r in main.sessions.rows] == [opened.id])
-        assert [s.session.id for s in service_of(app).list_sessions()] == [opened.id]
+        assert [s.session.id for s in service_of(app).sessions.list_sessions()] == [opened.id]
         assert main.session_id == opened.id
         assert [v.text for v in main.conversation.views] == ["open question"]
 
@@ -383,7 +383,7 @@ async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Pa
     from tests.test_tui_relaunch_and_continue import make_settings, quit_app
 
     service = ChatService(make_settings())
-    kept_empty = service.new_session()  # not made by the app's run: not its to drop
+    kept_empty = service.sessions.new_session()  # not made by the app's run: not its to drop
     service.close()
 
     app = make_app()
@@ -480,9 +480,9 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
     from tests.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
-    session = service.new_session("Reverse a string")
-    service.add_message(session.id, "user", "How do I reverse a string?")
-    service.add_message(session.id, "assistant", THREE_BLOCKS)
+    session = service.sessions.new_session("Reverse a string")
+    service.sessions.add_message(session.id, "user", "How do I reverse a string?")
+    service.sessions.add_message(session.id, "assistant", THREE_BLOCKS)
     service.close()
     blocks = code_blocks(THREE_BLOCKS)
 

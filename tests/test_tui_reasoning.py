@@ -59,7 +59,7 @@ async def test_a_stored_reply_shows_its_reasoning_folded_until_t(home: Path) -> 
     bundled model's template has no thinking switch: Ctrl+/ says so and changes nothing."""
     service = ChatService(Settings(n_threads=1))
     try:
-        session = service.new_session("Sums").id
+        session = service.sessions.new_session("Sums").id
         service.store.add_message(session, "user", "What is two and two?", token_count=7)
         service.store.add_message(
             session, "assistant", ANSWER, token_count=12, reasoning=LONG_REASONING
@@ -101,7 +101,7 @@ async def test_a_stored_reply_shows_its_reasoning_folded_until_t(home: Path) -> 
         await pilot.pause()
         await _settled(main)
         assert "no thinking switch" in main.status.turn_text
-        settings = service_of(app).resolve(session).settings
+        settings = service_of(app).sessions.resolve(session).settings
         assert "think" not in settings
         await quit_app(app)
 
@@ -185,7 +185,7 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
         assert any(line.startswith("Re-rendered: ") for line in turn_lines(report))
         assert _line(reply).startswith("▸ Thought for ") and "tokens" in _line(reply)
         assert REASONING not in reply.body.source and "<think>" not in reply.body.source
-        stored = service.messages(open_id(main))[-1]
+        stored = service.sessions.messages(open_id(main))[-1]
         assert (stored.content, stored.reasoning) == (ANSWER, REASONING)
         reply.focus()
         await pilot.press("t")
@@ -195,11 +195,11 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
         main.prompt.focus()
         await pilot.press("ctrl+underscore")
         await _settled(main)
-        assert service.resolve(open_id(main)).settings.get("think") is False
+        assert service.sessions.resolve(open_id(main)).settings.get("think") is False
         assert "thinking off" in main.status.turn_text
         await pilot.press("ctrl+underscore")
         await _settled(main)
-        assert service.resolve(open_id(main)).settings.get("think") is True
+        assert service.sessions.resolve(open_id(main)).settings.get("think") is True
         assert "thinking on" in main.status.turn_text
         # A new version thinks something else; ← shows the first again, with its own.
         regenerate = service.regenerate

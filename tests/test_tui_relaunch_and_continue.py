@@ -68,10 +68,10 @@ def header(view: MessageView) -> str:
 @pytest.mark.e2e
 async def test_relaunch_reopens_the_session_open_at_quit(kvhome: Path) -> None:
     service = ChatService(make_settings())
-    older = service.new_session("Older")
-    service.add_message(older.id, "user", "older question")
-    newer = service.new_session("Newer")  # the last made: what a first launch opens
-    service.add_message(newer.id, "user", "newer question")
+    older = service.sessions.new_session("Older")
+    service.sessions.add_message(older.id, "user", "older question")
+    newer = service.sessions.new_session("Newer")  # the last made: what a first launch opens
+    service.sessions.add_message(newer.id, "user", "newer question")
     service.close()
 
     app = make_app()
@@ -98,11 +98,11 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
     kvhome: Path,
 ) -> None:
     service = ChatService(make_settings())
-    a = service.new_session("A")
+    a = service.sessions.new_session("A")
     service.send(a.id, "Name a color.")
-    b = service.new_session("B")
+    b = service.sessions.new_session("B")
     service.send(b.id, "Name a fruit.")
-    a_history = service.tiers.snapshot(a.id)
+    a_history = service.host.tiers.snapshot(a.id)
     assert a_history is not None and a_history.n_tokens > 0
     service.close()  # saves b, the hot session
     b_history = ChatService(make_settings()).tiers.snapshot(b.id)
@@ -169,7 +169,7 @@ async def test_a_reply_cut_at_the_token_limit_offers_continue(kvhome: Path) -> N
         views = main.conversation.views
         assert [v.role for v in views] == ["user", "assistant"] and views[-1] is reply
         assert reply.text.startswith(first_part) and len(reply.text) > len(first_part)
-        stored = app.service.messages(session_id)  # type: ignore[union-attr]
+        stored = app.service.sessions.messages(session_id)  # type: ignore[union-attr]
         assert len(stored) == 2 and stored[-1].content == reply.text
         await quit_app(app)
 
@@ -206,9 +206,9 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
     kvhome: Path,
 ) -> None:
     service = ChatService(make_settings())
-    session = service.new_session("Shared")
-    service.add_message(session.id, "user", "first question")
-    service.add_message(session.id, "assistant", "first answer")
+    session = service.sessions.new_session("Shared")
+    service.sessions.add_message(session.id, "user", "first question")
+    service.sessions.add_message(session.id, "assistant", "first answer")
     service.close()
 
     app = make_app()
@@ -219,7 +219,7 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
         # Another process runs a turn on the open session: its two messages show up.
         proc = await asyncio.to_thread(_ask, kvhome, session.id, "Question from a shell")
         assert proc.returncode == 0, proc.stderr
-        stored = [m.content for m in app.service.messages(session.id)]  # type: ignore[union-attr]
+        stored = [m.content for m in app.service.sessions.messages(session.id)]  # type: ignore[union-attr]
         assert len(stored) == 4 and stored[2] == "Question from a shell"
         # (A reply saved as it streams may show first, then its final text.)
         await wait_until(lambda: texts(main) == stored, timeout=30)
@@ -240,7 +240,7 @@ async def test_another_process_writing_the_open_session_shows_and_its_lock_is_ke
             assert main.prompt.text == "mine" and main.turn is None
             assert len(main.conversation.views) == 4
             assert any("is busy" in n.message for n in app._notifications)
-        assert len(app.service.messages(session.id)) == 4  # type: ignore[union-attr]
+        assert len(app.service.sessions.messages(session.id)) == 4  # type: ignore[union-attr]
 
         # Free again: the same Enter sends it.
         before = main.last_turn
@@ -273,7 +273,7 @@ async def test_left_and_right_on_the_last_reply_switch_its_versions(kvhome: Path
         session_id = main.session_id
 
         def stored() -> list[str]:
-            return [m.content for m in service.messages(session_id)]
+            return [m.content for m in service.sessions.messages(session_id)]
 
         reply.focus()
         await pilot.press("left")
@@ -397,7 +397,7 @@ async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Pa
         while main.turn is not None:
             await asyncio.sleep(0)
         service = app.service
-        assert service is not None and service.housekeeping_pending
+        assert service is not None and service.upkeep.pending
         session_id = main.session_id
         report = main.last_report
         assert report is not None

@@ -131,17 +131,17 @@ async def _settled(pilot: Pilot[None]) -> None:
 
 
 def test_first_run_empty_state(snap_compare: Any, service: StandInService) -> None:
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     assert snap_compare(app, terminal_size=SIZE, run_before=_settled)
 
 
 @pytest.mark.parametrize("size", [SIZE, (80, 24)], ids=["100x30", "80x24"])
 def test_main_screen(snap_compare: Any, service: StandInService, size: tuple[int, int]) -> None:
     # Oldest first (the sidebar shows the most recently updated first; ties by creation).
-    service.new_session("Empty chat")
-    older = service.new_session("Rust lifetimes")
+    service.sessions.new_session("Empty chat")
+    older = service.sessions.new_session("Rust lifetimes")
     service.store.add_message(older.id, "user", "What is a lifetime?", token_count=7)
-    session = service.new_session("Sort a list of tuples")
+    session = service.sessions.new_session("Sort a list of tuples")
     service.store.add_message(session.id, "user", "How do I sort tuples by age?", token_count=9)
     service.store.add_message(session.id, "assistant", "By the second item.", token_count=5)
 
@@ -155,7 +155,7 @@ def test_main_screen(snap_compare: Any, service: StandInService, size: tuple[int
         await _settled(pilot)
         main.prompt.insert("Thanks! One more question:")
 
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
@@ -166,5 +166,5 @@ def test_help_screen(snap_compare: Any, service: StandInService) -> None:
         await _wait(lambda: isinstance(pilot.app.screen, HelpScreen))
         await pilot.pause()
 
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

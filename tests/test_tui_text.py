@@ -55,11 +55,11 @@ def views(app: KvchatApp, role: str) -> list[MessageView]:
 
 
 async def test_stored_messages_show_angle_brackets_and_markdown(service: StandInService) -> None:
-    session = service.new_session("Code talk")
+    session = service.sessions.new_session("Code talk")
     service.store.add_message(session.id, "user", EXACT, token_count=9)
     service.store.add_message(session.id, "assistant", EXACT, token_count=9)
     service.store.add_message(session.id, "assistant", FORMATTED, token_count=9)
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     async with app.run_test(size=SIZE) as pilot:
         await _settled(pilot)
         user, reply, formatted = app.main.conversation.views
@@ -76,7 +76,7 @@ async def test_sent_and_streamed_messages_show_angle_brackets(
     service: StandInService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(stand_in, "REPLY", EXACT)  # what the stand-in model replies
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     async with app.run_test(size=SIZE) as pilot:
         await _settled(pilot)
         main = app.main
@@ -104,9 +104,9 @@ async def test_sent_and_streamed_messages_show_angle_brackets(
 
 
 async def test_control_sequences_never_reach_the_terminal(service: StandInService) -> None:
-    session = service.new_session(HOSTILE_TITLE)
+    session = service.sessions.new_session(HOSTILE_TITLE)
     service.store.add_message(session.id, "user", "Hi\x1b[2J there\x1b]0;x\x07!", token_count=3)
-    app = KvchatApp(service.settings, service, cursor_blink=False)
+    app = KvchatApp(service.host.settings, service, cursor_blink=False)
     async with app.run_test(size=SIZE) as pilot:
         await _settled(pilot)
         item = app.main.sessions

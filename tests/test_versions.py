@@ -33,23 +33,23 @@ def test_switching_back_to_an_earlier_reply_reuses_the_shared_prefix(kvhome: Pat
         svc.send(sid, note(1))
         asked = svc.send(sid, "Name one colour and say why you like it.")
         reply_id = asked.message_id
-        assert reply_id is not None and svc.reply_versions(reply_id) == (1, 1)
+        assert reply_id is not None and svc.sessions.reply_versions(reply_id) == (1, 1)
 
         again = svc.regenerate(sid, temperature=1.2, seed=11)
         assert again.message_id == reply_id  # the same message, a second version
         assert again.reply != asked.reply
-        assert svc.reply_versions(reply_id) == (2, 2)
-        assert svc.messages(sid)[-1].content == again.reply
-        assert svc.switch_version(reply_id, +1) is None  # already the newest
+        assert svc.sessions.reply_versions(reply_id) == (2, 2)
+        assert svc.sessions.messages(sid)[-1].content == again.reply
+        assert svc.sessions.switch_version(reply_id, +1) is None  # already the newest
 
-        shown = svc.switch_version(reply_id, -1)
+        shown = svc.sessions.switch_version(reply_id, -1)
         assert shown is not None and shown.content == asked.reply
-        assert svc.reply_versions(reply_id) == (1, 2)
-        assert svc.switch_version(reply_id, -1) is None  # the first version
-        assert [m.content for m in svc.messages(sid)][-1] == asked.reply
-        exported = json.loads(svc.export(sid, "json"))  # exports hold current versions
+        assert svc.sessions.reply_versions(reply_id) == (1, 2)
+        assert svc.sessions.switch_version(reply_id, -1) is None  # the first version
+        assert [m.content for m in svc.sessions.messages(sid)][-1] == asked.reply
+        exported = json.loads(svc.sessions.export(sid, "json"))  # exports hold current versions
         assert exported["messages"][-1]["content"] == asked.reply
-        assert again.reply not in svc.export(sid, "md")
+        assert again.reply not in svc.sessions.export(sid, "md")
 
         after = svc.send(sid, "Thanks.")
 
@@ -65,6 +65,6 @@ def test_switching_back_to_an_earlier_reply_reuses_the_shared_prefix(kvhome: Pat
 
         # Versions of an earlier reply no longer switch: later messages answer it.
         with pytest.raises(KvchatError, match="only the last reply"):
-            svc.switch_version(reply_id, +1)
+            svc.sessions.switch_version(reply_id, +1)
     finally:
         svc.close()

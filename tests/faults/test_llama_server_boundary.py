@@ -254,7 +254,7 @@ def run_turns(server: FakeServer, case: Case, home: Path) -> Outcome:
                 continue
             try:
                 if session_id is None:
-                    session_id = service.new_session().id
+                    session_id = service.sessions.new_session().id
                 report = service.send(session_id, f"Hi {number}", on_token=shown.append)
             except BaseException as exc:  # noqa: BLE001
                 error = exc

@@ -171,7 +171,7 @@ def run_turn(server: HostileServer, case: Case, home: Path) -> Outcome:
     def work() -> None:
         service = ChatService(load_settings(**settings), home=home)
         try:
-            session = service.new_session()
+            session = service.sessions.new_session()
             result["session"] = session.id
             result["report"] = service.send(session.id, "Hi", on_token=shown.append)
         except BaseException as exc:  # noqa: BLE001 (what the case is about)

@@ -133,11 +133,11 @@ def test_a_held_write_lock_neither_stops_the_reply_nor_its_saves(tmp_path: Path)
     home = tmp_path / "home"
     service = greedy_service(home, max_tokens=400, n_ctx=2048)
     try:
-        service.stream_save_every_s = EVERY_S
+        service.turns.stream_save_every_s = EVERY_S
         service.turns.save_trouble_after_s = TROUBLE_AFTER_S
-        session = service.new_session()
+        session = service.sessions.new_session()
         run = HeldDatabase(service, home / "kvchat.db", session.id)
-        service.save_trouble = run.troubles.append
+        service.turns.save_trouble = run.troubles.append
         report = run.run()
     finally:
         service.close()
@@ -192,8 +192,8 @@ def test_a_first_save_whose_read_back_fails_is_not_written_twice(
     home = tmp_path / "home"
     service = greedy_service(home, max_tokens=48)
     try:
-        service.stream_save_every_s = 0.0
-        session = service.new_session()
+        service.turns.stream_save_every_s = 0.0
+        session = service.sessions.new_session()
         report = service.send(session.id, STORY)
     finally:
         service.close()
@@ -228,7 +228,7 @@ async def test_the_app_says_so_while_the_reply_is_not_being_saved(
         main = app.main
         await until(lambda: main.ready)
         service = app.backend.chat
-        service.stream_save_every_s = EVERY_S
+        service.turns.stream_save_every_s = EVERY_S
         service.turns.save_trouble_after_s = TROUBLE_AFTER_S
         main.prompt.focus()
         main.prompt.insert(STORY)

@@ -76,17 +76,19 @@ def _paragraph(rng: random.Random, words: int) -> str:
 def build_history(service: ChatService, target_tokens: int, seed: int = 7) -> str:
     """A session whose rendered history is about ``target_tokens`` long, ending on a user turn."""
     rng = random.Random(seed + target_tokens)
-    session = service.new_session(title=f"bench {target_tokens}")
+    session = service.sessions.new_session(title=f"bench {target_tokens}")
     engine = service.load_engine()
     chat: list[dict[str, str]] = []
     while True:
         for role in ("user", "assistant"):
             text = _paragraph(rng, 60 if role == "user" else 140)
             chat.append({"role": role, "content": text})
-            service.add_message(session.id, role, text, token_count=engine.count_tokens(text))
+            service.sessions.add_message(
+                session.id, role, text, token_count=engine.count_tokens(text)
+            )
         if len(engine.chat_tokens(chat)) >= target_tokens - 40:
             break
-    service.add_message(session.id, "user", "Go on.", token_count=2)
+    service.sessions.add_message(session.id, "user", "Go on.", token_count=2)
     return session.id
 
 
@@ -174,7 +176,7 @@ class _Prepared:
 
 def _prepare(service: ChatService, target: int, say: Say) -> _Prepared:
     engine = service.load_engine()
-    tiers = service.tiers
+    tiers = service.host.tiers
     fingerprint = tiers.fingerprint
     assert fingerprint is not None
     session_id = build_history(service, target)
@@ -187,7 +189,7 @@ def _prepare(service: ChatService, target: int, say: Say) -> _Prepared:
     directory = tiers.cold.directory
     limit_path = directory / f"limit-{target}.llama"
     engine.state_save_file(limit_path)
-    twin = service.new_session(f"bench {target} blob twin")
+    twin = service.sessions.new_session(f"bench {target} blob twin")
     blobs = SnapshotStore(directory, tiers.store, chunked=False)
     blob_row = blobs.save(twin.id, engine, fingerprint).row
     tiers.mark_hot(None)
@@ -202,7 +204,7 @@ def _restores(
     turns so that a change in the machine's load hits all three alike. Ours are the times
     the restore reports (validate, read, verify, load), as a turn shows them."""
     engine = service.load_engine()
-    tiers = service.tiers
+    tiers = service.host.tiers
     fingerprint = tiers.fingerprint
     assert fingerprint is not None
     ours: list[float] = []
@@ -252,11 +254,11 @@ def _bench_resume(
     """One history length: restores (ours, llama.cpp's, blob, RAM) and TTFT vs full prefill
     and vs the same turn with the session already in the context.
 
-    The measurements drive the KV tiers the service composes (``service.tiers``): the
+    The measurements drive the KV tiers the service composes (``service.host.tiers``): the
     hot session is forgotten between restores so that each one reads its tier again.
     """
     engine = service.load_engine()
-    tiers = service.tiers
+    tiers = service.host.tiers
     prep = _prepare(service, target, say)
     session_id, row = prep.session_id, prep.row
     restore, limit, blob = _restores(service, prep, cold=cold, repeat=repeat)
@@ -266,7 +268,7 @@ def _bench_resume(
     decoded_resume = 0
     for _ in range(repeat):
         _page_cache(prep.files, cold)
-        probe = service.probe_turn(session_id, NEXT_MESSAGE)
+        probe = service.turns.probe(session_id, NEXT_MESSAGE)
         if probe.restore.source != "disk":
             raise RuntimeError(f"bench restore failed: {probe.restore.reason}")
         resume_ttft.append(probe.ttft_ms or 0.0)
@@ -288,7 +290,7 @@ def _bench_resume(
     engine.clear()
 
     say(f"{target}: full prefill for the baseline…")
-    baseline = service.probe_turn(session_id, NEXT_MESSAGE, no_restore=True)
+    baseline = service.turns.probe(session_id, NEXT_MESSAGE, no_restore=True)
     prep.limit_path.unlink(missing_ok=True)
     ttft_resume = statistics.median(resume_ttft)
     ttft_hot = statistics.median(hot_ttft)
@@ -363,7 +365,7 @@ def _other_layout(
 def _hot_ttft_ms(service: ChatService, session_id: str) -> float:
     """TTFT of the probe's message with the session already in the context: its KV is
     restored first (untimed), then only the new turn is timed, as ``probe_turn`` times it."""
-    tiers = service.tiers
+    tiers = service.host.tiers
     tiers.mark_hot(None)
     restored = service.make_hot(session_id)
     if restored.source not in ("disk", "ram"):
@@ -371,8 +373,8 @@ def _hot_ttft_ms(service: ChatService, session_id: str) -> float:
     engine = service.engine
     session = service.store.get_session(session_id)
     stats = GenerationStats()  # the clock starts here, as a turn's does
-    chat = [m.as_chat() for m in service.messages(session_id)]
-    head = system_head(session.system_prompt or service.settings.system_prompt)
+    chat = [m.as_chat() for m in service.sessions.messages(session_id)]
+    head = system_head(session.system_prompt or service.host.settings.system_prompt)
     prompt = engine.chat_tokens(head + chat + [{"role": "user", "content": NEXT_MESSAGE}])
     engine.prefill(prompt)
     "".join(engine.generate(GenerationParams(temperature=0.0, max_tokens=1), stats))
@@ -384,7 +386,7 @@ def _bench_writes(service: ChatService, say: Say, turns: int = 12) -> list[Write
     """Bytes each turn writes as one conversation grows, vs the KV of its new tokens."""
     say(f"writes: {turns} turns of one conversation…")
     rng = random.Random(11)
-    session = service.new_session(title="bench writes")
+    session = service.sessions.new_session(title="bench writes")
     rows: list[WriteRow] = []
     before = 0
     for turn in range(1, turns + 1):
@@ -411,19 +413,19 @@ def _bench_writes(service: ChatService, say: Say, turns: int = 12) -> list[Write
 def _bench_forks(service: ChatService, say: Say, n_forks: int = 5) -> dict[str, Any]:
     """Disk bytes for forks of one long conversation, each continued by one turn."""
     say(f"forks: {n_forks} branches of a ~2k-token conversation…")
-    service.cache_clear()
+    service.host.kv().clear()
     parent = build_history(service, 2048, seed=3)
     service.regenerate(parent, max_tokens=24, temperature=0.0)
-    prefix = service.tiers.snapshot(parent)
+    prefix = service.host.tiers.snapshot(parent)
     assert prefix is not None
     branch_bytes = 0
     for index in range(n_forks):
-        child = service.fork(parent)
+        child = service.sessions.fork(parent)
         report = service.send(
             child.id, f"Branch {index}: {NEXT_MESSAGE}", max_tokens=24, temperature=0.0
         )
         branch_bytes += report.snapshot.bytes - prefix.n_bytes
-    disk = service.cache_stats()["disk"]
+    disk = service.host.kv().stats()["disk"]
     on_disk, logical = disk["bytes"], disk["logical_bytes"]
     ideal = prefix.n_bytes + branch_bytes
     return {

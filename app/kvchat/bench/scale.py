@@ -349,7 +349,7 @@ def measure_search(settings: Settings, home: Path, figures: HomeFigures, runs: i
             times = []
             for _ in range(runs):
                 started = time.perf_counter()
-                hits = service.search(word)
+                hits = service.sessions.search(word)
                 times.append((time.perf_counter() - started) * 1000)
             figures.search_ms[name] = statistics.median(times)
             figures.search_hits[name] = len(hits)

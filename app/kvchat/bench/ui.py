@@ -80,10 +80,12 @@ def build_sessions(service: ChatService, target: int, say: Say) -> Homes:
     ``LONG_SESSION`` short messages with one search word in message 5."""
     from kvchat.bench.runs import build_history
 
-    long = service.new_session(title="bench long")
+    long = service.sessions.new_session(title="bench long")
     for i in range(LONG_SESSION):
         text = f"the {SEARCH_WORD} message" if i == 4 else f"message {i} with **bold** text"
-        service.add_message(long.id, "user" if i % 2 == 0 else "assistant", text, token_count=5)
+        service.sessions.add_message(
+            long.id, "user" if i % 2 == 0 else "assistant", text, token_count=5
+        )
     ids = []
     for seed in (1, 2):
         session_id = build_history(service, target, seed=seed)
@@ -91,7 +93,7 @@ def build_sessions(service: ChatService, target: int, say: Say) -> Homes:
         service.regenerate(session_id, max_tokens=1, temperature=0.0, no_restore=True)
         ids.append(session_id)
     # Leave nothing hot, nothing in RAM: the app starts as after a relaunch.
-    tiers = service.tiers
+    tiers = service.host.tiers
     tiers.spill()
     tiers.warm.clear()
     service.engine.clear()
@@ -324,7 +326,7 @@ async def _drive(app: KvchatApp, homes: Homes, rounds: int, keys: int, say: Say)
         assert service is not None
         for _ in range(rounds):
             for session_id in (homes.a, homes.b):  # from disk
-                await app.engine_thread.run(service.tiers.warm.clear)
+                await app.engine_thread.run(service.host.tiers.warm.clear)
                 report.switches.append(await _switch(app, frames, session_id))
             for session_id in (homes.a, homes.b):  # from RAM
                 report.switches.append(await _switch(app, frames, session_id))

@@ -18,7 +18,7 @@ def cache(ctx: click.Context, as_json: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     with service(settings_from(ctx)) as chat:
-        stats = chat.cache_stats()
+        stats = chat.host.kv().stats()
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -66,6 +66,6 @@ def gc_cmd(ctx: click.Context) -> None:
 def clear_cmd(ctx: click.Context, session_ref: str | None) -> None:
     """Delete the KV snapshots of SESSION, or of every session. Text is kept."""
     with service(settings_from(ctx)) as chat:
-        session_id = chat.resolve(session_ref).id if session_ref else None
-        count = chat.cache_clear(session_id)
+        session_id = chat.sessions.resolve(session_ref).id if session_ref else None
+        count = chat.host.kv().clear(session_id)
     click.echo(f"cleared {count} snapshots; conversations are untouched")

@@ -146,16 +146,16 @@ def ask(
     with service(settings) as chat:
         if settings.engine != "openai":  # a server's is opened by the turn: its refusal
             chat.load_engine()  # then leaves the message stored
-        printer.style = chat.reasoning_style
-        chat.prefill_progress = reading
-        for notice in chat.startup_notices():
+        printer.style = chat.host.reasoning_style
+        chat.turns.prefill_progress = reading
+        for notice in chat.host.startup_notices():
             click.echo(f"kvchat: {one_line(notice)}", err=True)
-        if think is not None and chat.thinking_switch().keyword is None:
+        if think is not None and chat.host.thinking_switch.keyword is None:
             click.echo("kvchat: this model's chat template has no thinking switch", err=True)
         if session_ref is not None:
-            session = chat.resolve(session_ref)
+            session = chat.sessions.resolve(session_ref)
             if system is not None:
-                chat.configure(session.id, system_prompt=system)
+                chat.sessions.configure(session.id, system_prompt=system)
             if think is not None:
                 _set_think(chat, session, think)
             if continue_reply:
@@ -178,8 +178,8 @@ def ask(
         raise KvchatError(f"{report.reply_error} (the reply above is not stored)")
     if as_json:
         return
-    if chat.plan_note:
-        click.echo(f"plan: {chat.plan_note}", err=True)
+    if chat.host.plan_note:
+        click.echo(f"plan: {chat.host.plan_note}", err=True)
     click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
     if report.finish_reason == "length" and report.message_id is not None:
         click.echo(
@@ -241,7 +241,7 @@ class _ReadingLine:
 
 def _set_think(chat: Any, session: Any, think: bool) -> None:
     """Keep ``--think``/``--no-think`` as the session's switch."""
-    chat.configure(session.id, settings={**session.settings, "think": think})
+    chat.sessions.configure(session.id, settings={**session.settings, "think": think})
 
 
 class _ReplyPrinter:
@@ -369,7 +369,7 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
         after = None
         while limit is None or shown_rows < limit:
             size = LIST_PAGE if limit is None else min(LIST_PAGE, limit - shown_rows)
-            page = chat.list_sessions_page(size, after)
+            page = chat.reader.list_sessions_page(size, after)
             if as_json:
                 items.extend(s.to_json() for s in page.sessions)
             elif page.sessions:
@@ -379,7 +379,7 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
             after = page.next
             if after is None:
                 break
-        more = chat.count_sessions() - shown_rows if after is not None else 0
+        more = chat.reader.count_sessions() - shown_rows if after is not None else 0
     if as_json:
         _print(to_json(items, indent=2))
     elif shown_rows == 0:
@@ -435,8 +435,8 @@ def export(
     if not _database_exists():  # reads only: no database is made to say there is nothing
         raise KvchatError(f"no session matches {session_ref!r} (no sessions yet)")
     with service(settings) as chat:
-        session = chat.resolve(session_ref)
-        text = chat.export(session.id, fmt, not no_reasoning)  # type: ignore[arg-type]
+        session = chat.sessions.resolve(session_ref)
+        text = chat.sessions.export(session.id, fmt, not no_reasoning)  # type: ignore[arg-type]
     if output is None or str(output) == "-":
         try:
             sys.stdout.write(shown(text))
@@ -483,10 +483,10 @@ def _export_all(
         with service(settings_from(ctx)) as chat:
             after = None
             while True:
-                page = chat.list_sessions_page(EXPORT_PAGE, after)
+                page = chat.reader.list_sessions_page(EXPORT_PAGE, after)
                 for summary in page.sessions:
                     session_id = summary.session.id
-                    text = chat.export(session_id, fmt, reasoning)  # type: ignore[arg-type]
+                    text = chat.sessions.export(session_id, fmt, reasoning)  # type: ignore[arg-type]
                     _write_private(output / f"{session_id}.{_EXTENSIONS[fmt]}", text)
                     written += 1
                 after = page.next
@@ -674,10 +674,12 @@ def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: b
     app), not a database id. Forks are titled "Fork at #N: TITLE" ("Fork at #N (2): TITLE"…)
     """
     with service(settings_from(ctx)) as chat:
-        parent = chat.resolve(session_ref)
-        at_message = None if at_number is None else chat.message_at(parent.id, at_number).id
-        child = chat.fork(parent.id, at_message)
-        messages = len(chat.messages(child.id))
+        parent = chat.sessions.resolve(session_ref)
+        at_message = (
+            None if at_number is None else chat.sessions.message_at(parent.id, at_number).id
+        )
+        child = chat.sessions.fork(parent.id, at_message)
+        messages = len(chat.sessions.messages(child.id))
     if as_json:
         click.echo(
             to_json(

@@ -155,7 +155,7 @@ def export_bundle(ctx: click.Context, session_ref: str, output: Path | None) -> 
     if output is None or str(output) == "-":
         raise KvchatError("a bundle is a binary file: give it a name with -o FILE")
     with service(settings_from(ctx)) as chat:
-        session = chat.resolve(session_ref)
+        session = chat.sessions.resolve(session_ref)
         written = write_bundle(chat, session.id, output)
     if written.reason is None:
         kv = f"KV {written.kv_tokens:,} tokens, {human_bytes(written.kv_bytes)}"

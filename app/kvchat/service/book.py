@@ -17,7 +17,7 @@ from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat, export_session
 from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
-from kvchat.service.session_index import LAST_SESSION_KEY, OPEN_SESSION_KEY, SessionReader
+from kvchat.service.session_index import LAST_SESSION_KEY, OPEN_SESSION_KEY
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import (
     Message,
@@ -41,7 +41,7 @@ _FORK_SUFFIX = re.compile(r" \(fork(?: (\d+))?\)$")
 BRANCH_PAGE = 500
 
 
-class SessionBook(SessionReader):
+class SessionBook:
     """Sessions, messages, forks, edits and reply versions over the store."""
 
     def __init__(self, store: Store, locks: SessionLocks, host: EngineHost) -> None:

@@ -23,8 +23,8 @@ LAST_SESSION_KEY = "last_session"
 
 
 class SessionReads(Protocol):
-    """The reads the app's first paint and its paging need: the service has them, and so
-    has :class:`SessionIndex`."""
+    """The reads the app's first paint and its paging need: a :class:`SessionReader`, held
+    by the service and by :class:`SessionIndex`."""
 
     def list_sessions_page(
         self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
@@ -50,10 +50,11 @@ class SessionReads(Protocol):
 
 
 class SessionReader:
-    """The session list and a session's pages over ``store``: :class:`SessionIndex` reads
-    them alone, the service's SessionBook among its other work."""
+    """The session list and a session's pages over ``store``: held by :class:`SessionIndex`
+    (the reads alone), and by the service beside its other collaborators."""
 
-    store: Store
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def list_sessions_page(
         self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
@@ -123,15 +124,19 @@ class SessionReader:
         return window
 
 
-class SessionIndex(SessionReader):
-    """Pages of the session list and its count, read from the database at ``database``
-    (opened with the store's checks, closed on leaving a ``with`` block)."""
+class SessionIndex:
+    """The store at ``database`` (opened with the store's checks) and a :class:`SessionReader`
+    over it; closed by :meth:`close` or on leaving a ``with`` block."""
 
     def __init__(self, database: Path) -> None:
         self.store = open_store(database)
+        self.reader = SessionReader(self.store)
+
+    def close(self) -> None:
+        self.store.close()
 
     def __enter__(self) -> SessionIndex:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        self.store.close()
+        self.close()

@@ -98,16 +98,18 @@ def write_bundle(service: ChatService, session_id: str, output: Path) -> BundleW
     session without one, or whose snapshot fails its checks, gets a text-only bundle and
     the reason. Written under the session's turn lock, like a turn.
     """
-    with service.holding(session_id):  # never a reply still streaming, nor its KV half-saved
+    with service.sessions.holding(
+        session_id
+    ):  # never a reply still streaming, nor its KV half-saved
         return _write_bundle(service, session_id, output)
 
 
 def _write_bundle(service: ChatService, session_id: str, output: Path) -> BundleWritten:
-    tiers = service.tiers
+    tiers = service.host.tiers
     if tiers.hot_session_id == session_id and tiers.dirty:
         tiers.save_hot()
-    session = service.store.get_session(session_id)
-    text = service.export(session_id, "json").encode("utf-8")
+    session = service.imports.session(session_id)
+    text = service.sessions.export(session_id, "json").encode("utf-8")
     snapshots = tiers.cold
     result = BundleWritten(output, 0)
     row = None

@@ -214,7 +214,7 @@ def _store_sessions(
                 + (f" ({left} parts left out: images, tool calls, empty messages)" if left else ""),
             )
 
-    stored = service.store.import_sessions(items(), FILE_KEY.format(result.sha256))
+    stored = service.imports.store_sessions(items(), FILE_KEY.format(result.sha256))
     for (title, n_messages, skipped), (session_id, new) in zip(kept, stored):
         result.sessions.append(SessionImport(session_id, title, n_messages, new, skipped=skipped))
 
@@ -248,15 +248,14 @@ def _some(path: Path, sessions: Iterable[ImportedSession]) -> Iterator[ImportedS
 def _already(service: ChatService, result: FileImport, ids: list[str]) -> FileImport:
     result.already = True
     for session_id in ids:
-        session = service.store.get_session(session_id)
-        row = service.store.get_snapshot(session_id)
+        stored = service.imports.stored(session_id)
         result.sessions.append(
             SessionImport(
                 session_id,
-                session.title,
-                service.store.message_count(session_id),
+                stored.session.title,
+                stored.messages,
                 new=False,
-                kv_tokens=row.n_tokens if row is not None else 0,
+                kv_tokens=stored.kv_tokens,
                 kv_reason="this file was imported before",
             )
         )
@@ -276,7 +275,7 @@ def _install_kv(service: ChatService, opened: bundle.Bundle, item: SessionImport
         item.kv_reason = opened.kv_reason or "the bundle carries no KV"
         return
     try:
-        fingerprint = service.fingerprint
+        fingerprint = service.host.fingerprint
         engine = service.engine
     except KvchatError as exc:
         item.kv_reason = f"no model to check the KV against ({exc})"
@@ -290,8 +289,8 @@ def _install_kv(service: ChatService, opened: bundle.Bundle, item: SessionImport
         return
     origin = bundle_origin(opened.sha256)
     fingerprint = fingerprint.with_origin(origin)
-    service.tiers.spill()  # the check's prefill uses the context: the hot session is kept
-    snapshots = service.tiers.cold
+    service.host.tiers.spill()  # the check's prefill uses the context: the hot session is kept
+    snapshots = service.host.tiers.cold
     try:
         if kv.format == "chunks":
             assert kv.layout is not None
@@ -349,7 +348,7 @@ def import_file(
         else:
             fmt = "JSON"
         result = FileImport(str(path), fmt, _sha256_of(fh))
-        earlier = service.store.claimed_sessions(FILE_KEY.format(result.sha256))
+        earlier = service.imports.claimed(FILE_KEY.format(result.sha256))
         if earlier:
             return _already(service, result, earlier)
         if fmt == bundle.NAME:

@@ -189,7 +189,7 @@ class KvchatApp(App[None]):
         if self.service is not None and not self._closed:
             main.status.set_turn("saving the session's memory…", "busy")
             # A settle under way stops at its next batch; closing saves the valid prefix.
-            self.service.interrupt_housekeeping()
+            self.service.upkeep.interrupt()
             await self.engine_thread.run(self._close_service)
         self.exit(return_code=EXIT_FATAL if self.fatal else 0)
 
@@ -202,7 +202,7 @@ class KvchatApp(App[None]):
             if open_id is not None and open_id not in dropped:
                 # The next launch reopens the session the user was in.
                 try:
-                    self.service.remember_open(open_id)
+                    self.service.sessions.remember_open(open_id)
                 except KvchatError:
                     pass  # a convenience: closing goes on
             self.service.close()
@@ -214,7 +214,7 @@ class KvchatApp(App[None]):
         dropped = []
         for session_id in made:
             try:
-                if self.service.drop_if_unused(session_id):
+                if self.service.sessions.drop_if_unused(session_id):
                     dropped.append(session_id)
             except KvchatError:
                 pass  # deleted meanwhile, or busy elsewhere: kept
@@ -234,7 +234,7 @@ class KvchatApp(App[None]):
             main.turn.cancel.set()
         if not self._closed:
             if self.service is not None:
-                self.service.interrupt_housekeeping()
+                self.service.upkeep.interrupt()
             self.engine_thread.call(self._close_service)
         self.engine_thread.shutdown()
         # A quit before the service opened: the first paint's index closes (its integrity

@@ -87,10 +87,10 @@ class Backend:
         """What reads of sessions and messages go through: the service once it is open,
         else the store-only index opened for the first paint."""
         if self.service is not None:
-            return self.service
+            return self.service.reader
         index = self.index
         assert index is not None
-        return index
+        return index.reader
 
     async def index_opened(self) -> None:
         """Wait for the store-only index that the app's construction began opening (a
@@ -110,7 +110,7 @@ class Backend:
         """On the store thread (after every read queued through it): the service reads now."""
         index, self.index = self.index, None
         if index is not None:
-            index.store.close()
+            index.close()
 
     def open_service(self) -> None:
         """On the engine thread: importing kvchat.service.chat loads llama.cpp's bindings.
@@ -127,13 +127,13 @@ class Backend:
         service = self.chat
         # A turn returns once its reply is stored; the app runs the settle and the snapshot
         # write while idle, and a new message makes them yield (see IdleWork).
-        service.defer_housekeeping = True
+        service.upkeep.deferred = True
         engine = service.load_engine()
-        return engine.config.model_path.stem, engine.n_ctx, service.plan_note
+        return engine.config.model_path.stem, engine.n_ctx, service.host.plan_note
 
     def switch_model(self, path: str) -> tuple[str, int, str | None]:
         """On the engine thread: switch to the model file ``path``, then as :meth:`load_model`."""
-        self.chat.switch_model(path)
+        self.chat.models.switch_model(path)
         return self.load_model()
 
     def on_engine(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
@@ -144,7 +144,7 @@ class Backend:
         at once; as the action's work starts, housekeeping is allowed again.
         """
         if self.service is not None:
-            self.service.interrupt_housekeeping()
+            self.service.upkeep.interrupt()
         self.engine_actions += 1
         self.engine_jobs += 1
         future = self.engine_thread.run(self._user_job, fn, *args, **kwargs)
@@ -154,7 +154,7 @@ class Backend:
     def _user_job(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """On the engine thread: a user's action starts; housekeeping may run again after it."""
         if self.service is not None:
-            self.service.allow_housekeeping()
+            self.service.upkeep.allow()
         return fn(*args, **kwargs)
 
     def _engine_job_done(self, _future: object) -> None:

@@ -88,7 +88,7 @@ class Branching:
             return
         try:
             branch = await self.backend.on_engine(
-                self.backend.chat.fork, session_id, at_message=message_id
+                self.backend.chat.sessions.fork, session_id, at_message=message_id
             )
         except KvchatError as exc:
             self.app.notify(str(exc), severity="error", markup=False)
@@ -146,7 +146,7 @@ class Branching:
         self.status.set_turn("branching…", "busy")
         try:
             branch = await self.backend.on_engine(
-                self.backend.chat.edit, session_id, message_id, text
+                self.backend.chat.sessions.edit, session_id, message_id, text
             )
         except BaseException as exc:
             self.state.turn = None

@@ -49,7 +49,7 @@ class IdleWork:
     def idle(self) -> bool:
         """No housekeeping runs here, and the last turn left none pending."""
         service = self.backend.service
-        pending = service is not None and service.housekeeping_pending
+        pending = service is not None and service.upkeep.pending
         return not self.running and not pending
 
     def claim(self) -> int | None:
@@ -65,7 +65,7 @@ class IdleWork:
             or state.turn is not None
             or backend.engine_jobs
             or backend.closing
-            or not service.housekeeping_pending
+            or not service.upkeep.pending
         ):
             return None
         self.running = True
@@ -102,7 +102,7 @@ class IdleWork:
         if actions != self.backend.engine_actions:
             return None
         service = self.backend.chat
-        done = service.housekeep()
+        done = service.upkeep.run_pending()
         return done, service.context_tokens
 
     def _show_snapshot(self, snapshot: SnapshotWrite, report: TurnReport | None) -> None:

@@ -120,7 +120,7 @@ class MessageActions:
         stored: Message | None = None
         if message_id is not None:
             messages = await self.backend.on_store(
-                self.backend.chat.messages, self.state.session_id
+                self.backend.chat.sessions.messages, self.state.session_id
             )
             stored = next((m for m in messages if m.id == message_id), None)
         lines: list[str] = []

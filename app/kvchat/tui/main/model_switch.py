@@ -59,7 +59,7 @@ class ModelSwitch:
         service = self.backend.chat
         remembered = await self._other_model(self.state.session_id)
         also = remembered.path if remembered is not None else None
-        choices = await self.backend.on_store(service.model_choices, also)
+        choices = await self.backend.on_store(service.models.model_choices, also)
         note = _made_with(remembered) if remembered is not None else None
         choice: ModelChoice | None = await self.app.push_screen_wait(
             ModelScreen(choices, also, note)
@@ -110,7 +110,7 @@ class ModelSwitch:
         """The model the session last ran with, when it is here and not the loaded one."""
         if session_id is None or not self.state.ready:
             return None
-        remembered = await self.backend.on_store(self.backend.chat.session_model, session_id)
+        remembered = await self.backend.on_store(self.backend.chat.models.session_model, session_id)
         if remembered is None or remembered.loaded or not remembered.present:
             return None
         return remembered

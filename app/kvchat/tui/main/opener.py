@@ -148,7 +148,7 @@ class SessionOpener:
             self.post(Fatal("The model could not be loaded", str(exc)))
             return
         # The last run's crash, the engine probe's choice: said once.
-        for notice in await backend.on_store(service.startup_notices):
+        for notice in await backend.on_store(service.host.startup_notices):
             self.app.notify(notice, severity="warning", timeout=20, markup=False)
         self.status.set_model(name, n_ctx)
         self.status.set_context(0)
@@ -164,9 +164,9 @@ class SessionOpener:
     async def new_session_id(self) -> str:
         """Make an empty session (remembered as open); dropped at quit if it stays empty."""
         backend = self.backend
-        session = await backend.on_store(backend.chat.new_session)
+        session = await backend.on_store(backend.chat.sessions.new_session)
         self.state.made_sessions.add(session.id)
-        await backend.on_store(backend.chat.remember_open, session.id)
+        await backend.on_store(backend.chat.sessions.remember_open, session.id)
         return str(session.id)
 
     # --- making a session hot -------------------------------------------------------------
@@ -280,7 +280,7 @@ class SessionOpener:
         # (Before the service is open, quitting remembers it.)
         service = self.backend.service
         remembered = (
-            asyncio.ensure_future(self.backend.on_store(service.remember_open, session_id))
+            asyncio.ensure_future(self.backend.on_store(service.sessions.remember_open, session_id))
             if service is not None
             else None
         )
@@ -340,7 +340,7 @@ class SessionOpener:
             return None
         back = len(views) - views.index(view) + self.conversation.later
         chat = self.backend.chat
-        messages = await self.backend.on_store(chat.messages_page, session_id, back)
+        messages = await self.backend.on_store(chat.reader.messages_page, session_id, back)
         if back > len(messages):
             return None
         message = messages[0]

@@ -98,7 +98,7 @@ class SessionActions:
         if not title:
             return
         try:
-            await self.backend.on_store(self.backend.chat.rename, session_id, title)
+            await self.backend.on_store(self.backend.chat.sessions.rename, session_id, title)
         except KvchatError as exc:
             self.app.notify(str(exc), severity="error", markup=False)
             return
@@ -119,7 +119,7 @@ class SessionActions:
         )
         if not confirmed or self.state.turn is not None:
             return
-        await self.backend.on_engine(self.backend.chat.delete, session_id)
+        await self.backend.on_engine(self.backend.chat.sessions.delete, session_id)
         self.app.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
         if self.state.session_id == session_id:
             self.state.session_id = self.state.shown_id = self.state.hot_id = None
@@ -135,7 +135,9 @@ class SessionActions:
         from kvchat.tui.screens.search import SearchScreen
 
         async def searcher(query: str) -> list[SearchHit]:
-            result: list[SearchHit] = await self.backend.on_store(self.backend.chat.search, query)
+            result: list[SearchHit] = await self.backend.on_store(
+                self.backend.chat.sessions.search, query
+            )
             return result
 
         hit: SearchHit | None = await self.app.push_screen_wait(SearchScreen(searcher))
@@ -154,7 +156,9 @@ class SessionActions:
         if request is None:
             return
         try:
-            text = await self.backend.on_store(self.backend.chat.export, session_id, request.fmt)
+            text = await self.backend.on_store(
+                self.backend.chat.sessions.export, session_id, request.fmt
+            )
             await self.backend.on_store(_write_text, request.path, text, request.replace)
         except FileExistsError:
             message = f"Not exported: {request.path} exists now (export again to replace it)"
@@ -175,7 +179,7 @@ class SessionActions:
         if session_id is None:
             session_id = self.state.session_id = await self.opener.new_session_id()
             await self.refresh()
-        session = await self.backend.on_store(self.backend.chat.resolve, session_id)
+        session = await self.backend.on_store(self.backend.chat.sessions.resolve, session_id)
         from kvchat.service.chat import SESSION_SETTINGS
 
         settings = self.backend.settings
@@ -204,7 +208,7 @@ class SessionActions:
             return
         try:
             await self.backend.on_store(
-                self.backend.chat.configure,
+                self.backend.chat.sessions.configure,
                 session_id,
                 system_prompt=result.system_prompt,
                 settings={**kept, **result.settings},
@@ -228,7 +232,7 @@ class SessionActions:
         if not ready_or_say(self.app, self.state):
             return
         service = self.backend.chat
-        switch = await self.backend.on_engine(service.thinking_switch)
+        switch = await self.backend.on_engine(lambda: service.host.thinking_switch)
         if switch.keyword is None:
             message = "this model's chat template has no thinking switch: nothing changed"
             self.status.set_turn(message, "warning")
@@ -238,13 +242,13 @@ class SessionActions:
         if session_id is None:
             session_id = self.state.session_id = await self.opener.new_session_id()
             await self.refresh()
-        session = await self.backend.on_store(service.resolve, session_id)
+        session = await self.backend.on_store(service.sessions.resolve, session_id)
         # Unset means the template's default, thinking for the templates that have the
         # switch: the first press turns it off.
         think = session.settings.get("think") is False
         settings = {**session.settings, "think": think}
         try:
-            await self.backend.on_store(service.configure, session_id, settings=settings)
+            await self.backend.on_store(service.sessions.configure, session_id, settings=settings)
         except KvchatError as exc:
             self.app.notify(str(exc), severity="error", markup=False)
             return

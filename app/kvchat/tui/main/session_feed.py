@@ -52,13 +52,13 @@ def _look(
     service: ChatService, stamp: int, ids: list[str]
 ) -> tuple[SessionChanges, dict[str, KvNow]]:
     """On the store thread: what changed since ``stamp``; where the KV is for ``ids``."""
-    return service.sessions_changed_since(stamp), _kv_now(service, ids)
+    return service.sessions.sessions_changed_since(stamp), _kv_now(service, ids)
 
 
 def _kv_now(service: ChatService, ids: list[str]) -> dict[str, KvNow]:
     out: dict[str, KvNow] = {}
     for session_id in ids:
-        snapshot = service.tiers.snapshot(session_id)
+        snapshot = service.host.tiers.snapshot(session_id)
         out[session_id] = (service.kv_location(session_id), snapshot.n_tokens if snapshot else 0)
     return out
 
@@ -142,7 +142,7 @@ class SessionFeed:
         if self._stamp is None or self.backend.service is None:
             return False
         backend = self.backend
-        stamp = await backend.on_store(backend.chat.change_stamp)
+        stamp = await backend.on_store(backend.chat.reader.change_stamp)
         if stamp == self._stamp:
             return False
         await self.refresh()

@@ -128,7 +128,9 @@ class TurnRunner:
         if turn.session_id is None:
             return False
         # On the engine thread: behind this app's own turn work, which holds the lock too.
-        holder = await self.backend.on_engine(self.backend.chat.turn_holder, turn.session_id)
+        holder = await self.backend.on_engine(
+            self.backend.chat.sessions.turn_holder, turn.session_id
+        )
         if holder is None:
             return False
         self.state.turn = None
@@ -152,16 +154,18 @@ class TurnRunner:
         # This app's own engine work may hold the session's lock: housekeeping lets go of it
         # at its next batch; a restore or other action finishes first.
         own_work = self.idle_work.running or self.backend.engine_jobs > 0
-        service.interrupt_housekeeping()
+        service.upkeep.interrupt()
         wait = {"wait_s": OWN_WORK_WAIT_S} if own_work else {}
         try:
-            message = await self.backend.on_store(service.post, turn.session_id, turn.text, **wait)
+            message = await self.backend.on_store(
+                service.turns.post, turn.session_id, turn.text, **wait
+            )
         except KvchatError as exc:
             self.state.turn = None
             self.prompt.give_back(turn.text)
             await turn.asked.remove()
             # The interrupt above had no turn after it: housekeeping may run again.
-            self.backend.on_engine(service.allow_housekeeping)
+            self.backend.on_engine(service.upkeep.allow)
             self._say_not_sent(exc)
             return False
         turn.message_id = message.id
@@ -249,8 +253,8 @@ class TurnRunner:
         assert turn.session_id is not None
         # The model is loaded before any turn; a service whose model is not (a stand-in
         # engine) has no template to read the style from, and reading it would load one.
-        if service.loaded_model_path is not None:
-            turn.splitter = _splitter(service.reasoning_style, turn)
+        if service.host.loaded_model_path is not None:
+            turn.splitter = _splitter(service.host.reasoning_style, turn)
         on_token, cancel = turn.sink.append, turn.cancel.is_set
 
         def read(done: int, total: int, seconds: float) -> None:
@@ -259,13 +263,13 @@ class TurnRunner:
         def trouble(line: str | None) -> None:
             turn.save_trouble = line  # one assignment: drawn by flush
 
-        service.prefill_progress = read
-        service.save_trouble = trouble
+        service.turns.prefill_progress = read
+        service.turns.save_trouble = trouble
         try:
             return self._engine_turn_run(turn, on_token, cancel)
         finally:
-            service.prefill_progress = None
-            service.save_trouble = None
+            service.turns.prefill_progress = None
+            service.turns.save_trouble = None
 
     def _engine_turn_run(
         self, turn: ActiveTurn, on_token: Callable[[str], None], cancel: Callable[[], bool]
@@ -388,7 +392,9 @@ class TurnRunner:
             )
         if view.message_id is not None:
             view.set_version(
-                *await self.backend.on_store(self.backend.chat.reply_versions, view.message_id)
+                *await self.backend.on_store(
+                    self.backend.chat.sessions.reply_versions, view.message_id
+                )
             )
         cut = report.finish_reason == "length" and view.message_id is not None
         view.set_cut(cut)
@@ -420,7 +426,7 @@ class TurnRunner:
         try:
             # On the engine thread: it takes the session's turn lock, like a turn.
             message = await self.backend.on_engine(
-                self.backend.chat.switch_version, view.message_id, step
+                self.backend.chat.sessions.switch_version, view.message_id, step
             )
         except KvchatError as exc:
             self.app.notify(str(exc), severity="warning", markup=False)
@@ -429,7 +435,9 @@ class TurnRunner:
             edge = "first" if step < 0 else "last"
             self.app.notify(f"This is the {edge} version of the reply (Ctrl+R makes a new one)")
             return
-        position, count = await self.backend.on_store(self.backend.chat.reply_versions, message.id)
+        position, count = await self.backend.on_store(
+            self.backend.chat.sessions.reply_versions, message.id
+        )
         figures = self.conversation.thought_figures.get((message.id, message.reasoning))
         await view.show_version(message, position, count, figures)
         self.status.set_turn(

@@ -61,7 +61,7 @@ class SessionWatch:
         if session_id is None or state.shown_id != session_id:
             return  # not shown yet: opening it reads it afresh
         try:
-            stamp = await backend.on_store(backend.chat.changed_at, session_id)
+            stamp = await backend.on_store(backend.chat.sessions.changed_at, session_id)
         except KvchatError:
             return  # deleted meanwhile: the sidebar's refresh shows that
         if state.seen_change == (session_id, stamp):
@@ -69,7 +69,7 @@ class SessionWatch:
         try:
             # The count and the last message: never the whole session.
             latest: MessageWindow = await backend.on_store(
-                backend.chat.message_window, session_id, 1
+                backend.chat.reader.message_window, session_id, 1
             )
         except KvchatError:
             return
