@@ -50,6 +50,7 @@ from kvchat.bench.export_gen import (
 )
 from kvchat.bench.paint import SIZE, first_paint
 from kvchat.bench.ui_report import Switch, _percentile, verdict_lines, verdicts
+from kvchat.system import current as current_system
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -358,16 +359,14 @@ def measure_search(settings: Settings, home: Path, figures: HomeFigures, runs: i
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of process ``pid`` (all its threads); 0 where unknown."""
+    usage = current_system().process_usage(pid)
+    return usage.cpu_seconds if usage else 0.0
 
 
 def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    usage = current_system().process_usage(pid)
+    return usage.rss_bytes / (1 << 20) if usage else 0.0
 
 
 def measure_app(home: Path, figures: HomeFigures, idle_s: float, keys: int) -> None:
