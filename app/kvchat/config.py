@@ -22,6 +22,7 @@ from kvchat.limits import (
     TOP_P_MIN,
 )
 from kvchat.paths import config_file
+from kvchat.system import current as current_system
 
 KvType = Literal["f16", "q8_0", "q4_0"]
 # ``--model`` values that name the bundled model.
@@ -30,27 +31,8 @@ BUNDLED_ALIASES = ("bundled", "default")
 
 def physical_cores() -> int:
     """Physical cores (llama.cpp is slower on hyper-threads); falls back to logical CPUs."""
-    try:
-        cores: set[tuple[str, str]] = set()
-        phys = core = ""
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "physical id":
-                    phys = value
-                elif key == "core id":
-                    core = value
-                elif not key and core:
-                    cores.add((phys, core))
-                    core = ""
-        if core:
-            cores.add((phys, core))
-        if cores:
-            return len(cores)
-    except OSError:
-        pass
-    return max(1, (os.cpu_count() or 2))
+    cores = current_system().cpu().physical_cores  # 0: the OS did not say
+    return cores if cores > 0 else max(1, (os.cpu_count() or 2))
 
 
 class _TomlSource(PydanticBaseSettingsSource):

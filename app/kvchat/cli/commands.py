@@ -17,6 +17,7 @@ from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
 from kvchat.service.exports import FORMATS
 from kvchat.service.reasoning import NO_REASONING, ReasoningStream
+from kvchat.system import current as current_system
 from kvchat.text import check_text, fit_width, one_line
 from kvchat.units import human_bytes
 
@@ -498,9 +499,8 @@ def _export_all(
 
 def _write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (0600; an existing file replaced, a link refused)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = current_system().open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
     except OSError as exc:

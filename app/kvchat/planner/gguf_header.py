@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvchat.paths import NotARegularFile, open_regular
+from kvchat.system import current as current_system
 
 # The header of the largest real models (vocabulary, merges, scores) is ~20 MiB.
 MAX_HEADER_BYTES = 256 << 20
@@ -127,7 +128,9 @@ class _Parser:
             raise GGUFHeaderError(f"its header is larger than {MAX_HEADER_BYTES >> 20} MiB")
         target = min(max(end, 2 * len(self.buf), _FIRST_READ), self.size, MAX_HEADER_BYTES)
         while len(self.buf) < target:
-            chunk = os.pread(self.fd, target - len(self.buf), len(self.buf))
+            chunk = bytearray(target - len(self.buf))
+            got = current_system().read_into(self.fd, [memoryview(chunk)], len(self.buf))
+            del chunk[got:]
             if not chunk:
                 raise GGUFHeaderError("the file got shorter while it was read")
             self.buf += chunk

@@ -33,6 +33,7 @@ from kvchat import __version__
 from kvchat.errors import KvchatError
 from kvchat.kvcache.cold import bundle_files as bundle_io
 from kvchat.kvcache.rejected import SnapshotRejected
+from kvchat.system import current as current_system
 from kvchat.transfer import kvchat_json
 from kvchat.transfer.common import MAX_JSON_BYTES, BadFile, ImportedSession, load_json
 
@@ -123,7 +124,7 @@ def _write_bundle(service: ChatService, session_id: str, output: Path) -> Bundle
         row, result.reason = None, f"the session's KV cannot be read ({exc})"
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = current_system().open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except OSError as exc:
         raise KvchatError(f"cannot write {output}: {exc.strerror or exc}") from None
     try:

@@ -111,7 +111,7 @@ class FileImport:
 
 def _open_regular(path: Path) -> tuple[int, os.stat_result]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise BadFile(path, f"cannot be read ({exc.strerror or exc})") from None
     info = os.fstat(fd)
