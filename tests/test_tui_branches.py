@@ -9,6 +9,7 @@ import pytest
 
 from kvchat.service.chat import ChatService
 from kvchat.tui.main import MainScreen
+from kvchat.tui.main.context import REFRESH_SESSIONS
 from tests.test_tui import SIZE, make_app, make_settings, ready, wait_until
 from tests.test_tui import no_background_failures as no_background_failures  # autouse here too
 
@@ -69,6 +70,6 @@ async def test_the_sidebar_shows_forks_under_their_parent_and_folds_them(kvhome:
         await wait_until(lambda: [r.id for r in main.sessions.rows] == [beta.id, alpha.id])
         main.open_session(fork.id)
         await wait_until(lambda: main.session_id == fork.id)
-        main.request_refresh()
+        main.run_job(REFRESH_SESSIONS, main.refresh_sessions)
         await wait_until(lambda: [r.id for r in main.sessions.rows][-1:] == [fork.id])
         assert main.sessions.rows[main.sessions.index or 0].id == fork.id

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.tui.main.context import REFRESH_SESSIONS
 from kvchat.tui.widgets.conversation import MessageView
 from tests.test_tui import SIZE, ready, send, service_of, wait_until
 from tests.test_tui_relaunch_and_continue import header, make_app
@@ -662,7 +663,7 @@ async def test_a_fork_and_an_edit_read_differently_in_the_sidebar(kvhome: Path) 
         last = main.last_turn
         await pilot.press("enter")
         await wait_until(lambda: main.last_turn is not last and main.turn is None, 90)
-        main.request_refresh()
+        main.run_job(REFRESH_SESSIONS, main.refresh_sessions)
         await wait_until(lambda: len(main.sessions.rows) == 3)
         shown = titles(main)
         assert shown[0].startswith("▾ Let's plan a trip")

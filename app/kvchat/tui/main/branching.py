@@ -9,62 +9,35 @@ the reply runs the model; ``fork`` only writes the store but is queued with the 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-
-from textual.message import Message as TextualMessage
-
 from kvchat.errors import KvchatError
 from kvchat.text import visible
-from kvchat.tui.backend import Backend
+from kvchat.tui.main.context import ScreenContext
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, idle_or_say
+from kvchat.tui.main.screen_state import ActiveTurn, idle_or_say
 from kvchat.tui.main.signals import OpenRequested, TurnRequested
 from kvchat.tui.phrases import shorten
-from kvchat.tui.widgets.conversation import Conversation, MessageView
-from kvchat.tui.widgets.prompt import PromptInput
-from kvchat.tui.widgets.status import StatusBar
-
-if TYPE_CHECKING:
-    from textual.app import App
+from kvchat.tui.widgets.conversation import MessageView
 
 
 class Branching:
     """Branch (``f``, Ctrl+T) and edit (``e``, F4); each runs in a worker of the screen."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        opener: SessionOpener,
-        conversation: Conversation,
-        status: StatusBar,
-        prompt: PromptInput,
-        refresh: Callable[[], Awaitable[None]],
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
+        self.ctx = ctx
         self.opener = opener
-        self.conversation = conversation
-        self.status = status
-        self.prompt = prompt
-        self.refresh = refresh  # reads the sessions list again and shows it
-        self.post = post  # to the screen
 
     async def _branch_point(self, view: MessageView, what: str) -> int | None:
         """The store id of ``view`` if a branch may start there now; else say why not."""
-        if not self.state.ready:
-            self.app.notify(f"Cannot {what} while the model loads", severity="warning")
+        if not self.ctx.state.ready:
+            self.ctx.app.notify(f"Cannot {what} while the model loads", severity="warning")
             return None
-        if not idle_or_say(self.app, self.state, what):
+        if not idle_or_say(self.ctx.app, self.ctx.state, what):
             return None
         message_id = await self.opener.stored_id(view)
         if message_id is None:
-            self.app.notify("This message is not saved yet: wait for the reply", severity="warning")
+            self.ctx.app.notify(
+                "This message is not saved yet: wait for the reply", severity="warning"
+            )
         return message_id
 
     # --- branch ---------------------------------------------------------------------------
@@ -74,32 +47,32 @@ class Branching:
 
         Without a selected message the branch takes the whole conversation.
         """
-        session_id = self.state.session_id
+        session_id = self.ctx.state.session_id
         if view is None:
-            view = self.conversation.focused_view
+            view = self.ctx.conversation.focused_view
             if view is None:
-                stored = [v for v in self.conversation.views if v.message_id is not None]
+                stored = [v for v in self.ctx.conversation.views if v.message_id is not None]
                 view = stored[-1] if stored else None
         if session_id is None or view is None:
-            self.app.notify("No message to branch from yet", severity="warning")
+            self.ctx.app.notify("No message to branch from yet", severity="warning")
             return
         message_id = await self._branch_point(view, "branch")
         if message_id is None:
             return
         try:
-            branch = await self.backend.on_engine(
-                self.backend.chat.sessions.fork, session_id, at_message=message_id
+            branch = await self.ctx.backend.on_engine(
+                self.ctx.backend.chat.sessions.fork, session_id, at_message=message_id
             )
         except KvchatError as exc:
-            self.app.notify(str(exc), severity="error", markup=False)
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
-        await self.refresh()
-        self.app.notify(
+        await self.ctx.refresh()
+        self.ctx.app.notify(
             f"Branched into “{shorten(branch.title, 40)}”; the original is kept", markup=False
         )
         # The usual switch: shows the messages, then makes the branch hot on the engine
         # thread (the shared prefix comes from the original's snapshot) and says so.
-        self.post(OpenRequested(branch.id, focus_prompt=True))
+        self.ctx.post(OpenRequested(branch.id, focus_prompt=True))
 
     # --- edit -----------------------------------------------------------------------------
 
@@ -108,17 +81,17 @@ class Branching:
 
         Without a selected message it edits your last one. The original is kept.
         """
-        session_id = self.state.session_id
+        session_id = self.ctx.state.session_id
         if view is None:
-            view = self.conversation.focused_view
+            view = self.ctx.conversation.focused_view
             if view is None:
-                mine = [v for v in self.conversation.views if v.role == "user"]
+                mine = [v for v in self.ctx.conversation.views if v.role == "user"]
                 view = mine[-1] if mine else None
         if session_id is None or view is None:
-            self.app.notify("No message of yours to edit yet", severity="warning")
+            self.ctx.app.notify("No message of yours to edit yet", severity="warning")
             return
         if view.role != "user":
-            self.app.notify(
+            self.ctx.app.notify(
                 "Only your own messages can be edited: Ctrl+R regenerates the last reply, "
                 "f branches from this one",
                 severity="warning",
@@ -130,41 +103,41 @@ class Branching:
         original = visible(view.text)  # what the message shows
         from kvchat.tui.screens.dialogs import EditDialog
 
-        text: str | None = await self.app.push_screen_wait(EditDialog(original))
+        text: str | None = await self.ctx.app.push_screen_wait(EditDialog(original))
         if text is None:
             return
         if text == original.strip():
-            self.app.notify("The message is unchanged: nothing to do")
+            self.ctx.app.notify("The message is unchanged: nothing to do")
             return
-        if self.state.session_id != session_id or not idle_or_say(
-            self.app, self.state, "edit a message"
+        if self.ctx.state.session_id != session_id or not idle_or_say(
+            self.ctx.app, self.ctx.state, "edit a message"
         ):
             return
         # Hold the turn from now on, so nothing else starts while the branch is made.
         turn = ActiveTurn("regenerate", None, None)
-        self.state.turn = turn
-        self.status.set_turn("branching…", "busy")
+        self.ctx.state.turn = turn
+        self.ctx.status.set_turn("branching…", "busy")
         try:
-            branch = await self.backend.on_engine(
-                self.backend.chat.sessions.edit, session_id, message_id, text
+            branch = await self.ctx.backend.on_engine(
+                self.ctx.backend.chat.sessions.edit, session_id, message_id, text
             )
         except BaseException as exc:
-            self.state.turn = None
+            self.ctx.state.turn = None
             if not isinstance(exc, KvchatError):
-                self.status.set_turn("")
+                self.ctx.status.set_turn("")
                 raise
-            self.status.set_turn(str(exc), "error")
-            self.app.notify(str(exc), severity="error", markup=False)
+            self.ctx.status.set_turn(str(exc), "error")
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
-        turn.session_id = self.state.session_id = branch.id
-        self.state.shown_id = None
+        turn.session_id = self.ctx.state.session_id = branch.id
+        self.ctx.state.shown_id = None
         await self.opener.show_stored(branch.id, lazy=False)
-        await self.refresh()
-        self.prompt.focus()
-        self.app.notify(
+        await self.ctx.refresh()
+        self.ctx.prompt.focus()
+        self.ctx.app.notify(
             f"Edited into a new branch “{shorten(branch.title, 40)}”; the original is kept",
             markup=False,
         )
         # Like Ctrl+R: the reply streams in; the engine thread makes the branch hot with
         # the KV prefix it shares with the original.
-        self.post(TurnRequested(turn))
+        self.ctx.post(TurnRequested(turn))

@@ -8,20 +8,13 @@ flight. Any new action makes it yield at its next batch (see ``Backend.on_engine
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from textual.message import Message as TextualMessage
-
-from kvchat.tui.backend import Backend
-from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.main.context import HOUSEKEEPING, ScreenContext
 from kvchat.tui.main.signals import SessionsChanged
 from kvchat.tui.phrases import snapshot_phrase
-from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
-    from textual.app import App
-
     from kvchat.service.chat import SnapshotWrite, TurnReport
     from kvchat.service.reports import Housekeeping
 
@@ -29,34 +22,28 @@ if TYPE_CHECKING:
 class IdleWork:
     """Starts and runs the housekeeping a turn left (see the module docstring)."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        status: StatusBar,
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
-        self.status = status
-        self.post = post  # to the screen
+    def __init__(self, ctx: ScreenContext) -> None:
+        self.ctx = ctx
         self.running = False  # a housekeep() queued or running on the engine thread
 
     @property
     def idle(self) -> bool:
         """No housekeeping runs here, and the last turn left none pending."""
-        service = self.backend.service
+        service = self.ctx.backend.service
         pending = service is not None and service.upkeep.pending
         return not self.running and not pending
+
+    def start(self) -> None:
+        """Run what the last turn left, when it may run now (see :meth:`claim`)."""
+        actions = self.claim()
+        if actions is not None:
+            self.ctx.run(HOUSEKEEPING, self.run, actions)
 
     def claim(self) -> int | None:
         """When housekeeping is pending and may run now (no reply, no action of the user's
         in flight): mark it running and return the count of actions it must not outlive;
         else None."""
-        backend, state = self.backend, self.state
+        backend, state = self.ctx.backend, self.ctx.state
         service = backend.service
         if (
             service is None
@@ -73,14 +60,14 @@ class IdleWork:
 
     async def run(self, actions: int) -> None:
         """Housekeep on the engine thread (after :meth:`claim`), then show what was done."""
-        state = self.state
+        state = self.ctx.state
         report = state.last_report
         try:
             # Straight onto the engine thread, not on_engine: that would make it yield to itself.
-            ran = await self.backend.engine_thread.run(self._engine_housekeep, actions)
+            ran = await self.ctx.backend.engine_thread.run(self._engine_housekeep, actions)
         finally:
             self.running = False
-        if ran is None or self.backend.closing:
+        if ran is None or self.ctx.backend.closing:
             return
         done, used = ran
         if report is not None and report is state.last_report:
@@ -91,29 +78,29 @@ class IdleWork:
                 report.window_note = done.note
             if state.turn is None and report.session_id == state.session_id == state.hot_id:
                 # The settle left the context holding the next prompt up to the user's words.
-                self.status.set_context(used)
-                self.post(SessionsChanged())
+                self.ctx.status.set_context(used)
+                self.ctx.post(SessionsChanged())
         if done.snapshot is not None:
             self._show_snapshot(done.snapshot, report)
 
     def _engine_housekeep(self, actions: int) -> tuple[Housekeeping, int] | None:
         """On the engine thread; nothing when an action of the user's was queued meanwhile
         (it runs first; the idle poll tries again after it). With the context's size after."""
-        if actions != self.backend.engine_actions:
+        if actions != self.ctx.backend.engine_actions:
             return None
-        service = self.backend.chat
+        service = self.ctx.backend.chat
         done = service.upkeep.run_pending()
         return done, service.context_tokens
 
     def _show_snapshot(self, snapshot: SnapshotWrite, report: TurnReport | None) -> None:
         """The status bar's memory part says what was written (as after a turn that saved)."""
-        state = self.state
+        state = self.ctx.state
         if (
             report is not None
             and report is state.last_report
             and report.session_id == state.session_id
             and state.last_restore is report.restore  # no restore (a switch) since
         ):
-            self.status.set_memory(f"KV: hot · {snapshot_phrase(snapshot)}", "hot")
+            self.ctx.status.set_memory(f"KV: hot · {snapshot_phrase(snapshot)}", "hot")
         if snapshot.error:
-            self.app.notify(snapshot.error, severity="warning", markup=False)
+            self.ctx.app.notify(snapshot.error, severity="warning", markup=False)

@@ -7,51 +7,33 @@ drop that, by a clipboard command or a file (see :mod:`kvchat.tui.clipboard`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvchat.tui.backend import Backend
 from kvchat.tui.clipboard import CopyOutcome, choose_route, deliver
+from kvchat.tui.main.context import COPY, ScreenContext
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ScreenState
 from kvchat.tui.phrases import code_blocks, local_time, turn_lines
-from kvchat.tui.widgets.conversation import ROLE_NAMES, Conversation, MessageView
+from kvchat.tui.widgets.conversation import ROLE_NAMES, MessageView
 
 if TYPE_CHECKING:
-    from textual.app import App
-    from textual.worker import Worker
-
     from kvchat.service.chat import Message
 
 
 class MessageActions:
     """Copy (``c``, ``b``, Ctrl+O, F5) and details (``i``, F3); the dialogs are awaited in a
-    worker of the screen; the copy beyond OSC 52 runs in a worker that ``copy_worker``
-    starts (the screen's, so its failures are reported like any other)."""
+    worker of the screen; the copy beyond OSC 52 runs in a worker of the screen too (started
+    through the context, so its failures are reported like any other)."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        opener: SessionOpener,
-        conversation: Conversation,
-        copy_worker: Callable[[str, str], Worker[CopyOutcome]],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
+        self.ctx = ctx
         self.opener = opener
-        self.conversation = conversation
-        self.copy_worker = copy_worker
 
     def _selected_view(self) -> MessageView | None:
         """The focused message, else the last reply, else the last message."""
-        focused = self.conversation.focused_view
+        focused = self.ctx.conversation.focused_view
         if focused is not None:
             return focused
-        views = self.conversation.views
+        views = self.ctx.conversation.views
         replies = [v for v in views if v.role == "assistant" and not v.streaming]
         return replies[-1] if replies else (views[-1] if views else None)
 
@@ -60,17 +42,17 @@ class MessageActions:
     def copy_message(self) -> None:
         view = self._selected_view()
         if view is None or not view.text:
-            self.app.notify("No message to copy", severity="warning")
+            self.ctx.app.notify("No message to copy", severity="warning")
             return
         self.copy(view.text, "message")
 
     async def copy_code(self, view: MessageView | None = None) -> None:
-        focused = view or self.conversation.focused_view
-        sources = [focused] if focused is not None else self.conversation.views
+        focused = view or self.ctx.conversation.focused_view
+        sources = [focused] if focused is not None else self.ctx.conversation.views
         found = [(b, v) for v in sources for b in code_blocks(v.text)]  # as on screen
         blocks = [b for b, _ in found]
         if not blocks:
-            self.app.notify("No code block to copy", severity="warning")
+            self.ctx.app.notify("No code block to copy", severity="warning")
             return
         if len(blocks) == 1:
             self.copy(blocks[0], "code block")
@@ -80,15 +62,15 @@ class MessageActions:
         where = [
             f"#{v.number}" if v.number is not None and len(sources) > 1 else "" for _, v in found
         ]
-        picked = await self.app.push_screen_wait(CodePickerDialog(blocks, where))
+        picked = await self.ctx.app.push_screen_wait(CodePickerDialog(blocks, where))
         if picked is not None:
             self.copy(picked, "code block")
 
     def copy(self, text: str, what: str) -> None:
         # OSC 52 always (the terminal's clipboard, and the app's own for pasting in it);
         # the rest runs off the UI thread: it may ask tmux and run a clipboard command.
-        self.app.copy_to_clipboard(text)
-        self.copy_worker(text, what)
+        self.ctx.app.copy_to_clipboard(text)
+        self.ctx.run(COPY, self.copy_elsewhere, text, what)
 
     async def copy_elsewhere(self, text: str, what: str) -> CopyOutcome:
         """By a clipboard command or a file where tmux drops OSC 52; says where it went."""
@@ -96,11 +78,11 @@ class MessageActions:
         lines = text.count("\n") + 1
         copied = f"Copied the {what} ({lines:,} line{'s' if lines != 1 else ''})"
         if outcome.how == "terminal":
-            self.app.notify(copied)
+            self.ctx.app.notify(copied)
         elif outcome.how == "command":
-            self.app.notify(f"{copied} {outcome.note}", markup=False, timeout=8)
+            self.ctx.app.notify(f"{copied} {outcome.note}", markup=False, timeout=8)
         else:
-            self.app.notify(
+            self.ctx.app.notify(
                 f"{copied} {outcome.note}", severity="warning", markup=False, timeout=15
             )
         return outcome
@@ -110,8 +92,8 @@ class MessageActions:
     async def details(self, view: MessageView | None = None) -> None:
         """F3 / ``i``: time, tokens and, for a reply of this run, its turn's figures."""
         view = view or self._selected_view()
-        if view is None or self.state.session_id is None:
-            self.app.notify("No message to show", severity="warning")
+        if view is None or self.ctx.state.session_id is None:
+            self.ctx.app.notify("No message to show", severity="warning")
             return
         name = ROLE_NAMES.get(view.role, view.role)
         number = f" #{view.number}" if view.number is not None else ""
@@ -119,8 +101,8 @@ class MessageActions:
         message_id = await self.opener.stored_id(view)
         stored: Message | None = None
         if message_id is not None:
-            messages = await self.backend.on_store(
-                self.backend.chat.sessions.messages, self.state.session_id
+            messages = await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.messages, self.ctx.state.session_id
             )
             stored = next((m for m in messages if m.id == message_id), None)
         lines: list[str] = []
@@ -132,14 +114,14 @@ class MessageActions:
             if stored.partial:
                 lines.append("Partial: the reply was stopped before its end")
         if view.role == "assistant" and stored is not None:
-            report = self.state.turn_figures.get(stored.id)
+            report = self.ctx.state.turn_figures.get(stored.id)
             if report is not None:
                 lines += turn_lines(report)
             else:
                 lines.append("Turn figures: kept for the replies generated since kvchat started")
         from kvchat.tui.screens.details import DetailsDialog
 
-        await self.app.push_screen_wait(DetailsDialog(title, lines))
+        await self.ctx.app.push_screen_wait(DetailsDialog(title, lines))
 
 
 def _route_and_deliver(text: str) -> CopyOutcome:

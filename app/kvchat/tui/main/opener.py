@@ -13,30 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-
-from textual.message import Message as TextualMessage
+from typing import TYPE_CHECKING
 
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import Backend
-from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.main.context import ScreenContext
 from kvchat.tui.main.signals import Fatal, SessionHot, SessionsChanged
 from kvchat.tui.phrases import restore_phrase
 from kvchat.tui.widgets.conversation import (
     BEFORE_HIT,
     HIT_WINDOW,
     SHOWN,
-    Conversation,
     MessageView,
 )
-from kvchat.tui.widgets.prompt import PromptInput
-from kvchat.tui.widgets.sidebar import SessionList
-from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
-    from textual.app import App
-
     from kvchat.service.chat import Message, MessageWindow, RestoreResult
 
 READY_PLACEHOLDER = "Message (Enter sends · Ctrl+J new line · F1 keys)"
@@ -69,28 +60,8 @@ class SessionOpener:
     """Start-up, opening a session and making it hot; it owns ``state.session_id``,
     ``shown_id``, ``hot_id``, ``seen_change`` and ``ready`` (others reset them)."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        conversation: Conversation,
-        sessions: SessionList,
-        status: StatusBar,
-        prompt: PromptInput,
-        refresh: Callable[[], Awaitable[None]],
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
-        self.conversation = conversation
-        self.sessions = sessions
-        self.status = status
-        self.prompt = prompt
-        self.refresh = refresh  # reads the sessions list again and shows it
-        self.post = post  # to the screen
+    def __init__(self, ctx: ScreenContext) -> None:
+        self.ctx = ctx
 
     # --- start ----------------------------------------------------------------------------
 
@@ -100,15 +71,15 @@ class SessionOpener:
         try:
             await self._start()
         finally:
-            self.state.painted.set()  # a start that failed shows an error screen
+            self.ctx.state.painted.set()  # a start that failed shows an error screen
 
     async def _start(self) -> None:
-        backend, state = self.backend, self.state
+        backend, state = self.ctx.backend, self.ctx.state
         if backend.service is None:
             try:
                 await backend.index_opened()
             except KvchatError as exc:
-                self.post(Fatal("kvchat cannot open its data", str(exc)))
+                self.ctx.post(Fatal("kvchat cannot open its data", str(exc)))
                 return
         # The session the user was in when the app last quit (not the last one a CLI
         # `ask` or a fork touched).
@@ -117,43 +88,43 @@ class SessionOpener:
             state.session_id = last.id
         # The list first (a page of rows, drawn at once), then the open session's messages
         # (their Markdown takes longer to build: the list's frame does not wait for them).
-        await self.refresh()
+        await self.ctx.refresh()
         if last is not None:
             await self._painted()
             await self.show_stored(last.id)
         else:
-            await self.conversation.show([])
+            await self.ctx.conversation.show([])
         await self._painted()
         state.painted.set()
-        self.status.set_turn(f"loading model {backend.model_label}…", "busy")
+        self.ctx.status.set_turn(f"loading model {backend.model_label}…", "busy")
         if backend.service is None:
             # After that frame: importing the service (llama.cpp, numpy) holds the
             # interpreter's lock in long stretches.
             try:
                 await backend.on_engine(backend.open_service)
             except KvchatError as exc:
-                self.post(Fatal("kvchat cannot open its data", str(exc)))
+                self.ctx.post(Fatal("kvchat cannot open its data", str(exc)))
                 return
             finally:
                 await backend.on_store(backend.close_index)
             # A look through the service: what changed meanwhile, and where the KV is
             # (only the rows that changed are drawn again).
-            await self.refresh()
+            await self.ctx.refresh()
         service = backend.chat
         loading = backend.on_engine(backend.load_model)
-        await self.conversation.fill()  # the earlier messages, while the model loads
+        await self.ctx.conversation.fill()  # the earlier messages, while the model loads
         try:
             name, n_ctx, note = await loading
         except KvchatError as exc:
-            self.post(Fatal("The model could not be loaded", str(exc)))
+            self.ctx.post(Fatal("The model could not be loaded", str(exc)))
             return
         # The last run's crash, the engine probe's choice: said once.
         for notice in await backend.on_store(service.host.startup_notices):
-            self.app.notify(notice, severity="warning", timeout=20, markup=False)
-        self.status.set_model(name, n_ctx)
-        self.status.set_context(0)
-        self.prompt.placeholder = READY_PLACEHOLDER
-        self.status.set_turn(f"ready · {note}" if note else "ready")
+            self.ctx.app.notify(notice, severity="warning", timeout=20, markup=False)
+        self.ctx.status.set_model(name, n_ctx)
+        self.ctx.status.set_context(0)
+        self.ctx.prompt.placeholder = READY_PLACEHOLDER
+        self.ctx.status.set_turn(f"ready · {note}" if note else "ready")
         state.ready = True  # after the status says so: a turn begun now is never shown as loading
         backend.ready_at = time.perf_counter()
         if state.session_id is not None:
@@ -163,9 +134,9 @@ class SessionOpener:
 
     async def new_session_id(self) -> str:
         """Make an empty session (remembered as open); dropped at quit if it stays empty."""
-        backend = self.backend
+        backend = self.ctx.backend
         session = await backend.on_store(backend.chat.sessions.new_session)
-        self.state.made_sessions.add(session.id)
+        self.ctx.state.made_sessions.add(session.id)
         await backend.on_store(backend.chat.sessions.remember_open, session.id)
         return str(session.id)
 
@@ -174,7 +145,7 @@ class SessionOpener:
     def _engine_make_hot(self, session_id: str) -> tuple[RestoreResult, int]:
         """On the engine thread: make the session hot (a new branch borrows its shared
         prefix from another session's snapshot) and report the context's size."""
-        service = self.backend.chat
+        service = self.ctx.backend.chat
         result = service.make_hot(session_id)
         return result, service.context_tokens
 
@@ -184,27 +155,27 @@ class SessionOpener:
         """Bring the session's KV into the context on the engine thread, and say where it
         came from; the status line tells that the next message reads only itself. Then
         (hot already or made so) a ``SessionHot`` names the model it was made with."""
-        state = self.state
+        state = self.ctx.state
         if not state.ready:
             return
         if session_id == state.hot_id:
-            self.post(SessionHot(session_id))
+            self.ctx.post(SessionHot(session_id))
             return
         started = time.perf_counter() if started is None else started
-        self.status.set_memory("KV: restoring…", "busy")
-        result, used = await self.backend.on_engine(self._engine_make_hot, session_id)
+        self.ctx.status.set_memory("KV: restoring…", "busy")
+        result, used = await self.ctx.backend.on_engine(self._engine_make_hot, session_id)
         if session_id != state.session_id:
             return
         state.hot_id = session_id
         state.last_switch_ms = (time.perf_counter() - started) * 1000
         state.last_restore = result
-        self.status.set_memory(f"KV: {restore_phrase(result)}", result.source)
-        self.status.set_context(used if result.source != "none" else 0)
+        self.ctx.status.set_memory(f"KV: {restore_phrase(result)}", result.source)
+        self.ctx.status.set_context(used if result.source != "none" else 0)
         if result.source in ("ram", "disk") and state.turn is None:
             ready = f"KV ready: {restore_phrase(result)}; the next message reads only itself"
-            self.status.set_turn(f"{ready} · {note}" if note else ready)
-        self.post(SessionHot(session_id))  # names the model it was made with, if another
-        self.post(SessionsChanged())
+            self.ctx.status.set_turn(f"{ready} · {note}" if note else ready)
+        self.ctx.post(SessionHot(session_id))  # names the model it was made with, if another
+        self.ctx.post(SessionsChanged())
 
     # --- opening ----------------------------------------------------------------------------
 
@@ -215,26 +186,26 @@ class SessionOpener:
         ``highlight``); note when they last changed, for the watch on other processes.
         Only what is shown is read (a page, or the window around the hit): the messages
         before it come a page at a time as the user scrolls up."""
-        window = await self.backend.on_store(self._stored, session_id, highlight)
-        await self.conversation.show(
+        window = await self.ctx.backend.on_store(self._stored, session_id, highlight)
+        await self.ctx.conversation.show(
             window.messages,
             around=highlight,
             lazy=lazy,
             first=window.first,
             total=window.total,
-            pages=StorePages(self.backend, session_id),
+            pages=StorePages(self.ctx.backend, session_id),
         )
-        last = self.conversation.last_view
-        if last is not None and not self.conversation.later and last.role == "assistant":
+        last = self.ctx.conversation.last_view
+        if last is not None and not self.ctx.conversation.later and last.role == "assistant":
             last.set_version(*window.last_version)
-        self.state.seen_change = (session_id, window.updated)
-        self.state.shown_id = session_id
+        self.ctx.state.seen_change = (session_id, window.updated)
+        self.ctx.state.shown_id = session_id
 
     def _stored(self, session_id: str, highlight: int | None) -> MessageWindow:
         """On the store thread: the messages to show (the window around ``highlight``, else
         the latest page), where they sit, when the session last changed and the version of
         its last reply."""
-        reader = self.backend.reader
+        reader = self.ctx.backend.reader
         if highlight is not None:
             window = reader.message_window(
                 session_id, HIT_WINDOW, around=highlight, before_hit=BEFORE_HIT
@@ -247,21 +218,23 @@ class SessionOpener:
         self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
     ) -> None:
         """Show a session's messages, then make it hot on the engine thread."""
-        state = self.state
+        state = self.ctx.state
         if state.turn is not None and session_id != state.session_id:
-            self.app.notify("A reply is being generated: Esc stops it", severity="warning")
-            self.sessions.highlight(state.session_id)
+            self.ctx.app.notify("A reply is being generated: Esc stops it", severity="warning")
+            self.ctx.sessions.highlight(state.session_id)
             return
         started = time.perf_counter()
         # One batch from here to the focus: no frame is drawn until the new session is
         # in place (each frame costs tens of ms on a busy machine).
-        with self.app.batch_update():
+        with self.ctx.app.batch_update():
             if session_id != state.session_id:
-                self.status.set_turn("")
+                self.ctx.status.set_turn("")
             state.session_id = session_id
-            self.sessions.highlight(session_id)
+            self.ctx.sessions.highlight(session_id)
             shown = session_id == state.shown_id
-            if not shown or (highlight is not None and self.conversation.find(highlight) is None):
+            if not shown or (
+                highlight is not None and self.ctx.conversation.find(highlight) is None
+            ):
                 state.shown_id = None
                 # Only the messages that fill the screen are built now (or the window
                 # around the hit); the rest after the restore (fill below).
@@ -274,13 +247,15 @@ class SessionOpener:
                 state.last_jump_ms = (time.perf_counter() - started) * 1000
             elif focus_prompt:
                 # Now, not after this frame (Widget.focus waits for one): one frame for all.
-                self.prompt.screen.set_focus(self.prompt, scroll_visible=False)
+                self.ctx.prompt.screen.set_focus(self.ctx.prompt, scroll_visible=False)
         # For the next launch, on the store thread meanwhile (its commit waits for the
         # disk: tens of ms that the restore need not wait for).
         # (Before the service is open, quitting remembers it.)
-        service = self.backend.service
+        service = self.ctx.backend.service
         remembered = (
-            asyncio.ensure_future(self.backend.on_store(service.sessions.remember_open, session_id))
+            asyncio.ensure_future(
+                self.ctx.backend.on_store(service.sessions.remember_open, session_id)
+            )
             if service is not None
             else None
         )
@@ -290,7 +265,7 @@ class SessionOpener:
         await self.make_hot(session_id, started=started)
         if remembered is not None:
             await remembered
-        await self.conversation.fill()
+        await self.ctx.conversation.fill()
 
     async def _painted(self) -> None:
         """Wait until the screen has been drawn with what is mounted now."""
@@ -300,23 +275,23 @@ class SessionOpener:
             if not drawn.done():
                 drawn.set_result(None)
 
-        self.conversation.call_after_refresh(done)
+        self.ctx.conversation.call_after_refresh(done)
         await drawn
 
     async def show_latest(self, focus_last: bool = False, lazy: bool = False) -> None:
         """Show the session's latest messages again (after a jump left them out); ``lazy``:
         those that fill the screen first, the rest after (see Conversation.fill)."""
-        if self.state.session_id is None:
+        if self.ctx.state.session_id is None:
             return
-        await self.show_stored(self.state.session_id, lazy=lazy)
-        last = self.conversation.last_view
+        await self.show_stored(self.ctx.state.session_id, lazy=lazy)
+        last = self.ctx.conversation.last_view
         if focus_last and last is not None:
             last.focus()
         if lazy:
-            await self.conversation.fill()
+            await self.ctx.conversation.fill()
 
     def jump_to(self, message_id: int) -> None:
-        conversation = self.conversation
+        conversation = self.ctx.conversation
         view = conversation.find(message_id)
         if view is None:
             return
@@ -332,15 +307,15 @@ class SessionOpener:
     async def stored_id(self, view: MessageView) -> int | None:
         """The store id of a shown message. A message sent in this window has none on its
         view yet: find it in the store, where the shown messages are the newest ones."""
-        session_id = self.state.session_id
+        session_id = self.ctx.state.session_id
         if view.message_id is not None or view.streaming or session_id is None:
             return view.message_id
-        views = self.conversation.views
+        views = self.ctx.conversation.views
         if view not in views:
             return None
-        back = len(views) - views.index(view) + self.conversation.later
-        chat = self.backend.chat
-        messages = await self.backend.on_store(chat.reader.messages_page, session_id, back)
+        back = len(views) - views.index(view) + self.ctx.conversation.later
+        chat = self.ctx.backend.chat
+        messages = await self.ctx.backend.on_store(chat.reader.messages_page, session_id, back)
         if back > len(messages):
             return None
         message = messages[0]

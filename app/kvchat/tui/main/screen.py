@@ -6,13 +6,19 @@ app's ``Backend``, to collaborators that each own one concern: opening sessions
 other processes (``watch``), session, branch, message and model actions. The widgets
 report what the user did with typed Messages (``MessageView.CopyRequested``…), the
 collaborators what they need done with those of ``signals``; the screen handles each in
-one place below. The screen also decides how work runs: every background job is a worker
-of the screen (its group and exclusivity are set here), so one handler reports failures.
+one place below. Each collaborator is given one ``ScreenContext`` (the app, the backend,
+the state, the widgets, and the screen's ``post``, ``refresh`` and ``run``), not the same
+seven to nine parameters each. Every background job is a worker of the screen, started by
+:meth:`MainScreen.run_job` as ``context.JOBS`` says (group, exclusivity), so one handler
+reports failures; the key table's actions are the ``action_*`` workers Textual's bindings
+call, each one collaborator's job.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar
 
 from textual import events, on, work
 from textual.app import ComposeResult
@@ -24,9 +30,21 @@ from textual.worker import Worker, WorkerState
 
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import Backend
-from kvchat.tui.clipboard import CopyOutcome
 from kvchat.tui.keys import bindings
 from kvchat.tui.main.branching import Branching
+from kvchat.tui.main.context import (
+    LATEST,
+    MORE_SESSIONS,
+    OPEN_SESSION,
+    PICK_MODEL,
+    REFRESH_SESSIONS,
+    SESSION_MODEL,
+    STARTUP,
+    SWITCH_VERSION,
+    WATCH,
+    Job,
+    ScreenContext,
+)
 from kvchat.tui.main.idle_work import IdleWork
 from kvchat.tui.main.message_actions import MessageActions
 from kvchat.tui.main.model_switch import ModelSwitch
@@ -53,6 +71,9 @@ if TYPE_CHECKING:
     from textual.binding import BindingType
 
     from kvchat.service.chat import RestoreResult, TurnReport
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Below this many columns the sessions sidebar hides itself (Ctrl+L shows it).
 NARROW_COLUMNS = 80
@@ -81,78 +102,27 @@ class MainScreen(Screen[None]):
         )
         self.prompt.cursor_blink = cursor_blink
         self.status = StatusBar(id="status")
-        app, state, post = self.app, self.state, self.post_message
-        self.feed = SessionFeed(backend, state, sessions=self.sessions, status=self.status)
-        self.opener = SessionOpener(
-            app,
-            backend,
-            state,
+        ctx = ScreenContext(
+            app=self.app,
+            backend=backend,
+            state=self.state,
             conversation=self.conversation,
-            status=self.status,
             sessions=self.sessions,
+            status=self.status,
             prompt=self.prompt,
+            post=self.post_message,
             refresh=self.refresh_sessions,
-            post=post,
+            run=self.run_job,
         )
-        self.idle_work = IdleWork(app, backend, state, status=self.status, post=post)
-        self.turns = TurnRunner(
-            app,
-            backend,
-            state,
-            opener=self.opener,
-            idle_work=self.idle_work,
-            conversation=self.conversation,
-            status=self.status,
-            prompt=self.prompt,
-            post=post,
-        )
-        self.session_watch = SessionWatch(
-            backend,
-            state,
-            opener=self.opener,
-            conversation=self.conversation,
-            status=self.status,
-            post=post,
-        )
-        self.session_actions = SessionActions(
-            app,
-            backend,
-            state,
-            opener=self.opener,
-            conversation=self.conversation,
-            status=self.status,
-            sessions=self.sessions,
-            refresh=self.refresh_sessions,
-            post=post,
-        )
-        self.branching = Branching(
-            app,
-            backend,
-            state,
-            opener=self.opener,
-            conversation=self.conversation,
-            status=self.status,
-            prompt=self.prompt,
-            refresh=self.refresh_sessions,
-            post=post,
-        )
-        self.message_actions = MessageActions(
-            app,
-            backend,
-            state,
-            opener=self.opener,
-            conversation=self.conversation,
-            copy_worker=self._copy_elsewhere,
-        )
-        self.model_switch = ModelSwitch(
-            app,
-            backend,
-            state,
-            opener=self.opener,
-            status=self.status,
-            prompt=self.prompt,
-            post=post,
-        )
+        self.feed = SessionFeed(ctx)
+        self.opener = SessionOpener(ctx)
+        self.idle_work = IdleWork(ctx)
+        self.turns = TurnRunner(ctx, opener=self.opener, idle_work=self.idle_work)
+        self.session_watch = SessionWatch(ctx, opener=self.opener)
+        self.session_actions = SessionActions(ctx, opener=self.opener)
+        self.branching = Branching(ctx, opener=self.opener)
+        self.message_actions = MessageActions(ctx, opener=self.opener)
+        self.model_switch = ModelSwitch(ctx, opener=self.opener)
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -170,7 +140,7 @@ class MainScreen(Screen[None]):
         self.set_interval(WATCH_S, self._watch_tick)
         # After the first frame: opening the service imports llama.cpp (on the engine
         # thread, but an import holds the interpreter's lock in long stretches).
-        self.call_after_refresh(self.startup)
+        self.call_after_refresh(self.run_job, STARTUP, self.opener.start)
 
     # --- what tests, the benchmark and the app read ----------------------------------------
 
@@ -225,73 +195,53 @@ class MainScreen(Screen[None]):
 
     # --- workers: how each kind of work runs -------------------------------------------------
 
-    @work(group="startup", exit_on_error=False)
-    async def startup(self) -> None:
-        await self.opener.start()
+    def run_job(
+        self,
+        job: Job,
+        work: Callable[P, Coroutine[Any, Any, T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Worker[T]:
+        """Start ``work(*args, **kwargs)`` as a worker of this screen, in ``job``'s group
+        (cancelling the one running there when ``job`` is exclusive); as ``@work`` does."""
+        return self.run_worker(
+            partial(work, *args, **kwargs),
+            name=job.name,
+            group=job.group,
+            exclusive=job.exclusive,
+            exit_on_error=False,
+        )
 
-    @work(group="open", exclusive=True, exit_on_error=False)
-    async def open_session(
+    def open_session(
         self, session_id: str, highlight: int | None = None, focus_prompt: bool = False
     ) -> None:
         """Show a session's messages, then make it hot on the engine thread."""
-        await self.opener.open(session_id, highlight, focus_prompt)
+        self.run_job(OPEN_SESSION, self.opener.open, session_id, highlight, focus_prompt)
 
     async def refresh_sessions(self) -> None:
         """Show what changed in the sessions list (see SessionFeed); the first time, its
         first page, then the others in the background."""
         await self.feed.refresh()
         if not self.feed.complete:
-            self.load_more_sessions()
-
-    @work(group="sidebar", exclusive=True, exit_on_error=False)
-    async def request_refresh(self) -> None:
-        await self.refresh_sessions()
-
-    @work(group="sidebar-pages", exclusive=True, exit_on_error=False)
-    async def load_more_sessions(self) -> None:
-        await self.feed.load_rest()
+            self.run_job(MORE_SESSIONS, self.feed.load_rest)
 
     def submit(self, text: str) -> None:
         """Enter in the input (see TurnRunner.submit)."""
-        turn = self.turns.submit(text)
-        if turn is not None:
-            self.run_turn(turn)
-
-    @work(group="turn", exit_on_error=False)
-    async def run_turn(self, turn: ActiveTurn) -> None:
-        await self.turns.run(turn)
-
-    def start_housekeeping(self) -> None:
-        """Run what the last turn left, when it may run now (see IdleWork.claim)."""
-        actions = self.idle_work.claim()
-        if actions is not None:
-            self._housekeep(actions)
-
-    @work(group="housekeeping", exit_on_error=False)
-    async def _housekeep(self, actions: int) -> None:
-        await self.idle_work.run(actions)
+        self.turns.start(self.turns.submit(text))
 
     def _watch_tick(self) -> None:
         if self.state.ready and self.state.turn is None:
             # Housekeeping a user's action made yield (and no turn dropped) runs again.
-            self.start_housekeeping()
-            self.check_for_changes()
+            self.idle_work.start()
+            self.run_job(WATCH, self.check_for_changes)
 
-    @work(group="watch", exclusive=True, exit_on_error=False)
     async def check_for_changes(self) -> None:
         """What other processes did: one row read (the list's change stamp) while nothing
         changed; else the changes, and the open session again if it is among them."""
         await self.feed.poll()
         if self.feed.take_touched(self.state.session_id) and self.session_watch.due:
             await self.session_watch.check()
-
-    @work(group="model-note", exclusive=True, exit_on_error=False)
-    async def note_session_model(self, session_id: str) -> None:
-        await self.model_switch.note_session_model(session_id)
-
-    @work(group="copy", exit_on_error=False)
-    async def _copy_elsewhere(self, text: str, what: str) -> CopyOutcome:
-        return await self.message_actions.copy_elsewhere(text, what)
 
     @on(Worker.StateChanged)
     def _worker_changed(self, event: Worker.StateChanged) -> None:
@@ -325,7 +275,7 @@ class MainScreen(Screen[None]):
 
     @on(SessionsChanged)
     def _sessions_changed(self) -> None:
-        self.request_refresh()
+        self.run_job(REFRESH_SESSIONS, self.refresh_sessions)
 
     @on(OpenRequested)
     def _open_requested(self, event: OpenRequested) -> None:
@@ -333,15 +283,15 @@ class MainScreen(Screen[None]):
 
     @on(SessionHot)
     def _session_hot(self, event: SessionHot) -> None:
-        self.note_session_model(event.session_id)
+        self.run_job(SESSION_MODEL, self.model_switch.note_session_model, event.session_id)
 
     @on(TurnRequested)
     def _turn_requested(self, event: TurnRequested) -> None:
-        self.run_turn(event.turn)
+        self.turns.start(event.turn)
 
     @on(TurnEnded)
     def _turn_ended(self) -> None:
-        self.start_housekeeping()
+        self.idle_work.start()
 
     # --- what the widgets report ----------------------------------------------------------
 
@@ -365,7 +315,7 @@ class MainScreen(Screen[None]):
 
     @on(MessageView.VersionRequested)
     def _version_requested(self, event: MessageView.VersionRequested) -> None:
-        self.switch_version(event.view, event.step)
+        self.run_job(SWITCH_VERSION, self.turns.switch_version, event.view, event.step)
 
     @on(MessageView.DetailsRequested)
     def _details_requested(self, event: MessageView.DetailsRequested) -> None:
@@ -373,12 +323,8 @@ class MainScreen(Screen[None]):
 
     @on(Conversation.LatestRequested)
     def _latest_requested(self) -> None:
-        self.show_latest()
-
-    @work(group="latest", exclusive=True, exit_on_error=False)
-    async def show_latest(self) -> None:
         """End, or ↓ past the last message shown: the latest messages, the last focused."""
-        await self.opener.show_latest(focus_last=True, lazy=True)
+        self.run_job(LATEST, self.opener.show_latest, focus_last=True, lazy=True)
 
     @on(Conversation.LeaveRequested)
     def _leave_requested(self) -> None:
@@ -435,20 +381,11 @@ class MainScreen(Screen[None]):
             self.prompt.focus()
 
     def action_regenerate(self) -> None:
-        turn = self.turns.regenerate()
-        if turn is not None:
-            self.run_turn(turn)
+        self.turns.start(self.turns.regenerate())
 
     def action_continue_reply(self) -> None:
         """F12: go on with the last reply (one cut at the token limit) from the hot KV."""
-        turn = self.turns.continue_reply()
-        if turn is not None:
-            self.run_turn(turn)
-
-    @work(group="action", exit_on_error=False)
-    async def switch_version(self, view: MessageView, step: int) -> None:
-        """←/→ on the last reply: make its previous / next version current and show it."""
-        await self.turns.switch_version(view, step)
+        self.turns.start(self.turns.continue_reply())
 
     @work(group="action", exit_on_error=False)
     async def action_new_session(self) -> None:
@@ -499,11 +436,7 @@ class MainScreen(Screen[None]):
 
     def action_pick_model(self) -> None:
         if ready_or_say(self.app, self.state):
-            self.pick_model()
-
-    @work(group="models", exclusive=True, exit_on_error=False)
-    async def pick_model(self) -> None:
-        await self.model_switch.pick()
+            self.run_job(PICK_MODEL, self.model_switch.pick)
 
     def action_focus_sessions(self) -> None:
         """Ctrl+L: to the sessions list (shown if it was hidden); in the list: hide it."""

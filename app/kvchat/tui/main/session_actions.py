@@ -9,27 +9,19 @@ for with an ``OpenRequested`` message.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from textual.message import Message as TextualMessage
+from typing import TYPE_CHECKING
 
 from kvchat.errors import KvchatError
 from kvchat.text import visible
-from kvchat.tui.backend import Backend
+from kvchat.tui.main.context import ScreenContext
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ScreenState, idle_or_say, ready_or_say
+from kvchat.tui.main.screen_state import idle_or_say, ready_or_say
 from kvchat.tui.main.signals import OpenRequested
 from kvchat.tui.phrases import shorten, slug
-from kvchat.tui.widgets.conversation import Conversation
-from kvchat.tui.widgets.sidebar import SessionList
-from kvchat.tui.widgets.status import StatusBar
 
 # The dialogs and screens are imported when first opened, not before the first frame.
 if TYPE_CHECKING:
-    from textual.app import App
-
     from kvchat.service.chat import SearchHit
     from kvchat.tui.screens.dialogs import ExportRequest, SessionSettings
 
@@ -38,53 +30,36 @@ class SessionActions:
     """New, rename, delete, search, export and the session's settings (see the module
     docstring)."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        opener: SessionOpener,
-        conversation: Conversation,
-        sessions: SessionList,
-        status: StatusBar,
-        refresh: Callable[[], Awaitable[None]],
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
+        self.ctx = ctx
         self.opener = opener
-        self.conversation = conversation
-        self.sessions = sessions
-        self.status = status
-        self.refresh = refresh  # reads the sessions list again and shows it
-        self.post = post  # to the screen
 
     def _need_session(self, what: str) -> str | None:
-        if self.state.session_id is None:
-            self.app.notify(f"No session to {what} yet: send a message first", severity="warning")
-        return self.state.session_id
+        if self.ctx.state.session_id is None:
+            self.ctx.app.notify(
+                f"No session to {what} yet: send a message first", severity="warning"
+            )
+        return self.ctx.state.session_id
 
     def _highlighted_session(self) -> str | None:
         """The session highlighted in the sidebar, when the sidebar has focus (what F8 acts
         on there); else None (the open session is meant)."""
-        sessions = self.sessions
-        if self.app.focused is not sessions or sessions.index is None:
+        sessions = self.ctx.sessions
+        if self.ctx.app.focused is not sessions or sessions.index is None:
             return None
         rows = sessions.rows
         return rows[sessions.index].id if 0 <= sessions.index < len(rows) else None
 
     def _title(self, session_id: str) -> str:
-        row = self.sessions.row(session_id)
+        row = self.ctx.sessions.row(session_id)
         return visible(row.summary.session.title) if row else session_id
 
     async def new_session(self) -> None:
-        if not idle_or_say(self.app, self.state, "start a session"):
+        if not idle_or_say(self.ctx.app, self.ctx.state, "start a session"):
             return
         session_id = await self.opener.new_session_id()
-        await self.refresh()
-        self.post(OpenRequested(session_id, focus_prompt=True))
+        await self.ctx.refresh()
+        self.ctx.post(OpenRequested(session_id, focus_prompt=True))
 
     async def rename(self) -> None:
         from kvchat.tui.screens.dialogs import TextDialog
@@ -92,57 +67,59 @@ class SessionActions:
         session_id = self._need_session("rename")
         if session_id is None:
             return
-        title = await self.app.push_screen_wait(
+        title = await self.ctx.app.push_screen_wait(
             TextDialog("Rename session", self._title(session_id), "a title")
         )
         if not title:
             return
         try:
-            await self.backend.on_store(self.backend.chat.sessions.rename, session_id, title)
+            await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.rename, session_id, title
+            )
         except KvchatError as exc:
-            self.app.notify(str(exc), severity="error", markup=False)
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
-        await self.refresh()
+        await self.ctx.refresh()
 
     async def delete(self) -> None:
         from kvchat.tui.screens.dialogs import ConfirmDialog
 
         session_id = self._highlighted_session() or self._need_session("delete")
-        if session_id is None or not idle_or_say(self.app, self.state, "delete a session"):
+        if session_id is None or not idle_or_say(self.ctx.app, self.ctx.state, "delete a session"):
             return
         title = self._title(session_id)
-        confirmed = await self.app.push_screen_wait(
+        confirmed = await self.ctx.app.push_screen_wait(
             ConfirmDialog(
                 f"Delete “{shorten(title, 40)}”?",
                 "Its messages and its saved memory (KV snapshot) are removed for good.",
             )
         )
-        if not confirmed or self.state.turn is not None:
+        if not confirmed or self.ctx.state.turn is not None:
             return
-        await self.backend.on_engine(self.backend.chat.sessions.delete, session_id)
-        self.app.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
-        if self.state.session_id == session_id:
-            self.state.session_id = self.state.shown_id = self.state.hot_id = None
-            self.status.set_memory("")
-            self.status.set_turn("")
-            await self.conversation.show([])
-        await self.refresh()
-        newest = self.sessions.newest
-        if self.state.session_id is None and newest is not None:
-            self.post(OpenRequested(newest))
+        await self.ctx.backend.on_engine(self.ctx.backend.chat.sessions.delete, session_id)
+        self.ctx.app.notify(f"Deleted “{shorten(title, 40)}”", markup=False)
+        if self.ctx.state.session_id == session_id:
+            self.ctx.state.session_id = self.ctx.state.shown_id = self.ctx.state.hot_id = None
+            self.ctx.status.set_memory("")
+            self.ctx.status.set_turn("")
+            await self.ctx.conversation.show([])
+        await self.ctx.refresh()
+        newest = self.ctx.sessions.newest
+        if self.ctx.state.session_id is None and newest is not None:
+            self.ctx.post(OpenRequested(newest))
 
     async def search(self) -> None:
         from kvchat.tui.screens.search import SearchScreen
 
         async def searcher(query: str) -> list[SearchHit]:
-            result: list[SearchHit] = await self.backend.on_store(
-                self.backend.chat.sessions.search, query
+            result: list[SearchHit] = await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.search, query
             )
             return result
 
-        hit: SearchHit | None = await self.app.push_screen_wait(SearchScreen(searcher))
+        hit: SearchHit | None = await self.ctx.app.push_screen_wait(SearchScreen(searcher))
         if hit is not None:
-            self.post(OpenRequested(hit.message.session_id, highlight=hit.message.id))
+            self.ctx.post(OpenRequested(hit.message.session_id, highlight=hit.message.id))
 
     async def export(self) -> None:
         from kvchat.tui.screens.dialogs import ExportDialog
@@ -150,55 +127,57 @@ class SessionActions:
         session_id = self._need_session("export")
         if session_id is None:
             return
-        request: ExportRequest | None = await self.app.push_screen_wait(
+        request: ExportRequest | None = await self.ctx.app.push_screen_wait(
             ExportDialog(exports_dir(), slug(self._title(session_id)))
         )
         if request is None:
             return
         try:
-            text = await self.backend.on_store(
-                self.backend.chat.sessions.export, session_id, request.fmt
+            text = await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.export, session_id, request.fmt
             )
-            await self.backend.on_store(_write_text, request.path, text, request.replace)
+            await self.ctx.backend.on_store(_write_text, request.path, text, request.replace)
         except FileExistsError:
             message = f"Not exported: {request.path} exists now (export again to replace it)"
-            self.app.notify(message, severity="error", markup=False)
+            self.ctx.app.notify(message, severity="error", markup=False)
             return
         except (KvchatError, OSError) as exc:
             message = f"Export failed: {getattr(exc, 'strerror', None) or exc}"
-            self.app.notify(message, severity="error", markup=False)
+            self.ctx.app.notify(message, severity="error", markup=False)
             return
-        self.app.notify(f"Exported to {request.path}", markup=False)
+        self.ctx.app.notify(f"Exported to {request.path}", markup=False)
 
     async def settings(self) -> None:
         from kvchat.paths import config_file
         from kvchat.tui.presets import load_presets
         from kvchat.tui.screens.dialogs import SettingsDialog, reread_note
 
-        session_id = self.state.session_id
+        session_id = self.ctx.state.session_id
         if session_id is None:
-            session_id = self.state.session_id = await self.opener.new_session_id()
-            await self.refresh()
-        session = await self.backend.on_store(self.backend.chat.sessions.resolve, session_id)
+            session_id = self.ctx.state.session_id = await self.opener.new_session_id()
+            await self.ctx.refresh()
+        session = await self.ctx.backend.on_store(
+            self.ctx.backend.chat.sessions.resolve, session_id
+        )
         from kvchat.service.chat import SESSION_SETTINGS
 
-        settings = self.backend.settings
+        settings = self.ctx.backend.settings
         defaults = {key: getattr(settings, key) for key in SESSION_SETTINGS}
-        presets, problem = await self.backend.on_store(load_presets)
+        presets, problem = await self.ctx.backend.on_store(load_presets)
         if problem:
-            self.app.notify(problem, severity="warning", markup=False)
-        row = self.sessions.row(session_id)
+            self.ctx.app.notify(problem, severity="warning", markup=False)
+        row = self.ctx.sessions.row(session_id)
         history = row.tokens if row is not None and row.summary.messages else 0
         # The session's switches (thinking) are not in the dialog: saving keeps them.
         from kvchat.service.reports import SESSION_SWITCHES
 
         kept = {k: v for k, v in session.settings.items() if k in SESSION_SWITCHES}
-        result: SessionSettings | None = await self.app.push_screen_wait(
+        result: SessionSettings | None = await self.ctx.app.push_screen_wait(
             SettingsDialog(
                 visible(session.system_prompt or ""),
                 dict(session.settings),
                 defaults,
-                n_ctx=self.status.n_ctx or settings.n_ctx,
+                n_ctx=self.ctx.status.n_ctx or settings.n_ctx,
                 presets=presets,
                 config_path=str(config_file()),
                 history_tokens=history,
@@ -207,57 +186,59 @@ class SessionActions:
         if result is None:
             return
         try:
-            await self.backend.on_store(
-                self.backend.chat.sessions.configure,
+            await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.configure,
                 session_id,
                 system_prompt=result.system_prompt,
                 settings={**kept, **result.settings},
             )
         except KvchatError as exc:
-            self.app.notify(str(exc), severity="error", markup=False)
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
         note = reread_note(visible(session.system_prompt or ""), result.system_prompt, history)
         if note:
-            self.app.notify(
+            self.ctx.app.notify(
                 f"Session settings saved. The next reply re-reads the conversation (about "
                 f"{history:,} tokens) under the new system prompt",
                 markup=False,
             )
         else:
-            self.app.notify("Session settings saved; they apply from the next reply")
+            self.ctx.app.notify("Session settings saved; they apply from the next reply")
 
     async def toggle_thinking(self) -> None:
         """Ctrl+/: turn the open session's thinking off, or on again, through the model's
         own template switch (``enable_thinking``…); a template without one says so."""
-        if not ready_or_say(self.app, self.state):
+        if not ready_or_say(self.ctx.app, self.ctx.state):
             return
-        service = self.backend.chat
-        switch = await self.backend.on_engine(lambda: service.host.thinking_switch)
+        service = self.ctx.backend.chat
+        switch = await self.ctx.backend.on_engine(lambda: service.host.thinking_switch)
         if switch.keyword is None:
             message = "this model's chat template has no thinking switch: nothing changed"
-            self.status.set_turn(message, "warning")
-            self.app.notify(message.capitalize(), severity="warning")
+            self.ctx.status.set_turn(message, "warning")
+            self.ctx.app.notify(message.capitalize(), severity="warning")
             return
-        session_id = self.state.session_id
+        session_id = self.ctx.state.session_id
         if session_id is None:
-            session_id = self.state.session_id = await self.opener.new_session_id()
-            await self.refresh()
-        session = await self.backend.on_store(service.sessions.resolve, session_id)
+            session_id = self.ctx.state.session_id = await self.opener.new_session_id()
+            await self.ctx.refresh()
+        session = await self.ctx.backend.on_store(service.sessions.resolve, session_id)
         # Unset means the template's default, thinking for the templates that have the
         # switch: the first press turns it off.
         think = session.settings.get("think") is False
         settings = {**session.settings, "think": think}
         try:
-            await self.backend.on_store(service.sessions.configure, session_id, settings=settings)
+            await self.ctx.backend.on_store(
+                service.sessions.configure, session_id, settings=settings
+            )
         except KvchatError as exc:
-            self.app.notify(str(exc), severity="error", markup=False)
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
         value = switch.on if think else switch.off
         state = "on" if think else "off"
-        self.status.set_turn(
+        self.ctx.status.set_turn(
             f"thinking {state} for this session ({switch.keyword}={value}): from the next reply"
         )
-        self.app.notify(f"Thinking {state} for this session", markup=False)
+        self.ctx.app.notify(f"Thinking {state} for this session", markup=False)
 
 
 def _write_text(path: Path, text: str, replace: bool) -> None:

@@ -19,11 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvchat.tui.backend import Backend
-from kvchat.tui.main.screen_state import ScreenState
+from kvchat.tui.main.context import ScreenContext
 from kvchat.tui.session_rows import SessionRow, with_context
-from kvchat.tui.widgets.sidebar import SessionList
-from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
     from kvchat.service.chat import ChatService, SessionChanges, SessionPage, SessionSummary
@@ -66,18 +63,8 @@ def _kv_now(service: ChatService, ids: list[str]) -> dict[str, KvNow]:
 class SessionFeed:
     """Reads the session list for the sidebar and shows it (see the module docstring)."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        state: ScreenState,
-        *,
-        sessions: SessionList,
-        status: StatusBar,
-    ) -> None:
-        self.backend = backend
-        self.state = state
-        self.sessions = sessions
-        self.status = status
+    def __init__(self, ctx: ScreenContext) -> None:
+        self.ctx = ctx
         self._by_id: dict[str, SessionSummary] = {}
         self._order: list[str] = []  # most recently updated first
         self._kv: dict[str, str] = {}  # where each session's KV is, as last known
@@ -96,7 +83,7 @@ class SessionFeed:
 
     def _tracked(self) -> list[str]:
         """Sessions whose KV may have moved without their row changing."""
-        state = self.state
+        state = self.ctx.state
         ids = {i for i, kv in self._kv.items() if kv in ("hot", "ram")}
         ids |= {i for i in (state.session_id, state.hot_id) if i is not None}
         return sorted(ids)
@@ -105,7 +92,7 @@ class SessionFeed:
         """Read what changed since the last look (the first page, the first time) and show
         it. Nothing is applied until every read is back, so a cancelled refresh loses
         nothing: the next one reads from the same stamp."""
-        backend = self.backend
+        backend = self.ctx.backend
         if self._stamp is not None and backend.service is None:
             return  # the first page is shown; the next look goes through the service
         if self._stamp is None:
@@ -125,8 +112,8 @@ class SessionFeed:
         """Read the pages after the first, one store call each, showing each as it comes;
         once the start-up has drawn the open session (at thousands of sessions, laying out
         the rows read so far delayed that first frame)."""
-        await self.state.painted.wait()
-        backend = self.backend
+        await self.ctx.state.painted.wait()
+        backend = self.ctx.backend
         pages = 0
         while not self.complete and self._next is not None:
             page = await backend.on_store(backend.reader.list_sessions_page, PAGE, self._next)
@@ -139,9 +126,9 @@ class SessionFeed:
 
     async def poll(self) -> bool:
         """One row read: whether the list changed since the last look (then look)."""
-        if self._stamp is None or self.backend.service is None:
+        if self._stamp is None or self.ctx.backend.service is None:
             return False
-        backend = self.backend
+        backend = self.ctx.backend
         stamp = await backend.on_store(backend.chat.reader.change_stamp)
         if stamp == self._stamp:
             return False
@@ -157,10 +144,10 @@ class SessionFeed:
 
     async def show(self) -> None:
         """Hand the rows to the sidebar (it redraws the rows that changed, only)."""
-        state = self.state
+        state = self.ctx.state
         rows = [self._row(i) for i in self._order]
-        rows = with_context(rows, state.open_and_hot, self.status.used)
-        await self.sessions.show(rows, state.session_id)
+        rows = with_context(rows, state.open_and_hot, self.ctx.status.used)
+        await self.ctx.sessions.show(rows, state.session_id)
 
     def _row(self, session_id: str) -> SessionRow:
         """The session's row, the same object while its summary and KV place are (so the

@@ -22,22 +22,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from textual.message import Message as TextualMessage
-
 from kvchat.errors import KvchatError
-from kvchat.tui.backend import Backend
+from kvchat.tui.main.context import TURN, ScreenContext
 from kvchat.tui.main.idle_work import IdleWork
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, idle_or_say, ready_or_say
+from kvchat.tui.main.screen_state import ActiveTurn, idle_or_say, ready_or_say
 from kvchat.tui.main.signals import SessionsChanged, TurnEnded
 from kvchat.tui.phrases import restore_phrase, saved_phrase
-from kvchat.tui.widgets.conversation import Conversation, MessageView
-from kvchat.tui.widgets.prompt import PromptInput
-from kvchat.tui.widgets.status import StatusBar
+from kvchat.tui.widgets.conversation import MessageView
 from kvchat.tui.widgets.thought import ThoughtFigures
 
 if TYPE_CHECKING:
-    from textual.app import App
     from textual.timer import Timer
 
     from kvchat.service.chat import TurnReport
@@ -54,28 +49,10 @@ class TurnRunner:
     """Send, regenerate, continue and stop replies (see the module docstring); it owns
     ``state.turn``, ``last_turn``, ``last_report`` and ``turn_figures``."""
 
-    def __init__(
-        self,
-        app: App[Any],
-        backend: Backend,
-        state: ScreenState,
-        *,
-        opener: SessionOpener,
-        idle_work: IdleWork,
-        conversation: Conversation,
-        status: StatusBar,
-        prompt: PromptInput,
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.app = app
-        self.backend = backend
-        self.state = state
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener, idle_work: IdleWork) -> None:
+        self.ctx = ctx
         self.opener = opener
         self.idle_work = idle_work
-        self.conversation = conversation
-        self.status = status
-        self.prompt = prompt
-        self.post = post  # to the screen
         # Draws the buffered pieces FLUSH_HZ times a second while a reply streams (the
         # screen makes it, paused, when mounted).
         self.flusher: Timer | None = None
@@ -87,56 +64,58 @@ class TurnRunner:
         typed, text = text, text.strip()
         if not text:
             return None
-        if not self.state.ready:
-            self.prompt.give_back(typed)
-            self.app.notify("The model is still loading; your message is kept", severity="warning")
+        if not self.ctx.state.ready:
+            self.ctx.prompt.give_back(typed)
+            self.ctx.app.notify(
+                "The model is still loading; your message is kept", severity="warning"
+            )
             return None
-        if self.state.turn is not None:
-            self.prompt.give_back(typed)
-            self.app.notify("Wait for the reply, or press Esc to stop it", severity="warning")
+        if self.ctx.state.turn is not None:
+            self.ctx.prompt.give_back(typed)
+            self.ctx.app.notify("Wait for the reply, or press Esc to stop it", severity="warning")
             return None
-        self.state.turn = ActiveTurn("send", self.state.session_id, text)
-        return self.state.turn
+        self.ctx.state.turn = ActiveTurn("send", self.ctx.state.session_id, text)
+        return self.ctx.state.turn
 
     def regenerate(self) -> ActiveTurn | None:
         """Ctrl+R: a new version of the last reply."""
-        if not ready_or_say(self.app, self.state):
+        if not ready_or_say(self.ctx.app, self.ctx.state):
             return None
-        views = self.conversation.views
-        if self.state.session_id is None or not views:
-            self.app.notify("Nothing to regenerate yet", severity="warning")
+        views = self.ctx.conversation.views
+        if self.ctx.state.session_id is None or not views:
+            self.ctx.app.notify("Nothing to regenerate yet", severity="warning")
             return None
-        self.state.turn = ActiveTurn("regenerate", self.state.session_id, None)
-        return self.state.turn
+        self.ctx.state.turn = ActiveTurn("regenerate", self.ctx.state.session_id, None)
+        return self.ctx.state.turn
 
     def continue_reply(self) -> ActiveTurn | None:
         """F12: go on with the last reply (one cut at the token limit) from the hot KV."""
-        if not ready_or_say(self.app, self.state):
+        if not ready_or_say(self.ctx.app, self.ctx.state):
             return None
-        views = self.conversation.views
-        if self.state.session_id is None or not views or views[-1].role != "assistant":
-            self.app.notify("Nothing to continue: the session does not end with a reply")
+        views = self.ctx.conversation.views
+        if self.ctx.state.session_id is None or not views or views[-1].role != "assistant":
+            self.ctx.app.notify("Nothing to continue: the session does not end with a reply")
             return None
-        if self.conversation.later:
-            self.app.notify("Go to the latest messages first (↓ on the last one shown)")
+        if self.ctx.conversation.later:
+            self.ctx.app.notify("Go to the latest messages first (↓ on the last one shown)")
             return None
-        self.state.turn = ActiveTurn("continue", self.state.session_id, None)
-        return self.state.turn
+        self.ctx.state.turn = ActiveTurn("continue", self.ctx.state.session_id, None)
+        return self.ctx.state.turn
 
     async def _busy_elsewhere(self, turn: ActiveTurn) -> bool:
         """True (and said) when another process runs a turn on the turn's session."""
         if turn.session_id is None:
             return False
         # On the engine thread: behind this app's own turn work, which holds the lock too.
-        holder = await self.backend.on_engine(
-            self.backend.chat.sessions.turn_holder, turn.session_id
+        holder = await self.ctx.backend.on_engine(
+            self.ctx.backend.chat.sessions.turn_holder, turn.session_id
         )
         if holder is None:
             return False
-        self.state.turn = None
+        self.ctx.state.turn = None
         kept = "; your message is kept" if turn.kind == "send" else ""
-        self.status.set_turn("another kvchat is replying in this session", "warning")
-        self.app.notify(f"{holder}{kept}", severity="warning", markup=False)
+        self.ctx.status.set_turn("another kvchat is replying in this session", "warning")
+        self.ctx.app.notify(f"{holder}{kept}", severity="warning", markup=False)
         return True
 
     async def _post(self, turn: ActiveTurn) -> bool:
@@ -144,28 +123,28 @@ class TurnRunner:
         waiting for the engine; False (the text back in the input, and said) when refused."""
         assert turn.text is not None
         if turn.session_id is None:
-            turn.session_id = self.state.session_id = await self.opener.new_session_id()
-            self.state.shown_id = turn.session_id
-            self.post(SessionsChanged())
-        if self.conversation.later:  # a jump left the latest messages out: back to them
+            turn.session_id = self.ctx.state.session_id = await self.opener.new_session_id()
+            self.ctx.state.shown_id = turn.session_id
+            self.ctx.post(SessionsChanged())
+        if self.ctx.conversation.later:  # a jump left the latest messages out: back to them
             await self.opener.show_latest()
-        turn.asked = await self.conversation.add(MessageView("user", turn.text, pending=True))
-        service = self.backend.chat
+        turn.asked = await self.ctx.conversation.add(MessageView("user", turn.text, pending=True))
+        service = self.ctx.backend.chat
         # This app's own engine work may hold the session's lock: housekeeping lets go of it
         # at its next batch; a restore or other action finishes first.
-        own_work = self.idle_work.running or self.backend.engine_jobs > 0
+        own_work = self.idle_work.running or self.ctx.backend.engine_jobs > 0
         service.upkeep.interrupt()
         wait = {"wait_s": OWN_WORK_WAIT_S} if own_work else {}
         try:
-            message = await self.backend.on_store(
+            message = await self.ctx.backend.on_store(
                 service.turns.post, turn.session_id, turn.text, **wait
             )
         except KvchatError as exc:
-            self.state.turn = None
-            self.prompt.give_back(turn.text)
+            self.ctx.state.turn = None
+            self.ctx.prompt.give_back(turn.text)
             await turn.asked.remove()
             # The interrupt above had no turn after it: housekeeping may run again.
-            self.backend.on_engine(service.upkeep.allow)
+            self.ctx.backend.on_engine(service.upkeep.allow)
             self._say_not_sent(exc)
             return False
         turn.message_id = message.id
@@ -178,19 +157,25 @@ class TurnRunner:
 
         busy = isinstance(exc, MessageRefused) and exc.busy
         if busy:
-            self.status.set_turn("another kvchat is replying in this session", "warning")
+            self.ctx.status.set_turn("another kvchat is replying in this session", "warning")
         else:
-            self.status.set_turn("not sent: your message is back in the input", "error")
+            self.ctx.status.set_turn("not sent: your message is back in the input", "error")
         reason = exc.reason if isinstance(exc, MessageRefused) else str(exc)
-        self.app.notify(
+        self.ctx.app.notify(
             f"{reason}; your message is back in the input",
             severity="warning" if busy else "error",
             markup=False,
         )
 
+    def start(self, turn: ActiveTurn | None) -> None:
+        """Run ``turn`` (from :meth:`submit`, :meth:`regenerate`…; None: nothing to run) in
+        a worker of the screen."""
+        if turn is not None:
+            self.ctx.run(TURN, self.run, turn)
+
     async def run(self, turn: ActiveTurn) -> None:
         """Post the message (a send), stream the reply in, show how the turn went."""
-        conversation = self.conversation
+        conversation = self.ctx.conversation
         try:
             if turn.kind != "send" and await self._busy_elsewhere(turn):
                 return
@@ -212,44 +197,44 @@ class TurnRunner:
             else:
                 turn.view = await conversation.add(MessageView("assistant", streaming=True))
             turn.view.start_stream()
-            self.status.set_turn("reading the prompt…  (Esc stops)", "busy")
+            self.ctx.status.set_turn("reading the prompt…  (Esc stops)", "busy")
             assert self.flusher is not None
             self.flusher.resume()
             try:
-                report, used = await self.backend.on_engine(self._engine_turn, turn)
+                report, used = await self.ctx.backend.on_engine(self._engine_turn, turn)
             finally:
                 self.flusher.pause()
                 await self.flush()
         except Exception as exc:
             # The service committed what it could; show the store's truth, then report.
-            self.state.turn = None
-            self.state.hot_id = None
+            self.ctx.state.turn = None
+            self.ctx.state.hot_id = None
             # A message not stored, or refused by its turn, goes back to the input.
             given_back = turn.kind == "send" and (turn.message_id is None or _refused(exc))
             if given_back:
                 assert turn.text is not None
-                self.prompt.give_back(turn.text)
+                self.ctx.prompt.give_back(turn.text)
                 if turn.asked is not None and turn.asked.is_mounted:
                     await turn.asked.remove()
-            self.status.set_turn(str(exc) or type(exc).__name__, "error")
+            self.ctx.status.set_turn(str(exc) or type(exc).__name__, "error")
             if turn.view is not None and turn.view.stream is not None:
                 await turn.view.stream.stop()
-            if turn.session_id is not None and turn.session_id == self.state.session_id:
+            if turn.session_id is not None and turn.session_id == self.ctx.state.session_id:
                 await self.opener.show_stored(turn.session_id, lazy=False)
-            self.post(SessionsChanged())
+            self.ctx.post(SessionsChanged())
             if not isinstance(exc, KvchatError):
                 raise  # a bug: the worker-error handler reports it
             if given_back:
                 self._say_not_sent(exc)
             else:
-                self.app.notify(str(exc), severity="error", markup=False)
+                self.ctx.app.notify(str(exc), severity="error", markup=False)
             return
-        self.state.turn = None
-        self.state.last_turn = turn
+        self.ctx.state.turn = None
+        self.ctx.state.last_turn = turn
         await self._finish_turn(turn, report, used)
 
     def _engine_turn(self, turn: ActiveTurn) -> tuple[TurnReport, int]:
-        service = self.backend.chat
+        service = self.ctx.backend.chat
         assert turn.session_id is not None
         # The model is loaded before any turn; a service whose model is not (a stand-in
         # engine) has no template to read the style from, and reading it would load one.
@@ -274,7 +259,7 @@ class TurnRunner:
     def _engine_turn_run(
         self, turn: ActiveTurn, on_token: Callable[[str], None], cancel: Callable[[], bool]
     ) -> tuple[TurnReport, int]:
-        service = self.backend.chat
+        service = self.ctx.backend.chat
         assert turn.session_id is not None
         if turn.kind == "send":
             assert turn.message_id is not None
@@ -289,7 +274,7 @@ class TurnRunner:
 
     async def flush(self) -> None:
         """Move buffered pieces from the engine thread into the Markdown stream."""
-        turn = self.state.turn
+        turn = self.ctx.state.turn
         if turn is None or turn.view is None:
             return
         chunks: list[str] = []
@@ -299,7 +284,7 @@ class TurnRunner:
             if not turn.pieces and not turn.cancel.is_set() and turn.progress is not None:
                 from kvchat.service.reports import reading_phrase  # loaded with the service already
 
-                self.status.set_turn(f"{reading_phrase(*turn.progress)}  (Esc stops)", "busy")
+                self.ctx.status.set_turn(f"{reading_phrase(*turn.progress)}  (Esc stops)", "busy")
             return
         turn.pieces += len(chunks)
         splitter = turn.splitter
@@ -313,9 +298,9 @@ class TurnRunner:
             else:
                 what = f"generating · {turn.pieces:,} tokens"
             if turn.save_trouble is not None:  # the database refuses: said, the reply goes on
-                self.status.set_turn(f"{what} · {turn.save_trouble}", "warning")
+                self.ctx.status.set_turn(f"{what} · {turn.save_trouble}", "warning")
             else:
-                self.status.set_turn(f"{what}  (Esc stops)", "busy")
+                self.ctx.status.set_turn(f"{what}  (Esc stops)", "busy")
         if answer:
             await turn.view.write(answer)
 
@@ -353,8 +338,8 @@ class TurnRunner:
     async def _finish_turn(self, turn: ActiveTurn, report: TurnReport, used: int) -> None:
         view = turn.view
         assert view is not None
-        self.state.last_report = report
-        self.state.hot_id = turn.session_id
+        self.ctx.state.last_report = report
+        self.ctx.state.hot_id = turn.session_id
         if report.message_id is None and turn.kind == "continue":
             await view.finish(
                 text=turn.before,
@@ -366,9 +351,9 @@ class TurnRunner:
             await view.finish(text="", message_id=None, partial=True)
             await view.remove()
             if report.finish_reason == "cancelled":
-                self.app.notify("Stopped before the first token: no reply to keep")
+                self.ctx.app.notify("Stopped before the first token: no reply to keep")
         else:
-            self.state.turn_figures[report.message_id] = report
+            self.ctx.state.turn_figures[report.message_id] = report
             splitter = turn.splitter
             if turn.kind != "continue":
                 text, reasoning = report.reply, report.reasoning
@@ -382,7 +367,7 @@ class TurnRunner:
             elif reasoning and turn.thought_tokens:
                 view.figures = _figures(turn)
                 figured = (report.message_id, reasoning)
-                self.conversation.thought_figures[figured] = view.figures
+                self.ctx.conversation.thought_figures[figured] = view.figures
             await view.finish(
                 text=text,
                 message_id=report.message_id,
@@ -392,67 +377,69 @@ class TurnRunner:
             )
         if view.message_id is not None:
             view.set_version(
-                *await self.backend.on_store(
-                    self.backend.chat.sessions.reply_versions, view.message_id
+                *await self.ctx.backend.on_store(
+                    self.ctx.backend.chat.sessions.reply_versions, view.message_id
                 )
             )
         cut = report.finish_reason == "length" and view.message_id is not None
         view.set_cut(cut)
         summary = report.summary() + (f" · {CONTINUE_HINT}" if cut else "")
-        self.status.set_turn(summary, "warning" if report.partial or cut else "")
-        self.status.set_context(used)
+        self.ctx.status.set_turn(summary, "warning" if report.partial or cut else "")
+        self.ctx.status.set_context(used)
         # The memory part says what happened to the KV last: this turn's restore, else
         # what was saved (the snapshot write after the reply updates it), never an earlier
         # turn's or the opening's figure.
         restore = report.restore
-        self.state.last_restore = restore
+        self.ctx.state.last_restore = restore
         if restore.source in ("disk", "ram", "server"):
-            self.status.set_memory(f"KV: {restore_phrase(restore)}", restore.source)
+            self.ctx.status.set_memory(f"KV: {restore_phrase(restore)}", restore.source)
         else:
-            self.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
+            self.ctx.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
         if report.snapshot.error:
-            self.app.notify(report.snapshot.error, severity="warning", markup=False)
-        self.post(SessionsChanged())
-        self.post(TurnEnded())  # the settle and the snapshot write run, unless a message waits
+            self.ctx.app.notify(report.snapshot.error, severity="warning", markup=False)
+        self.ctx.post(SessionsChanged())
+        self.ctx.post(TurnEnded())  # the settle and the snapshot write run, unless a message waits
 
     async def switch_version(self, view: MessageView, step: int) -> None:
         """←/→ on the last reply: make its previous / next version current and show it."""
-        if not idle_or_say(self.app, self.state, "switch a reply's version"):
+        if not idle_or_say(self.ctx.app, self.ctx.state, "switch a reply's version"):
             return
-        views = self.conversation.views
+        views = self.ctx.conversation.views
         if view.message_id is None or not views or view is not views[-1]:
-            self.app.notify("Only the last reply has versions to switch (Ctrl+R makes a new one)")
+            self.ctx.app.notify(
+                "Only the last reply has versions to switch (Ctrl+R makes a new one)"
+            )
             return
         try:
             # On the engine thread: it takes the session's turn lock, like a turn.
-            message = await self.backend.on_engine(
-                self.backend.chat.sessions.switch_version, view.message_id, step
+            message = await self.ctx.backend.on_engine(
+                self.ctx.backend.chat.sessions.switch_version, view.message_id, step
             )
         except KvchatError as exc:
-            self.app.notify(str(exc), severity="warning", markup=False)
+            self.ctx.app.notify(str(exc), severity="warning", markup=False)
             return
         if message is None:
             edge = "first" if step < 0 else "last"
-            self.app.notify(f"This is the {edge} version of the reply (Ctrl+R makes a new one)")
+            self.ctx.app.notify(f"This is the {edge} version of the reply (Ctrl+R makes a new one)")
             return
-        position, count = await self.backend.on_store(
-            self.backend.chat.sessions.reply_versions, message.id
+        position, count = await self.ctx.backend.on_store(
+            self.ctx.backend.chat.sessions.reply_versions, message.id
         )
-        figures = self.conversation.thought_figures.get((message.id, message.reasoning))
+        figures = self.ctx.conversation.thought_figures.get((message.id, message.reasoning))
         await view.show_version(message, position, count, figures)
-        self.status.set_turn(
+        self.ctx.status.set_turn(
             f"reply version {position} of {count}: the next message reuses the KV up to it"
         )
-        self.post(SessionsChanged())
+        self.ctx.post(SessionsChanged())
 
     def cancel(self) -> bool:
         """Esc: stop the reply (the engine thread sees the flag between tokens); whether
         there was one to stop."""
-        turn = self.state.turn
+        turn = self.ctx.state.turn
         if turn is None or turn.cancel.is_set():
             return False
         turn.cancel.set()
-        self.status.set_turn("stopping…", "busy")
+        self.ctx.status.set_turn("stopping…", "busy")
         return True
 
 

@@ -9,18 +9,12 @@ shows as it is saved).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from textual.message import Message as TextualMessage
-
 from kvchat.errors import KvchatError
-from kvchat.tui.backend import Backend
+from kvchat.tui.main.context import ScreenContext
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.main.screen_state import ScreenState
 from kvchat.tui.main.signals import SessionsChanged
-from kvchat.tui.widgets.conversation import Conversation
-from kvchat.tui.widgets.status import StatusBar
 
 if TYPE_CHECKING:
     from kvchat.service.chat import MessageWindow
@@ -31,32 +25,19 @@ WATCH_S = 2.0
 class SessionWatch:
     """Looks for changes other processes made to the open session (see the module docstring)."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        state: ScreenState,
-        *,
-        opener: SessionOpener,
-        conversation: Conversation,
-        status: StatusBar,
-        post: Callable[[TextualMessage], bool],
-    ) -> None:
-        self.backend = backend
-        self.state = state
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
+        self.ctx = ctx
         self.opener = opener
-        self.conversation = conversation
-        self.status = status
-        self.post = post  # to the screen
 
     @property
     def due(self) -> bool:
         """Whether a look makes sense now: the model is up, no reply runs, a session is open."""
-        state = self.state
+        state = self.ctx.state
         return state.ready and state.turn is None and state.session_id is not None
 
     async def check(self) -> None:
         """Show the open session again when another process changed it."""
-        state, backend = self.state, self.backend
+        state, backend = self.ctx.state, self.ctx.backend
         session_id = state.session_id
         if session_id is None or state.shown_id != session_id:
             return  # not shown yet: opening it reads it afresh
@@ -82,13 +63,13 @@ class SessionWatch:
         await self.opener.show_stored(session_id, lazy=False)
         if added > 0:
             plural = "s" if added != 1 else ""
-            self.status.set_turn(f"{added} new message{plural} from another kvchat")
+            self.ctx.status.set_turn(f"{added} new message{plural} from another kvchat")
         else:
-            self.status.set_turn("messages updated by another kvchat")
-        self.post(SessionsChanged())
+            self.ctx.status.set_turn("messages updated by another kvchat")
+        self.ctx.post(SessionsChanged())
 
     def _shown_count(self) -> int:
-        conversation = self.conversation
+        conversation = self.ctx.conversation
         shown = len(conversation.views) + len(conversation.pending)
         return conversation.first + shown + conversation.later
 
@@ -97,7 +78,7 @@ class SessionWatch:
         last one shown alike."""
         if latest.total != self._shown_count():
             return False
-        conversation = self.conversation
+        conversation = self.ctx.conversation
         views = conversation.views
         if not views or conversation.later or not latest.messages:
             return True
