@@ -35,7 +35,12 @@ def stream(data: bytes, extra: bytes = b"") -> bytes:
 
 
 def _escape(line: str) -> bytes:
-    return line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)").encode("latin-1")
+    return (
+        line.replace("\\", "\\\\")
+        .replace("(", "\\(")
+        .replace(")", "\\)")
+        .encode("latin-1", "replace")
+    )
 
 
 def text_pdf(pages: list[str]) -> bytes:
