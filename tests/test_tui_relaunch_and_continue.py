@@ -307,7 +307,7 @@ async def send_at_once(main: MainScreen, text: str, timeout: float = 90) -> None
         assert asyncio.get_running_loop().time() < deadline, "the reply did not end"
         await asyncio.sleep(0)
     before = main.last_turn
-    main.submit(text)
+    main.turns.start(main.turns.submit(text))
     assert main.turn is not None  # it started
     await wait_until(lambda: main.last_turn is not before and main.turn is None, timeout)
 
@@ -320,7 +320,8 @@ async def test_a_message_sent_straight_after_a_reply_does_not_wait_for_housekeep
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
         await send(pilot, main, FIRST)
-        main.submit(SECOND)  # as Enter does (a key press would wait for the reply's end)
+        # As Enter does (a key press would wait for the reply's end).
+        main.turns.start(main.turns.submit(SECOND))
         assert main.turn is not None
         await send_at_once(main, THIRD)
         second = main.turn_figures[main.conversation.views[-3].message_id or 0]
@@ -392,7 +393,8 @@ async def test_quitting_straight_after_a_reply_saves_the_valid_prefix(kvhome: Pa
     app = make_app(max_tokens=24)
     async with app.run_test(size=SIZE) as pilot:
         main = await ready(app)
-        main.submit(FIRST)  # as Enter does (a key press would wait for the reply's end)
+        # As Enter does (a key press would wait for the reply's end).
+        main.turns.start(main.turns.submit(FIRST))
         assert main.turn is not None
         while main.turn is not None:
             await asyncio.sleep(0)

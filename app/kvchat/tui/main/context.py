@@ -3,9 +3,9 @@ background work runs.
 
 The screen builds one ``ScreenContext`` when it composes its widgets and hands it to each
 collaborator (``opener``, ``turns``, ``idle_work``…) in place of the same seven to nine
-constructor parameters. ``JOBS`` is the one table of how work runs: every background job
-is a worker of the screen, started through ``ScreenContext.run``, so one handler of the
-screen reports the failures of all of them.
+constructor parameters. The ``Job`` constants below are the one table of how work runs:
+every background job is a worker of the screen, started through ``ScreenContext.run``, so
+one handler of the screen reports the failures of all of them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class Job:
     exclusive: bool = False
 
 
+# Every kind, with its group and exclusivity; the key table's actions run in the "action"
+# group (the screen's ``action_*`` workers, which Textual's bindings call).
 STARTUP = Job("startup", "startup")
 OPEN_SESSION = Job("open_session", "open", exclusive=True)
 REFRESH_SESSIONS = Job("request_refresh", "sidebar", exclusive=True)
@@ -52,22 +54,6 @@ COPY = Job("_copy_elsewhere", "copy")
 LATEST = Job("show_latest", "latest", exclusive=True)
 SWITCH_VERSION = Job("switch_version", "action")
 PICK_MODEL = Job("pick_model", "models", exclusive=True)
-
-# The key table's actions run in the "action" group too (the screen's ``action_*`` workers).
-JOBS: tuple[Job, ...] = (
-    STARTUP,
-    OPEN_SESSION,
-    REFRESH_SESSIONS,
-    MORE_SESSIONS,
-    TURN,
-    HOUSEKEEPING,
-    WATCH,
-    SESSION_MODEL,
-    COPY,
-    LATEST,
-    SWITCH_VERSION,
-    PICK_MODEL,
-)
 
 
 class RunJob(Protocol):

@@ -9,7 +9,7 @@ collaborators what they need done with those of ``signals``; the screen handles 
 one place below. Each collaborator is given one ``ScreenContext`` (the app, the backend,
 the state, the widgets, and the screen's ``post``, ``refresh`` and ``run``), not the same
 seven to nine parameters each. Every background job is a worker of the screen, started by
-:meth:`MainScreen.run_job` as ``context.JOBS`` says (group, exclusivity), so one handler
+MainScreen.run_job as its ``context.Job`` says (group, exclusivity), so one handler
 reports failures; the key table's actions are the ``action_*`` workers Textual's bindings
 call, each one collaborator's job.
 """
@@ -226,10 +226,6 @@ class MainScreen(Screen[None]):
         if not self.feed.complete:
             self.run_job(MORE_SESSIONS, self.feed.load_rest)
 
-    def submit(self, text: str) -> None:
-        """Enter in the input (see TurnRunner.submit)."""
-        self.turns.start(self.turns.submit(text))
-
     def _watch_tick(self) -> None:
         if self.state.ready and self.state.turn is None:
             # Housekeeping a user's action made yield (and no turn dropped) runs again.
@@ -304,7 +300,7 @@ class MainScreen(Screen[None]):
 
     @on(PromptInput.Submitted)
     def _submitted(self, event: PromptInput.Submitted) -> None:
-        self.submit(event.text)
+        self.turns.start(self.turns.submit(event.text))
 
     @on(MessageView.CopyRequested)
     def _copy_requested(self, event: MessageView.CopyRequested) -> None:
