@@ -21,7 +21,6 @@ import pytest
 
 from kvchat.config import Settings
 from kvchat.engine import EngineCapabilities
-from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chunk_reader import ChunkReader, PieceReader
@@ -29,6 +28,7 @@ from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.service.chat import ChatService
 from kvchat.store import Store
+from tests.stand_in_engine import EngineDefaults
 
 FP = Fingerprint("id0", "m.gguf", "0.3", "f16", "f16", False, 10000.0, 1.0, 0, 2)
 N_LAYER, WIDTH, CHUNK = 3, 8, 16

@@ -25,7 +25,6 @@ import pytest
 
 from kvchat.config import load_settings
 from kvchat.engine import EngineCapabilities, EngineConfig
-from tests.stand_in_engine import EngineDefaults
 from kvchat.errors import KvchatError
 from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.paths import bundled_model_path
@@ -35,6 +34,7 @@ from kvchat.planner.templates import BUILTIN, CHATML, choose_template, load_temp
 from kvchat.service.chat import ChatService
 from kvchat.store import SnapshotRow
 from tests.conftest import run_cli
+from tests.stand_in_engine import EngineDefaults
 from tests.tiny_models import FAMILIES, write_tiny
 
 SLIDING = {name for name, spec in FAMILIES.items() if spec.sliding_window}

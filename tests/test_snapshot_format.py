@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from kvchat.engine import EngineCapabilities
-from tests.stand_in_engine import EngineDefaults
 from kvchat.kvcache import SnapshotRejected, SnapshotStore
 from kvchat.kvcache.cold import formats as fmt
 from kvchat.kvcache.cold.chains import chunk_plan
 from kvchat.kvcache.cold.files import map_file, mapped, temp_writer_alive, write_atomically
 from kvchat.kvcache.fingerprint import Fingerprint
 from kvchat.store import ChunkRow, SnapshotRow, Store
+from tests.stand_in_engine import EngineDefaults
 
 FP = Fingerprint("id0", "m.gguf", "0.3", "f16", "f16", False, 10000.0, 1.0, 0, 30)
 
