@@ -105,7 +105,7 @@ async def test_a_switch_restores_before_enter_so_the_first_turn_reads_only_itsel
     a_history = service.host.tiers.snapshot(a.id)
     assert a_history is not None and a_history.n_tokens > 0
     service.close()  # saves b, the hot session
-    b_history = ChatService(make_settings()).tiers.snapshot(b.id)
+    b_history = ChatService(make_settings()).host.tiers.snapshot(b.id)
     assert b_history is not None
 
     app = make_app()
