@@ -46,7 +46,11 @@ class SnapshotLoader:
         self._pieces: PieceReader | None = None
 
     def load(
-        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, window: windows.WindowPoint | None
+        self,
+        row: SnapshotRow,
+        engine: SeqStateEngine,
+        keep: int,
+        window: windows.WindowPoint | None,
     ) -> None:
         if row.format == "chunks":
             self._load_chunks(row, engine, keep, window)
@@ -71,7 +75,11 @@ class SnapshotLoader:
                 del state
 
     def _load_chunks(
-        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, window: windows.WindowPoint | None
+        self,
+        row: SnapshotRow,
+        engine: SeqStateEngine,
+        keep: int,
+        window: windows.WindowPoint | None,
     ) -> None:
         """Verify the chain's chunks covering the first ``keep`` tokens, reassemble, load
         (with the window checkpoint ``window`` appended, for a sliding-window chain)."""
@@ -207,7 +215,11 @@ class SnapshotLoader:
             raise SnapshotRejected("llama.cpp rejected the reassembled snapshot state")
 
     def _append_chunks(
-        self, row: SnapshotRow, engine: SeqStateEngine, keep: int, needed: list[tuple[ChunkRow, int]]
+        self,
+        row: SnapshotRow,
+        engine: SeqStateEngine,
+        keep: int,
+        needed: list[tuple[ChunkRow, int]],
     ) -> None:
         """Load the chain one chunk at a time, each read, verified and handed to llama.cpp
         while it is still in the CPU's cache (see :class:`PieceReader`). Nothing unverified
