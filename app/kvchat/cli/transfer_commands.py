@@ -21,6 +21,8 @@ def _line(item: Any, carries_kv: bool) -> str:
 
     title = visible(" ".join(item.title.split()))
     notes = [f"{item.messages} message{'' if item.messages == 1 else 's'}"]
+    if item.documents:
+        notes.append(f"{item.documents} document{'' if item.documents == 1 else 's'}")
     if item.skipped:
         notes.append(f"{item.skipped} left out (tool calls, images, hidden context)")
     if not item.new:

@@ -163,9 +163,14 @@ class SessionBook:
         return True
 
     def export(self, session_id: str, fmt: ExportFormat, reasoning: bool = True) -> str:
-        """The session as ``fmt`` (``reasoning`` False: without thinking models' reasoning)."""
+        """The session as ``fmt`` with its documents (``reasoning`` False: without thinking
+        models' reasoning)."""
         return export_session(
-            self.store.get_session(session_id), self.store.messages(session_id), fmt, reasoning
+            self.store.get_session(session_id),
+            self.store.messages(session_id),
+            fmt,
+            reasoning,
+            self.store.session_documents(session_id),
         )
 
     def search(self, query: str) -> list[SearchHit]:

@@ -1,14 +1,20 @@
-"""Session transcripts as Markdown, JSON (OpenAI-style messages) and self-contained HTML."""
+"""Session transcripts as Markdown, JSON (OpenAI-style messages) and self-contained HTML.
+
+Each carries the conversation's documents (attachments): their name, kind, size, sha256
+and the text the model read, at the start; a message a later document came with says so.
+"""
 
 from __future__ import annotations
 
 import html
 import json
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from kvchat import __version__
 from kvchat.store import Message, Session
+from kvchat.store.documents_sql import SessionDocument
 
 ExportFormat = Literal["md", "json", "html"]
 FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")
@@ -59,28 +65,97 @@ def quoted(text: str) -> str:
     return "\n".join(f"> {line}" if line else ">" for line in markdown_block(text).split("\n"))
 
 
-def to_markdown(session: Session, messages: list[Message], reasoning: bool = True) -> str:
+def _where(used: SessionDocument, numbers: dict[int, int]) -> str:
+    """Where a document entered the conversation, in words."""
+    if used.message_id is None:
+        return "given at the start"
+    number = numbers.get(used.message_id)
+    return f"with message {number}" if number is not None else "with a message not exported"
+
+
+def _about(used: SessionDocument, numbers: dict[int, int]) -> str:
+    """A document's kind, size, pages, sha256 and where it came in, on one line."""
+    doc = used.document
+    pages = f" · {doc.pages:,} pages" if doc.pages is not None else ""
+    return f"{doc.kind} · {doc.size:,} bytes{pages} · sha256 {doc.sha256} · {_where(used, numbers)}"
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>#|~!])")
+_BACKTICKS = re.compile(r"`+")
+
+
+def _markdown_name(name: str) -> str:
+    """A document's name as literal Markdown text (its markup characters escaped)."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(name.split()))
+
+
+def fenced(text: str) -> str:
+    """``text`` verbatim in a code fence longer than any run of backticks in it, so nothing
+    in it can close the fence."""
+    longest = max((len(run) for run in _BACKTICKS.findall(text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def _numbers(messages: Sequence[Message]) -> dict[int, int]:
+    """Message id → its 1-based number in the transcript."""
+    return {m.id: n for n, m in enumerate(messages, 1)}
+
+
+def _later(documents: Sequence[SessionDocument]) -> dict[int, list[str]]:
+    """Message id → the names of the documents that came with it."""
+    out: dict[int, list[str]] = {}
+    for used in documents:
+        if used.message_id is not None:
+            out.setdefault(used.message_id, []).append(used.document.name)
+    return out
+
+
+def to_markdown(
+    session: Session,
+    messages: list[Message],
+    reasoning: bool = True,
+    documents: Sequence[SessionDocument] = (),
+) -> str:
     """The transcript; a reply's reasoning (``reasoning``: kept) is a quoted section headed
-    "Reasoning" before its answer."""
+    "Reasoning" before its answer. ``documents`` come first, under "Documents", each with its
+    text in a fence; a message they came with names them."""
     title = " ".join(session.title.split())
     lines = [f"# {title}", "", f"_Session `{session.id}` · created {session.created}_", ""]
+    numbers = _numbers(messages)
+    if documents:
+        lines += ["## Documents", ""]
+        for used in documents:
+            lines += [f"### {_markdown_name(used.document.name)}", ""]
+            lines += [f"_{_about(used, numbers)}_", "", fenced(used.document.text), ""]
+    later = _later(documents)
     if session.system_prompt:
         lines += ["## System", "", markdown_block(session.system_prompt), ""]
     for m in messages:
         flag = f" _({_flag(m)})_" if _flag(m) else ""
         lines += [f"## {ROLE_NAMES.get(m.role, m.role)}{flag}", ""]
+        if m.id in later:
+            names = ", ".join(_markdown_name(name) for name in later[m.id])
+            lines += [f"_Attached: {names} (see Documents)_", ""]
         if reasoning and m.reasoning:
             lines += ["> **Reasoning**", ">", quoted(m.reasoning), ""]
         lines += [markdown_block(m.content), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_json(session: Session, messages: list[Message], reasoning: bool = True) -> str:
+def to_json(
+    session: Session,
+    messages: list[Message],
+    reasoning: bool = True,
+    documents: Sequence[SessionDocument] = (),
+) -> str:
     """OpenAI-style messages (a reply's reasoning as ``reasoning_content``) and kvchat's
-    own fields."""
+    own fields; ``documents`` as a list of their metadata and text, each with ``message``:
+    the index in ``messages`` of the one it came with (null: given at the start)."""
     chat: list[dict[str, object]] = []
     if session.system_prompt:
         chat.append({"role": "system", "content": session.system_prompt})
+    index = {m.id: len(chat) + n for n, m in enumerate(messages)}
     for m in messages:
         item: dict[str, object] = {"role": m.role, "content": m.content}
         if reasoning and m.reasoning:
@@ -99,6 +174,19 @@ def to_json(session: Session, messages: list[Message], reasoning: bool = True) -
             "system_prompt": session.system_prompt,
             "settings": session.settings,
         },
+        "documents": [
+            {
+                "name": used.document.name,
+                "kind": used.document.kind,
+                "size": used.document.size,
+                "sha256": used.document.sha256,
+                "pages": used.document.pages,
+                "message": None if used.message_id is None else index.get(used.message_id),
+                "text": used.document.text,
+            }
+            for used in documents
+            if used.message_id is None or used.message_id in index
+        ],
         "messages": chat,
         "message_meta": [
             {
@@ -130,6 +218,9 @@ table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2rem .5rem}
 blockquote{margin:.5rem 0;padding-left:.8rem;border-left:3px solid #ccc;color:#555}
 details.reasoning{color:#555;border-left:3px solid #ccc;padding-left:.8rem;margin:.3rem 0}
 details.reasoning summary{cursor:pointer;font-style:italic}
+.documents details{border:1px solid #ddd;border-radius:.4rem;padding:.3rem .8rem;margin:.4rem 0}
+.documents summary{cursor:pointer;font-weight:600}.doc-meta,.attached{color:#555;font-size:.85rem}
+.documents pre{white-space:pre-wrap}
 """
 
 
@@ -145,11 +236,19 @@ def markdown_html(text: str, *, typed: bool = False) -> str:
     return str(parser.render(text))
 
 
-def to_html(session: Session, messages: list[Message], reasoning: bool = True) -> str:
+def to_html(
+    session: Session,
+    messages: list[Message],
+    reasoning: bool = True,
+    documents: Sequence[SessionDocument] = (),
+) -> str:
     """One file, no scripts, no external resources; every piece of text is escaped and the
     messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script).
-    A reply's reasoning is a collapsed ``<details>`` block before its answer."""
+    A reply's reasoning is a collapsed ``<details>`` block before its answer. ``documents``
+    come first, each a collapsed block with its text escaped in ``<pre>``."""
     esc = html.escape
+    numbers = _numbers(messages)
+    later = _later(documents)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -158,6 +257,15 @@ def to_html(session: Session, messages: list[Message], reasoning: bool = True) -
         f"<h1>{esc(session.title)}</h1>",
         f"<p><small>Session {esc(session.id)} · created {esc(session.created)}</small></p>",
     ]
+    if documents:
+        parts.append('<section class="documents"><h2>Documents</h2>')
+        for used in documents:
+            parts.append(
+                f'<details class="document"><summary dir="auto">{esc(used.document.name)}'
+                f'</summary><p class="doc-meta">{esc(_about(used, numbers))}</p>'
+                f'<pre dir="auto">{esc(used.document.text)}</pre></details>'
+            )
+        parts.append("</section>")
     if session.system_prompt:
         parts.append(
             '<div class="msg system" dir="auto"><span class="role">System</span>'
@@ -167,6 +275,9 @@ def to_html(session: Session, messages: list[Message], reasoning: bool = True) -
         flag = f' <span class="partial">({_flag(m)})</span>' if _flag(m) else ""
         role = esc(ROLE_NAMES.get(m.role, m.role))
         body = markdown_html(m.content, typed=m.role == "user")
+        if m.id in later:
+            names = ", ".join(esc(name) for name in later[m.id])
+            body = f'<p class="attached" dir="auto">Attached: {names}</p>' + body
         if reasoning and m.reasoning:
             thought = markdown_html(m.reasoning)
             body = (
@@ -181,11 +292,16 @@ def to_html(session: Session, messages: list[Message], reasoning: bool = True) -
 
 
 def export_session(
-    session: Session, messages: list[Message], fmt: ExportFormat, reasoning: bool = True
+    session: Session,
+    messages: list[Message],
+    fmt: ExportFormat,
+    reasoning: bool = True,
+    documents: Sequence[SessionDocument] = (),
 ) -> str:
-    """The session in ``fmt``; ``reasoning`` False leaves thinking models' reasoning out."""
+    """The session in ``fmt`` with its ``documents``; ``reasoning`` False leaves thinking
+    models' reasoning out."""
     if fmt == "md":
-        return to_markdown(session, messages, reasoning)
+        return to_markdown(session, messages, reasoning, documents)
     if fmt == "json":
-        return to_json(session, messages, reasoning)
-    return to_html(session, messages, reasoning)
+        return to_json(session, messages, reasoning, documents)
+    return to_html(session, messages, reasoning, documents)

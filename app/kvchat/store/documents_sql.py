@@ -180,3 +180,59 @@ class DocumentsSql(SqlBase):
                 "DELETE FROM documents WHERE in_library=0 AND id NOT IN"
                 " (SELECT document_id FROM session_documents)"
             ).rowcount
+
+    def ensure_reading(self, reading_id: str, title: str) -> None:
+        """A session row to own a reading's snapshot (its 24-digit id keeps it out of every
+        list: see ``sessions_sql.LISTED``); nothing when it exists."""
+        stamp = now()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO sessions (id, title, system_prompt, settings, created,"
+                " updated) VALUES (?, ?, NULL, '{}', ?, ?)",
+                (reading_id, title, stamp, stamp),
+            )
+
+
+# An imported document: (name, kind, size, sha256, text, pages, index of the imported
+# message it came with or None for the start), checked by the importer (kvchat.transfer).
+ImportedDocumentFields = tuple[str, str, int, str, str, int | None, int | None]
+
+
+def imported_key(name: str, sha256: str, text: str) -> str:
+    """The row id of a document that came in a file (an export, a bundle): its text is part
+    of the key, since no bytes came to re-derive the sha256 from, so an imported text never
+    takes the place of the one a file read here would give."""
+    digest = hashlib.sha256(f"import\0{sha256}\0{name}\0".encode())
+    digest.update(text.encode("utf-8"))
+    return digest.hexdigest()[:32]
+
+
+def insert_imported_documents(
+    conn: sqlite3.Connection,
+    session_id: str,
+    documents: Iterable[ImportedDocumentFields],
+    message_ids: list[int],
+    stamp: str,
+) -> None:
+    """Give an imported session its documents, in the import's transaction, placed as in
+    the file (``message_ids``: the imported messages' ids, in order). A document already
+    here with the same name, sha256 and text is shared; any other is a row of its own."""
+    positions: dict[int, int] = {}
+    for name, kind, size, sha256, text, pages, at in documents:
+        doc_id = DocumentRow.key(name, sha256)
+        here = conn.execute("SELECT text FROM documents WHERE id=?", (doc_id,)).fetchone()
+        if here is None or here[0] != text:
+            doc_id = imported_key(name, sha256, text)
+        conn.execute(
+            "INSERT INTO documents (id, name, kind, size, sha256, text, pages, source, added,"
+            " in_library) VALUES (?, ?, ?, ?, ?, ?, ?, '', ?, 0) ON CONFLICT(id) DO NOTHING",
+            (doc_id, name, kind, size, sha256, text, pages, stamp),
+        )
+        message_id = -1 if at is None else message_ids[at]
+        position = positions.get(message_id, 0)
+        positions[message_id] = position + 1
+        conn.execute(
+            "INSERT OR IGNORE INTO session_documents (session_id, document_id, message_id,"
+            " position) VALUES (?, ?, ?, ?)",
+            (session_id, doc_id, message_id, position),
+        )

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, now
+from kvchat.store.documents_sql import insert_imported_documents
 from kvchat.store.sessions_sql import new_session_id
 
 
@@ -36,8 +37,9 @@ class ImportsSql(SqlBase):
         taking them from ``sessions`` as they come (an exception it raises stores none).
 
         Each item: ``title``, ``system_prompt``, ``settings``, ``created``/``updated`` (None:
-        now), ``messages`` as (role, content, created or None, token_count, partial), and
-        ``key``: a meta key for its content, or None. An item whose key names a session that
+        now), ``messages`` as (role, content, created or None, token_count, partial), optional
+        ``documents`` (:data:`~kvchat.store.documents_sql.ImportedDocumentFields`, placed by
+        message index), and ``key``: a meta key for its content, or None. An item whose key names a session that
         still exists is not inserted again. ``file_key`` records every session of the file.
         Returns (session id, inserted now) per item. Raises KvchatError if ``file_key``
         already names live sessions (another import of the same file won the race).
@@ -100,6 +102,15 @@ class ImportsSql(SqlBase):
                         for m in item["messages"]
                     ],
                 )
+                documents = item.get("documents")
+                if documents:
+                    ids = [
+                        row[0]
+                        for row in conn.execute(
+                            "SELECT id FROM messages WHERE session_id=? ORDER BY id", (session_id,)
+                        )
+                    ]
+                    insert_imported_documents(conn, session_id, documents, ids, stamp)
                 if key:
                     conn.execute(
                         "INSERT INTO meta (key, value) VALUES (?, ?)"

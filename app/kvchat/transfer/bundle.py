@@ -4,7 +4,9 @@ Members (names are kvchat's own; nothing else may be in the archive)::
 
     manifest.json    format, kvchat version, the KV's fingerprint, its exact token ids,
                      and the sha256 and size of every other member
-    messages.json    the session as ``kvchat export --format json`` writes it
+    messages.json    the session as ``kvchat export --format json`` writes it, its
+                     documents' text and placement included (an import restores them,
+                     so the session's prompt, and so its KV, is the same)
     kv/000000.kvc …  the snapshot's chunk files, in token order (stored, not compressed)
     kv/state.kvs     or its whole-state blob file
 

@@ -47,6 +47,20 @@ class ImportedMessage(NamedTuple):
     reasoning: str = ""  # a thinking model's reasoning before the answer
 
 
+class ImportedDocument(NamedTuple):
+    """One document of an imported session, checked
+    (:mod:`kvchat.transfer.imported_documents`); ``message`` indexes the session's imported
+    messages (None: given at the start)."""
+
+    name: str
+    kind: str
+    size: int
+    sha256: str
+    text: str
+    pages: int | None
+    message: int | None
+
+
 def reply_parts(
     path: Path, role: str, content: str, reasoning: object, where: str
 ) -> tuple[str, str]:
@@ -80,6 +94,8 @@ class ImportedSession:
     # images, hidden context), left out.
     skipped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Its documents (kvchat's own exports and bundles carry them).
+    documents: list[ImportedDocument] = field(default_factory=list)
 
 
 class BadFile(KvchatError):

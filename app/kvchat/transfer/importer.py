@@ -75,6 +75,7 @@ class SessionImport:
     # Installed KV: where it came from, and what recomputing its first cells showed.
     kv_origin: str | None = None
     kv_check: FirstChunkCheck | None = None
+    documents: int = 0  # the documents it came with (placed as they were)
 
     def to_json(self) -> dict[str, Any]:
         check = self.kv_check
@@ -92,6 +93,7 @@ class SessionImport:
             },
             "already_imported": not self.new,
             "skipped": self.skipped,
+            "documents": self.documents,
         }
 
 
@@ -144,6 +146,8 @@ def _session_key(fmt: str, session: ImportedSession) -> str | None:
         session.system_prompt,
         [[m.role, m.content, m.partial] for m in session.messages],
     ]
+    if session.documents:  # a conversation with other documents is another conversation
+        content.append([[d.name, d.sha256, d.message, d.text] for d in session.documents])
     digest = hashlib.sha256(json.dumps(content, ensure_ascii=False).encode("utf-8"))
     return SESSION_KEY.format(digest.hexdigest())
 
@@ -173,7 +177,8 @@ def _store_sessions(
     """Store ``sessions`` as they come, in one transaction (a bad one anywhere stores none):
     memory holds one session at a time, and a short record of each one stored."""
     path = Path(result.path)
-    kept: list[tuple[str, int, int]] = []  # per session stored: title, messages, skipped
+    # Per session stored: title, messages, skipped, documents.
+    kept: list[tuple[str, int, int, int]] = []
     counts = {"sessions": 0, "messages": 0, "left": 0}
 
     def items() -> Iterator[dict[str, Any]]:
@@ -200,9 +205,10 @@ def _store_sessions(
                     (m.role, m.content, m.created, m.token_count, m.partial, m.reasoning)
                     for m in s.messages
                 ],
+                "documents": [tuple(d) for d in s.documents],
                 "key": _session_key(result.format, s),
             }
-            kept.append((s.title, len(s.messages), s.skipped))
+            kept.append((s.title, len(s.messages), s.skipped, len(s.documents)))
             if progress is not None:
                 done = bytes_done() if bytes_done is not None else total
                 progress(ImportProgress(done, total, len(kept), counts["messages"]))
@@ -215,8 +221,10 @@ def _store_sessions(
             )
 
     stored = service.imports.store_sessions(items(), FILE_KEY.format(result.sha256))
-    for (title, n_messages, skipped), (session_id, new) in zip(kept, stored):
-        result.sessions.append(SessionImport(session_id, title, n_messages, new, skipped=skipped))
+    for (title, n_messages, skipped, documents), (session_id, new) in zip(kept, stored):
+        result.sessions.append(
+            SessionImport(session_id, title, n_messages, new, skipped=skipped, documents=documents)
+        )
 
 
 def _chatgpt_stream(path: Path, fh: Any) -> tuple[ArrayReader, Iterator[Any]] | None:

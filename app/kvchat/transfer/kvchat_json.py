@@ -1,8 +1,10 @@
 """kvchat's own JSON export (``kvchat export --format json``; a bundle's messages.json).
 
-``{"format": "kvchat.session/1", "session": {...}, "messages": [...], "message_meta": [...]}``:
-the session's system prompt (also the first message, role ``system``), its sampling
-settings, every message with its ``partial`` flag, and per message its time and token count.
+``{"format": "kvchat.session/1", "session": {...}, "documents": [...], "messages": [...],
+"message_meta": [...]}``: the session's system prompt (also the first message, role
+``system``), its sampling settings, its documents placed as they were
+(:mod:`kvchat.transfer.imported_documents`; older exports have none), every message with its
+``partial`` flag, and per message its time and token count.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvchat.transfer.common import (
     reply_parts,
     require,
 )
+from kvchat.transfer.imported_documents import read_documents
 
 FORMAT = "kvchat.session/1"
 NAME = "kvchat JSON"
@@ -43,6 +46,7 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
     if meta is not None and not isinstance(meta, list):
         raise BadFile(path, "message_meta is not a list")
     messages: list[ImportedMessage] = []
+    kept: dict[int, int] = {}  # index in the file's messages -> in the imported ones
     for index, item in enumerate(items):
         where = f"message {index + 1}"
         role = require(path, item, "role", str, where)
@@ -68,6 +72,7 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
             if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 1 << 31:
                 tokens = count
         answer, reasoning = reply_parts(path, role, content, item.get("reasoning_content"), where)
+        kept[index] = len(messages)
         messages.append(ImportedMessage(role, answer, partial, created, tokens, reasoning))
     source_id = session.get("id")
     return [
@@ -79,5 +84,6 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
             source_key=f"kvchat:{source_id}" if isinstance(source_id, str) else None,
             created=iso_time(session.get("created")),
             updated=iso_time(session.get("updated")),
+            documents=read_documents(path, document.get("documents"), kept),
         )
     ]
