@@ -15,6 +15,7 @@ from kvchat.cli.group import KvchatGroup, model_options, service, settings_from,
 from kvchat.config import Settings
 from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
+from kvchat.service.documents import DocumentShelf
 from kvchat.service.exports import FORMATS
 from kvchat.service.reasoning import NO_REASONING, ReasoningStream
 from kvchat.system import current as current_system
@@ -76,6 +77,20 @@ def main(ctx: click.Context, **flags: Any) -> None:
     default=None,
     help="Turn a thinking model's reasoning on or off for this session (where its template can).",
 )
+@click.option(
+    "--attach",
+    "-a",
+    "attach",
+    multiple=True,
+    help="A file or folder for the model to read (repeatable): text, Markdown, code, CSV, "
+    "HTML, PDF. With --new (or no --session) it is read once for every conversation "
+    "started with the same documents; with --session it comes with this message.",
+)
+@click.option(
+    "--glob",
+    help="Which files of an attached folder, e.g. '*.py' or 'docs/**/*.md' "
+    "(its .gitignore is respected).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @model_options
 @click.pass_context
@@ -92,6 +107,8 @@ def ask(
     seed: int | None,
     no_restore: bool,
     think: bool | None,
+    attach: tuple[str, ...],
+    glob: str | None,
     as_json: bool,
     **flags: Any,
 ) -> None:
@@ -118,7 +135,11 @@ def ask(
         problem = None if value is None else sampling_problem(name, value, n_ctx)
         if problem:
             raise KvchatError(problem)
+    if glob is not None and not attach:
+        raise KvchatError("--glob picks files of an attached folder: give --attach FOLDER too")
     if continue_reply:
+        if attach:
+            raise KvchatError("--continue goes on inside a reply: attach with a new message")
         if session_ref is None or message is not None or new:
             raise KvchatError("--continue goes on with a session's last reply: --session S alone")
     elif message is None:
@@ -137,11 +158,15 @@ def ask(
         from kvchat.planner.model_lookup import model_path
 
         model_path(settings)
+    documents = DocumentShelf.read(attach, glob) if attach else None
+    for note in documents.notes if documents else ():
+        click.echo(f"kvchat: skipped {one_line(note)}", err=True)
     reading = _ReadingLine(sys.stderr)  # a long prompt says how far its read is
     printer = _ReplyPrinter()
     turn: dict[str, Any] = dict(
         on_token=None if as_json else reading.then(printer.feed),
         no_restore=no_restore,
+        documents=documents,
         **sampling,
     )
     with service(settings) as chat:
@@ -160,12 +185,19 @@ def ask(
             if think is not None:
                 _set_think(chat, session, think)
             if continue_reply:
+                del turn["documents"]
                 report = chat.continue_reply(session.id, **turn)
             else:
                 assert message is not None
                 report = chat.send(session.id, message, **turn)
         else:
             assert message is not None
+            if documents is not None and not as_json:
+                fit = chat.turns.check_documents(
+                    documents, system, max_tokens or settings.max_tokens
+                )
+                if fit is not None:
+                    click.echo(f"kvchat: documents: {fit.line()}", err=True)
             report = chat.start(message, system_prompt=system, think=think, **turn)
     reading.clear()
     if as_json:
@@ -182,6 +214,10 @@ def ask(
     if chat.host.plan_note:
         click.echo(f"plan: {chat.host.plan_note}", err=True)
     click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
+    if documents is not None:
+        names = ", ".join(row.name for row in documents.rows)
+        how = "read once for this conversation" if session_ref else _read_once(report)
+        click.echo(f"kvchat: {shown(names, sys.stderr)}: {how}", err=True)
     if report.finish_reason == "length" and report.message_id is not None:
         click.echo(
             f"kvchat: to go on: kvchat ask --continue --session {report.session_id}", err=True
@@ -495,6 +531,13 @@ def _export_all(
                     break
     plural = "" if written == 1 else "s"
     click.echo(f"wrote {written:,} session{plural} to {output}", err=True)
+
+
+def _read_once(report: Any) -> str:
+    """What a new conversation's turn did with its documents."""
+    if report.restore.donor is not None and report.restore.tokens:
+        return f"restored ({report.restore.tokens:,} tokens read by an earlier conversation)"
+    return "read once for all conversations started with them"
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -37,6 +37,7 @@ from kvchat.kvcache.tiers import CacheGc, KVTiers, SnapshotWrite
 from kvchat.paths import data_dir
 from kvchat.service.book import SessionBook
 from kvchat.service.checks import open_store
+from kvchat.service.documents import DocumentShelf, ReadDocuments
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.imports import ImportLedger
 from kvchat.service.model_choices import ModelChoices
@@ -115,10 +116,17 @@ class ChatService:
         self.locks = SessionLocks(directory / "locks")
         self.host = EngineHost(settings, directory, self.store, tiers, engine)
         self.sessions = SessionBook(self.store, self.locks, self.host)
-        self.upkeep = Upkeep(self.host, self.store, self.locks)
+        self.documents = DocumentShelf(self.store)
+        self.upkeep = Upkeep(self.host, self.store, self.locks, self.documents)
         self.models = ModelChoices(self.host, self.store, self.upkeep)
         self.turns = TurnPipeline(
-            self.host, self.store, self.locks, self.sessions, self.upkeep, self.models
+            self.host,
+            self.store,
+            self.locks,
+            self.sessions,
+            self.upkeep,
+            self.models,
+            self.documents,
         )
         self.turns.stream_save_every_s = STREAM_SAVE_EVERY_S
         self.reader = SessionReader(self.store)
@@ -176,9 +184,13 @@ class ChatService:
         on_token: TokenCallback | None = None,
         cancel: CancelCheck | None = None,
         no_restore: bool = False,
+        documents: ReadDocuments | None = None,
         **overrides: Any,
     ) -> TurnReport:
         """Commit the user's message, then run the model and commit its reply.
+
+        ``documents`` (read by :meth:`DocumentShelf.read`) come with this message: their
+        text goes before it, read once for this conversation.
 
         Nothing is stored when the message is empty, not valid text, or cannot fit the
         context. The session's turn lock is held from storing the message to saving the
@@ -188,7 +200,7 @@ class ChatService:
         report; if it could not be stored, ``report.reply_error`` says why.
         """
         options = TurnOptions(on_token, cancel, no_restore)
-        return self.turns.send(session_id, text, options, overrides)
+        return self.turns.send(session_id, text, options, overrides, documents)
 
     def start(
         self,
@@ -199,10 +211,13 @@ class ChatService:
         cancel: CancelCheck | None = None,
         no_restore: bool = False,
         think: bool | None = None,
+        documents: ReadDocuments | None = None,
         **overrides: Any,
     ) -> TurnReport:
         """A new session whose first turn is ``text`` (``kvchat ask`` without ``--session``);
-        ``think``: the session's thinking switch (None: the model's default).
+        ``think``: the session's thinking switch (None: the model's default); ``documents``:
+        what the conversation is about, placed after the system prompt (read once for every
+        conversation started with the same system prompt and documents).
 
         The session exists only if it got a reply: when the turn fails, or the model says
         nothing, the new session is deleted again (a KvchatError says so), so no empty
@@ -212,8 +227,12 @@ class ChatService:
             check_text(system_prompt, "the system prompt")
         params = generation_params(self.host.settings, {}, overrides)
         text = self.turns.checked_message(text, system_prompt, params.max_tokens)
+        if documents is not None:
+            self.turns.check_documents(documents, system_prompt, params.max_tokens)
         session = self.sessions.new_session(system_prompt=system_prompt)
         try:
+            if documents is not None:
+                self.documents.give(session.id, documents)
             if think is not None:
                 self.sessions.configure(session.id, settings={"think": think})
             report = self.send(

@@ -13,18 +13,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvchat.documents import render_block
 from kvchat.engine import (
     CancelCheck,
     GenerationParams,
     GenerationStats,
     PrefillResult,
     TokenEngine,
+    common_prefix,
 )
 from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.service.book import DEFAULT_TITLE, SessionBook
 from kvchat.service.checks import os_error_line
 from kvchat.service.context_window import fit_window, plan_shift, reply_reserve, system_head
+from kvchat.service.documents import (
+    DocumentFit,
+    DocumentShelf,
+    ReadDocuments,
+    as_document,
+    reading_id,
+    system_message,
+)
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.model_choices import ModelChoices
 from kvchat.service.reasoning import (
@@ -94,8 +104,10 @@ class TurnPipeline:
         book: SessionBook,
         upkeep: Upkeep,
         models: ModelChoices,
+        documents: DocumentShelf,
     ) -> None:
         self.host = host
+        self.documents = documents
         self.store = store
         self.locks = locks
         self.book = book
@@ -115,8 +127,28 @@ class TurnPipeline:
     # --- what a turn starts from ----------------------------------------------------------
 
     def head(self, session: Session) -> list[dict[str, str]]:
-        """The system message the session's prompts start with (none when it has none)."""
-        return system_head(session.system_prompt or self.host.settings.system_prompt)
+        """The system message the session's prompts start with: its system prompt and the
+        documents it started with (none when it has neither)."""
+        return self.documents.head(
+            session, session.system_prompt or self.host.settings.system_prompt
+        )
+
+    def check_documents(
+        self, read: ReadDocuments, system_prompt: str | None, max_tokens: int
+    ) -> DocumentFit | None:
+        """Whether documents a new conversation starts with leave room for it (one line when
+        they do not); the figures say how much they take and how long they take to read
+        here. None where the engine takes whole messages (a server fits its own context)."""
+        engine = self.host.load().token_level()
+        if engine is None:
+            return None
+        block = render_block(as_document(row) for row in read.rows)
+        head = system_message(system_prompt or self.host.settings.system_prompt, block)
+        probe = self.host.probe
+        threads = probe.best_threads("prefill") if probe is not None else None
+        speed = probe.speed(threads, "prefill") if probe is not None and threads else None
+        reserve = reply_reserve(max_tokens, engine.n_ctx)
+        return self.documents.fit(engine, head, reserve, speed)
 
     def checked_message(self, text: str, system_prompt: str | None, max_tokens: int) -> str:
         """The message stripped, if it is text, not empty, and fits the context alone."""
@@ -143,7 +175,7 @@ class TurnPipeline:
             return None
         session = self.store.get_session(session_id)
         thinks = self.host.reasoning_style.thinks
-        chat = [m.as_chat(thinks) for m in history]
+        chat = self.documents.chat(session_id, history, thinks)
         engine = self.host.token_engine()
         reserve = reply_reserve(
             generation_params(self.host.settings, session.settings, {}).max_tokens, engine.n_ctx
@@ -205,7 +237,12 @@ class TurnPipeline:
         return message
 
     def send(
-        self, session_id: str, text: str, options: TurnOptions, overrides: dict[str, Any]
+        self,
+        session_id: str,
+        text: str,
+        options: TurnOptions,
+        overrides: dict[str, Any],
+        documents: ReadDocuments | None = None,
     ) -> TurnReport:
         """Commit the user's message, then run the model and commit its reply (see
         ``ChatService.send``)."""
@@ -214,11 +251,13 @@ class TurnPipeline:
         text = self.checked_message(text, session.system_prompt, params.max_tokens)
         with turn_lock(self.locks, session_id):
             if self.host.takes_messages:  # opened in the turn: a refusal keeps the message
-                self.store.add_message(session_id, "user", text)
+                message = self.store.add_message(session_id, "user", text)
             else:
                 engine = self.host.load()
                 count = engine.count_tokens(text)
-                self.store.add_message(session_id, "user", text, token_count=count)
+                message = self.store.add_message(session_id, "user", text, token_count=count)
+            if documents is not None:
+                self.documents.give(session_id, documents, message.id)
             try:
                 if session.title == DEFAULT_TITLE:
                     self._retitle(session_id, short_title(text))
@@ -307,7 +346,7 @@ class TurnPipeline:
             self.host.use_template_options(session_think(session.settings))
             style = self.host.reasoning_style
             self.book.remember(session_id)
-            earlier = [m.as_chat(style.thinks) for m in history[:-1]]
+            earlier = self.documents.chat(session_id, history[:-1], style.thinks)
             base = engine.chat_tokens(self.head(session) + earlier)
             written = as_written(last.reasoning, last.content, style)
             prompt = base + engine.tokenize(written)
@@ -361,7 +400,7 @@ class TurnPipeline:
         tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
         thinks = self.host.reasoning_style.thinks
-        chat = [m.as_chat(thinks) for m in self.store.messages(session_id)]
+        chat = self.documents.chat(session_id, self.store.messages(session_id), thinks)
         prompt = engine.chat_tokens(self.head(session) + chat + [{"role": "user", "content": text}])
         prefill = engine.prefill(prompt)
         params = GenerationParams(temperature=0.0, max_tokens=1)
@@ -390,12 +429,19 @@ class TurnPipeline:
         style = self.host.reasoning_style
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
-        chat = [m.as_chat(style.thinks) for m in history]
+        chat = self.documents.chat(session_id, history, style.thinks)
         reserve = reply_reserve(params.max_tokens, engine.n_ctx)
         head = self.head(session)
         prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
+        shared = 0
+        if head and not dropped and self.documents.start_block(session_id):
+            shared = self.documents.shared_end(engine, head)
         read = self._hot_prompt(
-            session_id, prompt, options, lambda: self._shift_window(head, chat, prompt, dropped)
+            session_id,
+            prompt,
+            options,
+            lambda: self._shift_window(head, chat, prompt, dropped),
+            shared=shared,
         )
         # A new reply is kept as it streams (a regenerated one is not: the old reply stays
         # until the new one is whole), so a killed process leaves the partial text.
@@ -416,6 +462,7 @@ class TurnPipeline:
             window_note=read.shift.note,
             reasoning=reasoning,
         )
+        report.documents = self.documents.attached(session_id, engine.count_tokens)
         # From here on the reply exists: whatever fails is reported, never raised.
         self._store_reply(report, session_id, stats, replaces, saver)
         self._finish(report, session, prompt, dropped)
@@ -442,7 +489,7 @@ class TurnPipeline:
         session = self.store.get_session(session_id)
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
-        chat = self.head(session) + [m.as_chat() for m in history]
+        chat = self.head(session) + self.documents.chat(session_id, history)
         restore = self.host.tiers.make_hot(session_id)
         saver = self._saver(session_id, self.host.reasoning_style) if replaces is None else None
         reasoning: list[str] = []
@@ -505,16 +552,52 @@ class TurnPipeline:
         prompt: list[int],
         options: TurnOptions,
         shift: Callable[[], WindowShift] = WindowShift,
+        shared: int = 0,
     ) -> PromptRead:
         """Make the session hot for ``prompt``, move what left the window out (``shift``),
-        and read the prompt."""
+        and read the prompt. ``shared``: the prompt's first tokens every conversation about
+        the same documents starts with; read here for the first time, they are saved as a
+        reading of their own on the way (see :mod:`kvchat.service.documents`)."""
         restore = self.make_hot(session_id, no_restore=options.no_restore, prompt=prompt)
         tiers = self.host.tiers
         tiers.mark_hot(session_id)
         shifted = shift()
-        prefill = self._read_prompt(self.host.token_engine(), prompt, options.cancel)
+        engine = self.host.token_engine()
+        reading = self._unread(engine, prompt[:shared]) if shared < len(prompt) else None
+        if reading is not None:
+            first = self._read_prompt(engine, prompt[:shared], options.cancel)
+            if engine.n_tokens == shared:
+                self._save_reading(session_id, reading)
+            rest = self._read_prompt(engine, prompt, options.cancel)
+            prefill = PrefillResult(len(prompt), first.reused, first.decoded + rest.decoded)
+        else:
+            prefill = self._read_prompt(engine, prompt, options.cancel)
         tiers.mark_dirty()
         return PromptRead(restore, prefill, shifted)
+
+    def _unread(self, engine: TokenEngine, shared: list[int]) -> str | None:
+        """The reading id of ``shared`` when the context does not hold it yet and nothing
+        saved it before, else None."""
+        if not shared or common_prefix(engine.tokens, shared) >= len(shared):
+            return None
+        config = engine.config
+        reading = reading_id(shared, f"{config.model_path}|{config.type_k}|{config.type_v}")
+        return None if self.host.tiers.snapshot(reading) is not None else reading
+
+    def _save_reading(self, session_id: str, reading: str) -> None:
+        """Save what the context holds (the documents' shared prefix) as ``reading``, then
+        go on as ``session_id``; a failed write only means the next conversation reads the
+        documents again."""
+        names = ", ".join(u.document.name for u in self.documents.of_session(session_id))
+        try:
+            self.store.ensure_reading(reading, f"Reading of {names}")
+        except KvchatError:
+            return
+        tiers = self.host.tiers
+        tiers.mark_hot(reading)
+        tiers.mark_dirty()
+        tiers.save_hot()
+        tiers.mark_hot(session_id)
 
     def _saver(self, session_id: str, style: ReasoningStyle) -> StreamSaver:
         """What keeps a new reply stored as it streams (see StreamSaver)."""

@@ -16,6 +16,7 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.kvcache.tiers import SnapshotWrite
 from kvchat.limits import sampling_problem
+from kvchat.service.documents import AttachedDocument
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -146,6 +147,8 @@ class TurnReport:
     # The server's turn, in a line: why its reply was cut off (the part shown is stored,
     # partial), figures it sent that are not shown; None: nothing to say.
     remote_note: str | None = None
+    # The documents the session's prompt holds (attachments), with their tokens.
+    documents: list[AttachedDocument] = field(default_factory=list)
 
     @classmethod
     def of_run(
@@ -197,6 +200,7 @@ class TurnReport:
                 "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
                 "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
             },
+            "documents": [d.to_json() for d in self.documents],
             "window": {
                 "dropped_messages": self.dropped_messages,
                 "shifted_messages": self.shifted_messages,

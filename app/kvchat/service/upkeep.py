@@ -12,7 +12,8 @@ from kvchat.config import Settings
 from kvchat.engine import common_prefix
 from kvchat.errors import KvchatError
 from kvchat.kvcache.tiers import SnapshotWrite
-from kvchat.service.context_window import settle_target, system_head
+from kvchat.service.context_window import settle_target
+from kvchat.service.documents import DocumentShelf
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.reports import Housekeeping, TurnReport
 from kvchat.store import Session, Store
@@ -31,8 +32,11 @@ class Upkeep:
     """What the last turn left to do on the hot context, run at once or, for a UI that
     defers it, when the UI is idle (see :attr:`deferred`)."""
 
-    def __init__(self, host: EngineHost, store: Store, locks: SessionLocks) -> None:
+    def __init__(
+        self, host: EngineHost, store: Store, locks: SessionLocks, documents: DocumentShelf
+    ) -> None:
         self.host = host
+        self.documents = documents
         self.store = store
         self.locks = locks
         self._pending: PendingUpkeep | None = None
@@ -110,9 +114,9 @@ class Upkeep:
         to the user's words (see :func:`kvchat.service.context_window.settle_target`)."""
         engine = self.host.token_engine()
         messages = self.store.messages(session.id)[dropped:]  # the window's messages
-        head = system_head(session.system_prompt or self.settings.system_prompt)
+        head = self.documents.head(session, session.system_prompt or self.settings.system_prompt)
         thinks = self.host.reasoning_style.thinks
-        chat = head + [m.as_chat(thinks) for m in messages]
+        chat = head + self.documents.chat(session.id, messages, thinks)
         return settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
 
     def _run(self) -> Housekeeping:

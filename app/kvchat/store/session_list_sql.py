@@ -7,7 +7,7 @@ from typing import Any
 
 from kvchat.store.connection import SqlBase
 from kvchat.store.rows import SessionChanges, SessionPage, SessionSummary
-from kvchat.store.sessions_sql import SessionsSql
+from kvchat.store.sessions_sql import LISTED, SessionsSql
 
 # The list's columns: the session row and what its cold snapshot holds (0 when none, or
 # when the row is not sane).
@@ -80,7 +80,7 @@ class SessionListSql(SqlBase):
         rows = self._rows(
             f"SELECT {_SUMMARY_COLUMNS} FROM sessions s INDEXED BY sessions_by_updated"
             " LEFT JOIN kv_snapshots k ON k.session_id = s.id"
-            f" WHERE 1{where} ORDER BY s.updated DESC, s.rowid DESC LIMIT ?",
+            f" WHERE {LISTED}{where} ORDER BY s.updated DESC, s.rowid DESC LIMIT ?",
             (*params, max(0, limit) + 1),
         )
         more = len(rows) > limit
@@ -91,7 +91,9 @@ class SessionListSql(SqlBase):
     def count_sessions(self, *, title: str | None = None) -> int:
         """How many sessions there are (whose title contains ``title``, when given)."""
         where, params = self._title_filter(title)
-        rows = self._rows(f"SELECT COUNT(*) AS n FROM sessions s WHERE 1{where}", tuple(params))
+        rows = self._rows(
+            f"SELECT COUNT(*) AS n FROM sessions s WHERE {LISTED}{where}", tuple(params)
+        )
         return int(rows[0]["n"])
 
     def change_stamp(self) -> int:
@@ -109,7 +111,7 @@ class SessionListSql(SqlBase):
             rows = self._rows(
                 f"SELECT {_SUMMARY_COLUMNS} FROM sessions s INDEXED BY sessions_by_changed"
                 " LEFT JOIN kv_snapshots k ON k.session_id = s.id"
-                " WHERE s.changed > ? AND s.changed <= ? ORDER BY s.changed",
+                f" WHERE s.changed > ? AND s.changed <= ? AND {LISTED} ORDER BY s.changed",
                 (stamp, now),
             )
             deleted = self._rows(

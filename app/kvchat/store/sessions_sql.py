@@ -32,6 +32,12 @@ def insert_session(
     return session_id
 
 
+# The sessions a list shows: conversations. A reading of documents that conversations share
+# (kvchat.service.documents) is a session row too, so its KV has an owner, but with a
+# 24-digit id: never listed, counted, found by title or shown in the app.
+LISTED = "length(s.id) = 8"
+
+
 # What the session row records about its messages, and what its messages read now: one
 # statement, so both come from the same moment.
 # A session row's own id, read from the table by rowid: a damaged id index can hand back
@@ -190,7 +196,8 @@ class SessionsSql(SqlBase):
             return self._session(row)
         pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self._rows(
-            "SELECT * FROM sessions WHERE title LIKE ? ESCAPE '\\' ORDER BY updated DESC",
+            f"SELECT * FROM sessions s WHERE title LIKE ? ESCAPE '\\' AND {LISTED}"
+            " ORDER BY updated DESC",
             (pattern,),
         )
         if not rows:
@@ -209,6 +216,9 @@ class SessionsSql(SqlBase):
                    CASE WHEN typeof(k.n_tokens) = 'integer' AND k.n_tokens >= 0
                         THEN k.n_tokens ELSE 0 END AS snapshot_tokens
             FROM sessions s LEFT JOIN kv_snapshots k ON k.session_id = s.id
+            WHERE """
+            + LISTED
+            + """
             ORDER BY s.updated DESC, s.rowid DESC
             """
         )

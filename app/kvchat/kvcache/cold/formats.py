@@ -54,12 +54,14 @@ def token_bytes(tokens: list[int]) -> bytes:
     return array("i", tokens).tobytes()
 
 
-# Session ids are ``secrets.token_hex(4)``; chunk keys xxh3-128 hex digests.
-SESSION_ID = re.compile(r"[0-9a-f]{8}")
+# Session ids are ``secrets.token_hex(4)``; a reading of documents shared by conversations
+# (kvchat.service.documents) is saved under 24 hex digits of its tokens' hash; chunk keys
+# are xxh3-128 hex digests.
+SESSION_ID = re.compile(r"[0-9a-f]{8}|[0-9a-f]{24}")
 CHUNK_KEY = re.compile(r"[0-9a-f]{32}")
 # A blob's name: its session id and a hex stamp (a new name per save, so the old file
 # stays whole until the new row is committed).
-BLOB_NAME = re.compile(r"(?P<session>[0-9a-f]{8})-[0-9a-f]{1,16}\.kvs")
+BLOB_NAME = re.compile(r"(?P<session>[0-9a-f]{8}|[0-9a-f]{24})-[0-9a-f]{1,16}\.kvs")
 CHUNK_FILE = re.compile(r"(?P<key>[0-9a-f]{32})\.kvc")
 CHUNK_SUBDIR = re.compile(r"[0-9a-f]{2}")
 # A temp file of a write in progress: ``<final name>.<pid>.tmp``.
