@@ -24,8 +24,8 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +38,7 @@ from kvchat.engine.api import (
     RemoteChatEngine,
 )
 from kvchat.engine.openai_wire import (
-    ERROR_BODY_S,
     MAX_EMPTY_EVENTS,
-    MAX_ERROR_BYTES,
     REQUEST_TOTAL_S,
     Chunk,
     EventReader,
@@ -51,7 +49,6 @@ from kvchat.engine.openai_wire import (
     Usage,
     WireError,
     WireTimeout,
-    error_message,
     figures_from,
     loads,
     parse_chunk,
@@ -61,7 +58,13 @@ from kvchat.engine.openai_wire import (
     parse_usage,
     read_body,
 )
-from kvchat.engine.server_http import ServerClient, ServerError, normalize_url
+from kvchat.engine.server_http import (
+    ReplyRead,
+    ServerClient,
+    ServerError,
+    answered,
+    normalize_url,
+)
 from kvchat.errors import KvchatError
 
 if TYPE_CHECKING:
@@ -71,81 +74,49 @@ if TYPE_CHECKING:
 REMOTE_KV_NOTE = "the KV cache is the server's, not kvchat's: no snapshot is saved or restored"
 
 
-class OpenAIClient(ServerClient):
-    """:class:`ServerClient` whose one-line errors name an OpenAI-compatible server and whose
-    every read goes through :mod:`kvchat.engine.openai_wire` (a byte cap, a time cap, bounded
-    JSON): what the server sends is never parsed anywhere else."""
+@dataclass(frozen=True)
+class OpenAIDialect:
+    """An OpenAI-compatible server, for :class:`ServerClient`: named as such, its key refused
+    with HTTP 401 or 403, watched from before its connection opens, and every reply read
+    through :mod:`kvchat.engine.openai_wire` within its time cap and named by its path: what
+    the server sends is never parsed anywhere else."""
 
-    label = "the OpenAI-compatible server"
-    # Shuts a connection whose answer is late (see _connect).
-    _watchdog: threading.Timer | None = None
+    label: str = "the OpenAI-compatible server"
 
-    def _refused(self, status: int, raw: bytes) -> ServerError:
+    def refused(self, url: str, status: int, raw: bytes) -> ServerError:
         if status in (401, 403):
             return ServerError(
-                f"{self.label} at {self.url} refused the API key (HTTP {status}): set "
+                f"{self.label} at {url} refused the API key (HTTP {status}): set "
                 "KVCHAT_OPENAI_API_KEY to the key it expects",
                 status,
             )
-        message = error_message(raw)
-        return ServerError(
-            f"{self.label} at {self.url} answered HTTP {status}"
-            + (f": {message}" if message else ""),
-            status,
-        )
+        return answered(self.label, url, status, raw)
 
-    def sent(self, what: str) -> ServerError:
-        """The one line for a reply that is not what kvchat reads."""
-        return ServerError(f"{self.label} at {self.url} sent {what}")
-
-    def _error_body(
-        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse
-    ) -> bytes:
-        return read_body(conn, response, MAX_ERROR_BYTES, ERROR_BODY_S, truncate=True)
-
-    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+    def watch(self, conn: http.client.HTTPConnection, timeout: float) -> Callable[[], None]:
         # The answer's status line and headers must come within ``timeout`` in all (a
         # server that sends them a byte at a time is cut off): a watchdog shuts the socket.
-        conn = super()._connect(timeout)
-        self._watchdog = threading.Timer(timeout, _shut, (conn,))
-        self._watchdog.daemon = True
-        self._watchdog.start()
-        return conn
+        watchdog = threading.Timer(timeout, _shut, (conn,))
+        watchdog.daemon = True
+        watchdog.start()
+        return watchdog.cancel
 
-    def _send(
-        self, method: str, path: str, body: Any, timeout: float
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        try:
-            return super()._send(method, path, body, timeout)
-        finally:
-            watchdog = self._watchdog
-            if watchdog is not None:
-                watchdog.cancel()
-                self._watchdog = None
+    def reply(self, path: str, timeout: float) -> ReplyRead:
+        return ReplyRead(total_s=min(timeout, REQUEST_TOTAL_S), what=f"a reply to {path}", where="")
 
-    def _json(self, method: str, path: str, body: Any, timeout: float) -> Any:
-        conn, response = self._send(method, path, body, timeout)
-        try:
-            raw = read_body(conn, response, total_s=min(timeout, REQUEST_TOTAL_S))
-        except WireError as exc:
-            raise self.sent(exc.what) from None
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._broken(exc) from None
-        finally:
-            conn.close()
-        try:
-            return loads(raw, f"a reply to {path}")
-        except WireError as exc:
-            raise self.sent(exc.what) from None
 
-    def chat_stream(self, path: str, body: Any, limits: StreamLimits) -> ReplyStream:
-        """POST ``body`` and read the reply: server-sent events, or one JSON completion from
-        a server that does not stream (close it to cancel)."""
-        conn, response = self._send("POST", path, body, limits.idle_s)
-        kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
-        if kind == "application/json":
-            return ReplyStream(self, conn, response, limits, whole=True)
-        return ReplyStream(self, conn, response, limits)
+def openai_client(url: str, api_key: str | None = None) -> ServerClient:
+    """A :class:`ServerClient` for the OpenAI-compatible server at ``url``."""
+    return ServerClient(url, api_key, OpenAIDialect())
+
+
+def chat_stream(client: ServerClient, path: str, body: Any, limits: StreamLimits) -> ReplyStream:
+    """POST ``body`` and read the reply: server-sent events, or one JSON completion from a
+    server that does not stream (close it to cancel)."""
+    conn, response = client.send("POST", path, body, limits.idle_s)
+    kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+    if kind == "application/json":
+        return ReplyStream(client, conn, response, limits, whole=True)
+    return ReplyStream(client, conn, response, limits)
 
 
 def _shut(conn: http.client.HTTPConnection) -> None:
@@ -163,7 +134,7 @@ class ReplyStream:
 
     def __init__(
         self,
-        client: OpenAIClient,
+        client: ServerClient,
         conn: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
         limits: StreamLimits,
@@ -174,7 +145,7 @@ class ReplyStream:
         self._response = response
         self._limits = limits
         self._whole = whole
-        self._reader = EventReader(conn, response, limits, client._broken)
+        self._reader = EventReader(conn, response, limits, client.broken)
 
     def finished(self) -> None:
         """The reply is whole: wait no longer than a few seconds for its figures."""
@@ -186,7 +157,7 @@ class ReplyStream:
                 try:
                     raw = read_body(self._conn, self._response, total_s=self._limits.idle_s)
                 except (OSError, http.client.HTTPException, ValueError) as exc:
-                    raise self._client._broken(exc) from None
+                    raise self._client.broken(exc) from None
                 yield loads(raw, "a completion")
                 return
             yield from self._reader
@@ -237,7 +208,7 @@ class OpenAIEngine:
     def __init__(
         self, config: EngineConfig, url: str, api_key: str | None = None, model: str | None = None
     ) -> None:
-        self.client = OpenAIClient(url, api_key)
+        self.client = openai_client(url, api_key)
         self.url = self.client.url
         first = ModelEntry()
         try:
@@ -251,7 +222,7 @@ class OpenAIEngine:
         self.model_id = model or first.id
         if not self.model_id:
             raise ServerError(
-                f"{OpenAIClient.label} at {self.url} lists no model: set openai_model "
+                f"{self.client.label} at {self.url} lists no model: set openai_model "
                 "(KVCHAT_OPENAI_MODEL) to the one to use"
             )
         # llama-server says who it is in its model list; it then takes id_slot/cache_prompt.
@@ -279,7 +250,7 @@ class OpenAIEngine:
         """llama-server's slot count (its ``/props`` beside ``/v1``); 0 when unknown."""
         root = self.url.removesuffix("/v1")
         try:
-            return parse_slots(OpenAIClient(root, api_key).get("/props"))
+            return parse_slots(openai_client(root, api_key).get("/props"))
         except KvchatError:
             return 0
 
@@ -357,7 +328,7 @@ class OpenAIEngine:
         self.figures = ServerFigures()
         stats.finish_reason = "cancelled"
         started = time.perf_counter()
-        stream = self.client.chat_stream("/chat/completions", body, self.limits)
+        stream = chat_stream(self.client, "/chat/completions", body, self.limits)
         usage: Usage | None = None
         timings: Timings | None = None
         finished: str | None = None
@@ -373,7 +344,7 @@ class OpenAIEngine:
                     except WireError as exc:
                         raise self.client.sent(exc.what) from None
                     if read.error is not None:
-                        raise ServerError(f"{OpenAIClient.label} at {self.url}: {read.error}")
+                        raise ServerError(f"{self.client.label} at {self.url}: {read.error}")
                     usage = read.usage or usage
                     timings = read.timings or timings
                     if not (read.reasoning or read.content):
@@ -433,7 +404,7 @@ class OpenAIEngine:
             return  # cancelled: the finish reason stays "cancelled"
         if finished is None:
             raise ServerError(
-                f"{OpenAIClient.label} at {self.url} broke off the reply (did it stop?)",
+                f"{self.client.label} at {self.url} broke off the reply (did it stop?)",
                 dropped=True,
             )
         stats.finish_reason = "length" if finished == "length" else "stop"
@@ -466,11 +437,13 @@ class OpenAIEngine:
 
 __all__ = [
     "ChunkRead",
-    "OpenAIClient",
+    "OpenAIDialect",
     "OpenAIEngine",
     "REMOTE_KV_NOTE",
     "ServerFigures",
     "figures_of",
+    "chat_stream",
     "normalize_url",
+    "openai_client",
     "read_chunk",
 ]

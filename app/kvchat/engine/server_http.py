@@ -11,6 +11,11 @@ within :data:`REQUEST_TIMEOUT_S`, bounded JSON (depth, finite numbers, integers 
 length), a stream's events each at most
 :data:`~kvchat.engine.openai_wire.MAX_EVENT_BYTES` with an idle and a total deadline
 (:attr:`ServerClient.limits`); anything else is one line, never a traceback.
+
+What differs between kinds of server (how errors name it, how a refusal reads, how a
+connection is watched, how a reply is read) is a :class:`ServerDialect` the client is given:
+:class:`LlamaServerDialect` by default, the OpenAI-compatible one in
+:mod:`kvchat.engine.openai`.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import json
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from kvchat.engine.openai_wire import (
@@ -78,13 +84,80 @@ def normalize_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
 
 
+class ReplyRead(NamedTuple):
+    """How a JSON reply is read: its time cap, what it is called in a
+    :class:`~kvchat.engine.openai_wire.WireError`, and the path a bad one names ("": none)."""
+
+    total_s: float
+    what: str
+    where: str
+
+
+class ServerDialect(Protocol):
+    """What tells one kind of server apart for :class:`ServerClient` (its policy)."""
+
+    @property
+    def label(self) -> str:
+        """How one-line errors name the server."""
+        ...
+
+    def refused(self, url: str, status: int, raw: bytes) -> ServerError:
+        """The one line for an HTTP error ``status`` whose body begins with ``raw``."""
+        ...
+
+    def watch(self, conn: http.client.HTTPConnection, timeout: float) -> Callable[[], None]:
+        """Watch a request's connection from before it opens; what it returns stops the watch
+        once the answer's head (an HTTP error: its body too) has been read or has failed."""
+        ...
+
+    def reply(self, path: str, timeout: float) -> ReplyRead:
+        """How the JSON reply to a request for ``path`` with ``timeout`` seconds is read."""
+        ...
+
+
+def answered(label: str, url: str, status: int, raw: bytes) -> ServerError:
+    """The one line for an HTTP error that is not about the API key."""
+    message = error_message(raw)  # bounded: 64 KiB of "[", NaN, escapes are one line
+    return ServerError(
+        f"{label} at {url} answered HTTP {status}" + (f": {message}" if message else ""),
+        status,
+    )
+
+
+def _unwatched() -> None:
+    """Nothing to stop: the request's own watchdog (see :meth:`ServerClient.send`) suffices."""
+
+
+@dataclass(frozen=True)
+class LlamaServerDialect:
+    """llama-server: an API key it was started with, a reply named by its path."""
+
+    label: str = "llama-server"
+
+    def refused(self, url: str, status: int, raw: bytes) -> ServerError:
+        if status == 401:
+            return ServerError(
+                f"llama-server at {url} refused the API key (HTTP 401): set server_api_key "
+                "(KVCHAT_SERVER_API_KEY) to the key it was started with (--api-key)",
+                status,
+            )
+        return answered(self.label, url, status, raw)
+
+    def watch(self, conn: http.client.HTTPConnection, timeout: float) -> Callable[[], None]:
+        return _unwatched
+
+    def reply(self, path: str, timeout: float) -> ReplyRead:
+        return ReplyRead(total_s=timeout, what="a reply", where=path)
+
+
 class ServerClient:
-    """Requests to one llama-server; a new connection per request (they are local or few)."""
+    """Requests to one server (llama-server unless ``dialect`` says otherwise); a new
+    connection per request (they are local or few)."""
 
-    # How one-line errors name the server.
-    label = "llama-server"
-
-    def __init__(self, url: str, api_key: str | None = None) -> None:
+    def __init__(
+        self, url: str, api_key: str | None = None, dialect: ServerDialect | None = None
+    ) -> None:
+        self.dialect: ServerDialect = dialect or LlamaServerDialect()
         self.url = normalize_url(url)
         parts = urlsplit(self.url)
         self._https = parts.scheme == "https"
@@ -99,6 +172,11 @@ class ServerClient:
         # Seconds a short request may take in all (its answer's body included).
         self.request_s = REQUEST_TIMEOUT_S
 
+    @property
+    def label(self) -> str:
+        """How one-line errors name the server."""
+        return self.dialect.label
+
     def _connect(self, timeout: float) -> http.client.HTTPConnection:
         if self._https:
             return http.client.HTTPSConnection(
@@ -106,10 +184,26 @@ class ServerClient:
             )
         return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
-    def _send(
+    def send(
         self, method: str, path: str, body: Any, timeout: float
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send a request and read its answer's head: the open connection and the response
+        (its body unread), or the one-line :class:`ServerError` of an HTTP error."""
         conn = self._connect(timeout)
+        unwatch = self.dialect.watch(conn, timeout)
+        try:
+            return self._exchange(conn, method, path, body, timeout)
+        finally:
+            unwatch()
+
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        body: Any,
+        timeout: float,
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         data = None if body is None else json.dumps(body).encode("utf-8")
         try:
             conn.connect()
@@ -134,7 +228,7 @@ class ServerClient:
             conn.close()
             if cutoff.is_set():
                 raise self._unreachable(TimeoutError()) from None
-            raise self._broken(exc) from None
+            raise self.broken(exc) from None
         finally:
             watchdog.cancel()
         if response.status >= 400:
@@ -143,7 +237,7 @@ class ServerClient:
             except (OSError, http.client.HTTPException):
                 raw = b""
             conn.close()
-            raise self._refused(response.status, raw)
+            raise self.dialect.refused(self.url, response.status, raw)
         return conn, response
 
     def _error_body(
@@ -159,24 +253,29 @@ class ServerClient:
         return self._json("POST", path, body, self.request_s if timeout is None else timeout)
 
     def _json(self, method: str, path: str, body: Any, timeout: float) -> Any:
-        conn, response = self._send(method, path, body, timeout)
+        conn, response = self.send(method, path, body, timeout)
+        read = self.dialect.reply(path, timeout)
         try:
-            raw = read_body(conn, response, total_s=timeout)
+            raw = read_body(conn, response, total_s=read.total_s)
         except WireError as exc:
-            raise self._bad_reply(exc.what, path) from None
+            raise self._bad_reply(exc.what, read.where) from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._broken(exc) from None
+            raise self.broken(exc) from None
         finally:
             conn.close()
         try:
-            return loads(raw, "a reply")
+            return loads(raw, read.what)
         except WireError as exc:
-            raise self._bad_reply(exc.what, path) from None
+            raise self._bad_reply(exc.what, read.where) from None
 
     def stream(self, path: str, body: Any) -> EventStream:
         """POST ``body`` and read the reply as server-sent events (close it to cancel)."""
-        conn, response = self._send("POST", path, body, self.limits.idle_s)
+        conn, response = self.send("POST", path, body, self.limits.idle_s)
         return EventStream(self, conn, response)
+
+    def sent(self, what: str) -> ServerError:
+        """The one line for a reply that is not what kvchat reads (``what``: how)."""
+        return self._bad_reply(what)
 
     def _bad_reply(self, what: str, path: str = "") -> ServerError:
         """The one line for a reply that is not what kvchat reads (``what``: how)."""
@@ -194,24 +293,11 @@ class ServerClient:
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return ServerError(f"cannot reach {self.label} at {self.url}: {why}")
 
-    def _broken(self, exc: BaseException) -> ServerError:
+    def broken(self, exc: BaseException) -> ServerError:
+        """The one line for a connection that ended without a whole answer (``dropped``)."""
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return ServerError(
             f"{self.label} at {self.url} broke off the connection: {why}", dropped=True
-        )
-
-    def _refused(self, status: int, raw: bytes) -> ServerError:
-        if status == 401:
-            return ServerError(
-                f"llama-server at {self.url} refused the API key (HTTP 401): set server_api_key "
-                "(KVCHAT_SERVER_API_KEY) to the key it was started with (--api-key)",
-                status,
-            )
-        message = error_message(raw)  # bounded: 64 KiB of "[", NaN, escapes are one line
-        return ServerError(
-            f"{self.label} at {self.url} answered HTTP {status}"
-            + (f": {message}" if message else ""),
-            status,
         )
 
 
@@ -230,7 +316,7 @@ class EventStream:
     ) -> None:
         self._client = client
         self._conn = conn
-        self._reader = EventReader(conn, response, client.limits, client._broken)
+        self._reader = EventReader(conn, response, client.limits, client.broken)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
@@ -260,4 +346,14 @@ def _shut(conn: http.client.HTTPConnection, cutoff: threading.Event) -> None:
             pass
 
 
-__all__ = ["EventStream", "ServerClient", "ServerError", "line_of", "normalize_url"]
+__all__ = [
+    "EventStream",
+    "LlamaServerDialect",
+    "ReplyRead",
+    "ServerClient",
+    "ServerDialect",
+    "ServerError",
+    "answered",
+    "line_of",
+    "normalize_url",
+]
