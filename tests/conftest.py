@@ -30,52 +30,76 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # Short, deterministic turns: greedy decoding, few tokens, a small context.
 FAST = ["--temperature", "0", "--max-tokens", "24", "--n-ctx", "1024"]
 
-# End-to-end tests: whole modules that run the real model, fixtures that run `kvchat`
-# processes, and single tests (file::function) that load the model in-process.
-E2E_MODULES = {
-    "test_durability.py",
-    "test_fallbacks.py",
-    "test_kv_types.py",
-    "test_overflow.py",
-    "test_resume.py",
-    "test_tiers.py",
-    "test_tui.py",
-    "test_wheel.py",
-}
-E2E_FIXTURES = {"cli", "turn_homes", "one_turn_home"}
-E2E_TESTS = {
-    "test_planner.py::test_kv_bytes_match_llama_cpp",
-    "test_defaults.py::test_service_applies_the_plan_when_it_loads_the_model",
-}
+# What a test is follows from its folder (see pytest_collection_modifyitems). tests/faults,
+# the boundary campaigns, mixes both kinds and marks its tests one by one.
+TESTS = REPO / "tests"
+FOLDER_MARKS = {"unit": (), "e2e": ("e2e",), "stress": ("stress",), "faults": ()}
 
 
-def is_e2e(item: pytest.Item) -> bool:
-    name = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-    return (
-        item.get_closest_marker("e2e") is not None
-        or item.path.name in E2E_MODULES
-        or name in E2E_TESTS
-        or not E2E_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
-    )
+def folder(item: pytest.Item) -> str:
+    """The top folder under tests/ that holds ``item`` (unit, e2e, faults or stress)."""
+    return item.path.relative_to(TESTS).parts[0]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the unit tests (no model, no subprocess: seconds) first, the end-to-end tests after.
+    """Mark each test by its folder and run the unit tests (no model, no process: seconds)
+    first, the end-to-end tests after.
 
-    A test is end-to-end when it is marked ``@pytest.mark.e2e``, lives in a module of
-    E2E_MODULES, uses a fixture of E2E_FIXTURES or is named in E2E_TESTS; this hook marks it
-    ``e2e`` and moves it after the rest, keeping the collection order within each group (so
-    a module's tests stay together and the wheel test, last by name, runs last). It runs before
-    ``-m`` selection, so ``pytest -m "not e2e and not stress"`` runs the unit tests alone
-    and ``pytest -m "e2e and not stress"`` the rest. ``stress`` tests (long runs) are
-    deselected by the addopts in pyproject.toml (a ``-m`` given replaces it);
-    ``pytest -m stress`` runs them.
+    tests/unit: no mark (the guard ``unit_tests_start_nothing`` holds them to it);
+    tests/e2e: ``e2e``; tests/stress: ``stress``; tests/faults keeps its own marks. A test
+    anywhere else, or a unit test marked ``e2e`` by hand, is a collection error. The hook runs
+    before ``-m`` selection, so ``pytest -m "not e2e and not stress"`` runs the unit tests
+    alone and ``pytest -m "e2e and not stress"`` the rest. ``stress`` tests (long runs) are
+    deselected by the addopts in pyproject.toml (a ``-m`` given replaces it); ``pytest -m
+    stress`` runs them. The order within each group is the collection order.
     """
     for item in items:
-        if is_e2e(item) and item.get_closest_marker("e2e") is None:
-            item.add_marker(pytest.mark.e2e)
+        where = folder(item)
+        if where not in FOLDER_MARKS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests live in tests/{{unit,e2e,faults,stress}}/"
+            )
+        if where == "unit" and item.get_closest_marker("e2e") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked e2e: move it to tests/e2e/")
+        for mark in FOLDER_MARKS[where]:
+            item.add_marker(getattr(pytest.mark, mark))
+        group = shared_setup(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
+def starts_nothing(item: pytest.Item) -> bool:
+    """Whether ``item`` is held to starting no process and loading no model: every test in
+    tests/unit, and the tests of tests/faults not marked ``e2e``."""
+    where = folder(item)
+    return where == "unit" or (where == "faults" and item.get_closest_marker("e2e") is None)
+
+
+# Session fixtures of tests/ that cost nothing to make again on a second worker.
+CHEAP_SHARED = {"shared_probe", "models_load_only_as_probed", "probed_repack", "titles_off"}
+
+
+def shared_setup(item: pytest.Item) -> str | None:
+    """The expensive setup ``item`` shares with other tests, as an xdist group name: a
+    session fixture of tests/ (``turn_homes``: one ``kvchat ask`` per snapshot format) by its
+    name, a module fixture (a llama-server, a loaded model, a built wheel) by its module. With
+    ``--dist loadgroup`` the tests of one group run on one worker, which makes it once."""
+    # pytest has no public way to ask which fixture definitions an item will use.
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return None
+    module_group = None
+    for name in item.fixturenames:
+        found = definitions.name2fixturedefs.get(name)
+        if not found or not found[-1].baseid or name in CHEAP_SHARED:
+            continue  # a plugin's fixture (no baseid) or a cheap one
+        if found[-1].scope == "session":
+            return name
+        if found[-1].scope in ("package", "module"):
+            module_group = item.path.relative_to(TESTS).as_posix()
+    return module_group
 
 
 # The engine probe's outcomes (kvchat.engine.probe), shared by every home of the run: a test
@@ -87,7 +111,17 @@ PLANT_ENV = "KVCHAT_PLANT_DEFECT"
 # A llama-server binary named by hand (kvchat.engine.server_build.BINARY_ENV): the machine's,
 # like the probe file, so the `kvchat server start` of a test finds it too.
 SERVER_BINARY_ENV = "KVCHAT_LLAMA_SERVER"
-KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV)
+# Automatic session titles (a second decode after each session's first reply) are off in
+# every test but the titles tests' own (tests/e2e/titles/conftest.py turns them back on).
+AUTO_TITLE_ENV = "KVCHAT_AUTO_TITLE"
+KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV, AUTO_TITLE_ENV)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def titles_off() -> None:
+    """Automatic titles off for the run (the variable reaches the tests' `kvchat` processes
+    and the settings tests load in-process)."""
+    os.environ[AUTO_TITLE_ENV] = "false"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -132,10 +166,10 @@ def models_load_only_as_probed(shared_probe: Path) -> Any:
 def unit_tests_start_nothing(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A guard: a test that is not ``e2e`` starts no process and loads no model (those are
-    what make a test slow; the unit tests alone run in seconds). A test that must is marked
-    ``e2e`` (or listed in E2E_MODULES / E2E_TESTS)."""
-    if request.node.get_closest_marker("e2e") is not None:
+    """A guard: a unit test starts no process and loads no model (those are what make a test
+    slow; the unit tests alone run in seconds). A test that must lives in tests/e2e/ (or
+    tests/stress/; in tests/faults, is marked ``e2e``)."""
+    if not starts_nothing(request.node):
         return
     import subprocess
 
@@ -143,7 +177,7 @@ def unit_tests_start_nothing(
 
     def refused(what: str) -> Callable[..., Any]:
         def fail(*_args: Any, **_kwargs: Any) -> Any:
-            pytest.fail(f"{name} is a unit test but {what}: mark it e2e")
+            pytest.fail(f"{name} is a unit test but {what}: it belongs in tests/e2e/")
 
         return fail
 
@@ -198,13 +232,9 @@ def own_probe_file(shared_probe: Path, tmp_path: Path, monkeypatch: pytest.Monke
 
 def clean_env() -> dict[str, str]:
     """This process's environment without kvchat's settings (``KVCHAT_*``), for a `kvchat`
-    process of a test; the run's shared engine-probe file and a llama-server binary named
-    by hand stay."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVCHAT_") or k in (PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV)
-    }
+    process of a test; the run's shared engine-probe file, a planted defect, a llama-server
+    binary named by hand and the titles switch stay."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_") or k in KEPT_ENV[1:]}
 
 
 @pytest.fixture

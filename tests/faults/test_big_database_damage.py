@@ -1,4 +1,4 @@
-"""A database over 16 MiB with a damaged index (issue 37 item 7).
+"""A database over 16 MiB with a damaged index: no write goes in before the full check's verdict.
 
 Such a file opens without SQLite's full check (that runs in the background), and writes
 waited only for ``quick_check``, which does not compare an index with its table: an import
@@ -114,6 +114,7 @@ def _copy(home: Path, target: Path) -> Path:
     return target
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("index", ["idx_messages_session_id_id", "sqlite_autoindex_sessions_1"])
 def test_an_import_into_a_big_database_with_a_damaged_index_is_refused(
     big_home, cli, tmp_path, index
@@ -132,6 +133,7 @@ def test_an_import_into_a_big_database_with_a_damaged_index_is_refused(
     assert _files(path) == before
 
 
+@pytest.mark.e2e
 def test_a_big_healthy_database_takes_the_import(big_home, cli, tmp_path):
     source, _, exported = big_home
     home = _copy(source, tmp_path / "home")

@@ -1,4 +1,4 @@
-"""A llama-server kvchat did not start (issue 37, item 8): the README's "if you run
+"""A llama-server kvchat did not start: the README's "if you run
 llama-server yourself" path, against a real llama-server on this machine.
 
 On 49ed7f8 a hand-started server's slot directory was never read: a bit-flipped slot file
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_server import Server, ask
+from tests.e2e.server.test_server import Server, ask
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""NaN and infinity in imported KV (issue 37 item 3).
+"""NaN and infinity in imported KV fail the first chunk's comparison.
 
 The first chunk of an imported chain is recomputed and compared cell by cell; a NaN made
 the comparison pass (``max(0.0, nan)`` is 0.0, and one NaN row made a whole layer's

@@ -1,4 +1,4 @@
-"""A hostile or broken llama-server (issue 37, item 8): whatever its JSON and SSE say, a
+"""A hostile or broken llama-server: whatever its JSON and SSE say, a
 turn ends in a clean reply or one KvchatError line, in bounded time, and nothing it sent
 reaches the database unchecked.
 

@@ -1,4 +1,4 @@
-"""A hostile or broken OpenAI-compatible server (issue 37, item 4): every shape ends in a
+"""A hostile or broken OpenAI-compatible server: every shape ends in a
 clean reply or one KvchatError line, in bounded time, and a reply that was shown is stored.
 
 A real HTTP server on 127.0.0.1, started by the test, serves each case's ``/v1/models``,

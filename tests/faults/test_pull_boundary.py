@@ -1,4 +1,4 @@
-"""Issue 37.6: `kvchat models pull` at its boundary with the network and the models folder.
+"""`kvchat models pull` at its boundary with the network and the models folder.
 
 The numbered failures, each against the real `kvchat` and a local hub-shaped server
 (tests/hub_server.py): the token never goes to another origin on a redirect; a link or a

@@ -1,4 +1,4 @@
-"""Issue 37.5: one hostile file in another app's model store never stops
+"""One hostile file in another app's model store never stops
 `kvchat models list --local`.
 
 The numbered failures as filed (an Ollama manifest of 200,000 ``[``, a 230-byte GGUF that

@@ -1,5 +1,5 @@
-"""A reply is stored as it streams even while another process holds the database (issue 37,
-item 9: the app stopped writing a streaming reply; the row stayed 394 characters, partial,
+"""A reply is stored as it streams even while another process holds the database (the
+app stopped writing a streaming reply; the row stayed 394 characters, partial,
 with no write for 90 s, while a bundle export from the shell ran).
 
 Each save of a streaming reply ran on the engine thread with the connection's 30 s busy

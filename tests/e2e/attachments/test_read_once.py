@@ -18,8 +18,6 @@ from kvchat.engine import common_prefix
 from kvchat.engine.llama import weight_repack
 from kvchat.paths import bundled_model_path
 
-pytestmark = pytest.mark.e2e
-
 # Greedy, short replies; room for a ~3,000-token document.
 FLAGS = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "4096", "--json"]
 FIRST = "Which valve opens at the highest pressure?"

@@ -21,8 +21,6 @@ from tests.unit.documents.pdf_making import (
     zero_bomb_pdf,
 )
 
-pytestmark = pytest.mark.e2e
-
 
 def refusal(tmp_path: Path, raw: bytes, bounds: ReadBounds = ReadBounds()) -> str:
     path = tmp_path / "doc.pdf"

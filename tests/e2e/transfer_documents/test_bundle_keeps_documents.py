@@ -10,13 +10,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from kvchat.config import load_settings
 from kvchat.service.chat import open_service
 from kvchat.service.documents import DocumentShelf
-
-pytestmark = pytest.mark.e2e
 
 FLAGS = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "2048", "--json"]
 NEXT = "Which room has the amber valve?"

@@ -1,0 +1,72 @@
+"""``kvchat bench --json``: per size the hot turn, the limit of the
+speedup and the speedup as a fraction of it; chunk restores against llama.cpp's loader in
+both V layouts; the machine the figures come from. Counts and keys are asserted, never
+timings (speed is what the bench itself reports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROW_KEYS = {
+    "tokens",
+    "restore_ms",
+    "limit_ms",
+    "restore_over_limit",
+    "ttft_resume_ms",
+    "ttft_hot_ms",
+    "ttft_prefill_ms",
+    "speedup",
+    "limit_speedup",
+    "speedup_of_limit",
+    "chunks_over_blob",
+    "restore_ram_ms",
+    "decoded_resume",
+    "decoded_prefill",
+}
+
+
+def test_e2e_bench_json_reports_the_limit_and_both_layouts(kvhome: Path, cli) -> None:
+    result = cli(kvhome, "bench", "--json", "--sizes", "300", "--repeat", "1", "--no-tiers")
+    report = result.json
+    (row,) = report["rows"]
+    assert ROW_KEYS <= set(row)
+    # The resume decodes only the new message; the baseline the whole history.
+    assert 0 < row["decoded_resume"] < 60
+    # Exactly: the baseline decodes the whole prompt, the resume all but the restored history.
+    assert row["decoded_prefill"] - row["decoded_resume"] == row["tokens"]
+    assert row["limit_speedup"] > 0 and row["speedup"] > 0
+    assert row["speedup_of_limit"] == pytest.approx(row["speedup"] / row["limit_speedup"], rel=0.01)
+    layouts = {entry["flash_attn"]: entry for entry in report["layouts"]}
+    assert set(layouts) == {False, True}, report["layouts_note"]
+    for flash_attn, entry in layouts.items():
+        assert entry["v_transposed"] is not flash_attn
+        assert entry["restore_over_limit"] > 0 and entry["tokens"] == row["tokens"]
+    machine = report["machine"]
+    assert machine["cpu_cores"] >= 1 and isinstance(machine["gpu"], bool)
+    assert len(machine["load_avg"]) == 3 and len(machine["load_avg_end"]) == 3
+    # Tokens/s with the threads the probe chose against the physical cores, in this run.
+    threads = report["threads"]
+    assert threads["chosen"] == machine["threads"]
+    assert set(threads["speeds"]) == {str(threads["chosen"]), str(threads["physical"])}
+    assert all(row["generate"] > 0 and row["prefill"] > 0 for row in threads["speeds"].values())
+
+
+def test_e2e_bench_with_a_quantized_v_cache_says_why_one_layout(kvhome: Path, cli) -> None:
+    result = cli(
+        kvhome,
+        "bench",
+        "--json",
+        "--sizes",
+        "300",
+        "--repeat",
+        "1",
+        "--no-tiers",
+        "--kv-type",
+        "q8_0",
+    )
+    report = result.json
+    assert report["machine"]["type_v"] == "q8_0" and report["machine"]["flash_attn"] is True
+    assert [entry["flash_attn"] for entry in report["layouts"]] == [True]
+    assert "f16 V cache" in report["layouts_note"]
