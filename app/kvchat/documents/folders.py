@@ -23,8 +23,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from pathspec import GitIgnoreSpec
+from typing import TYPE_CHECKING
 
 from kvchat.documents.bounds import MAX_IGNORE_FILE_BYTES, ReadBounds
 from kvchat.documents.document import Attachment, canonical_order, display_name, refuse
@@ -32,6 +31,9 @@ from kvchat.documents.reading import open_problem, read_bytes, read_document
 from kvchat.errors import DocumentError
 from kvchat.paths import file_kind
 from kvchat.units import human_bytes
+
+if TYPE_CHECKING:
+    from pathspec import GitIgnoreSpec
 
 IGNORE_FILE = ".gitignore"
 
@@ -87,13 +89,20 @@ def read_folder(root: Path, *, glob: str | None, bounds: ReadBounds) -> Attachme
     return Attachment(canonical_order(documents), tuple(notes))
 
 
+def _gitignore_spec(lines: Sequence[str]) -> GitIgnoreSpec:
+    # Imported here: every kvchat command imports this module, few read a folder.
+    from pathspec import GitIgnoreSpec
+
+    return GitIgnoreSpec.from_lines(lines)
+
+
 def _glob_spec(glob: str | None) -> GitIgnoreSpec | None:
     if glob is None:
         return None
     if not glob.strip() or "\n" in glob or "\0" in glob:
         raise DocumentError(f"the glob {display_name(glob)!r} is empty or not one pattern")
     try:
-        return GitIgnoreSpec.from_lines([glob])
+        return _gitignore_spec([glob])
     except (ValueError, TypeError) as exc:
         raise DocumentError(f"the glob {display_name(glob)!r} is not valid ({exc})") from None
 
@@ -187,7 +196,7 @@ def _ignore_rules(path: Path, parts: tuple[str, ...], notes: list[str]) -> _Rule
         return None
     lines = raw.decode("utf-8", "replace").splitlines()
     try:
-        return _Rules(parts, GitIgnoreSpec.from_lines(lines))
+        return _Rules(parts, _gitignore_spec(lines))
     except (ValueError, TypeError) as exc:
         notes.append(f"not used: {display_name(name)}: {exc}")
         return None

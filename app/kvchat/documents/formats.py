@@ -11,9 +11,6 @@ import codecs
 import re
 from pathlib import PurePosixPath
 
-from bs4 import BeautifulSoup
-from bs4.element import NavigableString, PageElement, Tag
-
 from kvchat.documents.bounds import ReadBounds
 from kvchat.documents.document import Kind, refuse
 from kvchat.documents.pdf_text import pdf_text
@@ -136,6 +133,11 @@ def html_to_text(markup: str) -> str:
     recursion however deep they nest (editing the tree in place took minutes on 50,000
     nested ``<div>``).
     """
+    # Imported here: BeautifulSoup costs 0.16 s at start-up, and every kvchat command
+    # imports this module.
+    from bs4 import BeautifulSoup
+    from bs4.element import NavigableString, PageElement, Tag
+
     soup = BeautifulSoup(markup, "html.parser")
     out: list[str] = []
     in_pre = 0
