@@ -91,6 +91,12 @@ def main(ctx: click.Context, **flags: Any) -> None:
     help="Which files of an attached folder, e.g. '*.py' or 'docs/**/*.md' "
     "(its .gitignore is respected).",
 )
+@click.option(
+    "--doc",
+    "library_docs",
+    multiple=True,
+    help="A document of the library (kvchat docs list), by name or id (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @model_options
 @click.pass_context
@@ -109,6 +115,7 @@ def ask(
     think: bool | None,
     attach: tuple[str, ...],
     glob: str | None,
+    library_docs: tuple[str, ...],
     as_json: bool,
     **flags: Any,
 ) -> None:
@@ -135,10 +142,12 @@ def ask(
         problem = None if value is None else sampling_problem(name, value, n_ctx)
         if problem:
             raise KvchatError(problem)
+    if attach and library_docs:
+        raise KvchatError("use either --attach or --doc (the library's documents), not both")
     if glob is not None and not attach:
         raise KvchatError("--glob picks files of an attached folder: give --attach FOLDER too")
     if continue_reply:
-        if attach:
+        if attach or library_docs:
             raise KvchatError("--continue goes on inside a reply: attach with a new message")
         if session_ref is None or message is not None or new:
             raise KvchatError("--continue goes on with a session's last reply: --session S alone")
@@ -174,6 +183,8 @@ def ask(
             chat.load_engine()  # then leaves the message stored
         printer.style = chat.host.reasoning_style
         chat.turns.prefill_progress = reading
+        if library_docs:
+            turn["documents"] = documents = chat.library.documents_for(library_docs)
         for notice in chat.host.startup_notices():
             click.echo(f"kvchat: {one_line(notice)}", err=True)
         if think is not None and chat.host.thinking_switch.keyword is None:
@@ -739,6 +750,7 @@ def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: b
 
 
 main.add_lazy("cache", "kvchat.cli.cache:cache")
+main.add_lazy("docs", "kvchat.cli.docs_commands:docs_group")
 main.add_lazy("doctor", "kvchat.cli.doctor:doctor")
 main.add_lazy("models", "kvchat.cli.model_commands:models_group")
 main.add_lazy("import", "kvchat.cli.transfer_commands:import_cmd")

@@ -12,7 +12,8 @@ own one concern:
   a turn;
 * :class:`~kvchat.service.model_choices.ModelChoices`: the model picker;
 * :class:`~kvchat.service.session_index.SessionReader`: the session list and a session's pages;
-* :class:`~kvchat.service.imports.ImportLedger`: what an import or a bundle asks of the store.
+* :class:`~kvchat.service.imports.ImportLedger`: what an import or a bundle asks of the store;
+* :class:`~kvchat.service.library.DocumentLibrary`: the documents kept and read ahead.
 
 Each is a public attribute (``service.sessions.fork(...)``, ``service.upkeep.pending``): a
 caller reaches the one it needs, not a forwarder. The service's own members are what it
@@ -40,6 +41,7 @@ from kvchat.service.checks import open_store
 from kvchat.service.documents import DocumentShelf, ReadDocuments
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.imports import ImportLedger
+from kvchat.service.library import DocumentLibrary
 from kvchat.service.model_choices import ModelChoices
 from kvchat.service.pipeline import TurnOptions, TurnPipeline
 from kvchat.service.reports import (
@@ -131,6 +133,7 @@ class ChatService:
         self.turns.stream_save_every_s = STREAM_SAVE_EVERY_S
         self.reader = SessionReader(self.store)
         self.imports = ImportLedger(self.store)
+        self.library = DocumentLibrary(self.host, self.store, self.documents, self.turns.make_hot)
 
     # --- the engine: the seam a UI test's stand-in service replaces ---------------------------
 

@@ -68,6 +68,30 @@ class SessionDocument:
     position: int
 
 
+@dataclass(frozen=True)
+class LibraryReading:
+    """A library document's reading: the hidden session whose snapshot holds its KV, the
+    model and KV type that read it, and its tokens (the shared prefix)."""
+
+    document_id: str
+    reading_id: str
+    model: str
+    kv_type: str
+    tokens: int
+    read_at: str
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> LibraryReading:
+        return cls(
+            document_id=str(row["document_id"]),
+            reading_id=str(row["reading_id"]),
+            model=str(row["model"]),
+            kv_type=str(row["kv_type"]),
+            tokens=int(row["tokens"]),
+            read_at=str(row["read_at"]),
+        )
+
+
 _COLUMNS = (
     "d.id, d.name, d.kind, d.size, d.sha256, d.text, d.pages, d.source, d.added, d.in_library"
 )
@@ -94,6 +118,42 @@ def copy_session_documents(
         )
 
 
+def _insert_document(conn: sqlite3.Connection, doc: DocumentRow, stamp: str) -> None:
+    conn.execute(
+        "INSERT INTO documents (id, name, kind, size, sha256, text, pages, source,"
+        " added, in_library) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(id) DO UPDATE SET source=excluded.source,"
+        " in_library=MAX(in_library, excluded.in_library)",
+        (
+            doc.id,
+            doc.name,
+            doc.kind,
+            doc.size,
+            doc.sha256,
+            doc.text,
+            doc.pages,
+            doc.source,
+            doc.added or stamp,
+            int(doc.in_library),
+        ),
+    )
+
+
+def _insert_reading(conn: sqlite3.Connection, reading: LibraryReading) -> None:
+    conn.execute(
+        "INSERT OR REPLACE INTO library_readings (document_id, reading_id, model, kv_type,"
+        " tokens, read_at) VALUES (?, ?, ?, ?, ?, ?)",
+        (
+            reading.document_id,
+            reading.reading_id,
+            reading.model,
+            reading.kv_type,
+            reading.tokens,
+            reading.read_at or now(),
+        ),
+    )
+
+
 class DocumentsSql(SqlBase):
     """The documents and session_documents tables (migration m018_documents)."""
 
@@ -102,24 +162,7 @@ class DocumentsSql(SqlBase):
         stamp = now()
         with self._tx() as conn:
             for doc in documents:
-                conn.execute(
-                    "INSERT INTO documents (id, name, kind, size, sha256, text, pages, source,"
-                    " added, in_library) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(id) DO UPDATE SET source=excluded.source,"
-                    " in_library=MAX(in_library, excluded.in_library)",
-                    (
-                        doc.id,
-                        doc.name,
-                        doc.kind,
-                        doc.size,
-                        doc.sha256,
-                        doc.text,
-                        doc.pages,
-                        doc.source,
-                        doc.added or stamp,
-                        int(doc.in_library),
-                    ),
-                )
+                _insert_document(conn, doc, stamp)
 
     def attach_documents(
         self, session_id: str, document_ids: list[str], message_id: int | None = None
@@ -172,6 +215,64 @@ class DocumentsSql(SqlBase):
                 "UPDATE documents SET in_library=? WHERE id=?", (int(keep), document_id)
             ).rowcount
         return changed > 0
+
+    def library_document(self, ref: str) -> DocumentRow | None:
+        """The library's document named ``ref`` (its name, or its id or a unique prefix of
+        it at least 6 characters long), or None; a name shared by two library documents
+        (two versions of one file) gives the newest."""
+        rows = self._rows(
+            f"SELECT {_COLUMNS} FROM documents d WHERE d.in_library=1 AND d.name=?"
+            " ORDER BY d.added DESC, d.id LIMIT 1",
+            (ref,),
+        )
+        if not rows and len(ref) >= 6 and all(c in "0123456789abcdef" for c in ref):
+            rows = self._rows(
+                f"SELECT {_COLUMNS} FROM documents d WHERE d.in_library=1 AND d.id LIKE ? LIMIT 2",
+                (f"{ref}%",),
+            )
+            rows = rows if len(rows) == 1 else []
+        return DocumentRow.from_row(rows[0]) if rows else None
+
+    def add_to_library(self, document: DocumentRow, reading: LibraryReading | None) -> None:
+        """Store a document in the library with its reading (pinned), in one transaction:
+        a document is in the library with its KV, or not at all."""
+        with self._tx() as conn:
+            _insert_document(conn, document, now())
+            conn.execute("UPDATE documents SET in_library=1 WHERE id=?", (document.id,))
+            if reading is not None:
+                _insert_reading(conn, reading)
+
+    def library_readings(self, document_id: str | None = None) -> list[LibraryReading]:
+        """The readings the library keeps (of one document), oldest first."""
+        where = "" if document_id is None else " WHERE document_id=?"
+        rows = self._rows(
+            f"SELECT * FROM library_readings{where} ORDER BY read_at, reading_id",
+            () if document_id is None else (document_id,),
+        )
+        return [LibraryReading.from_row(r) for r in rows]
+
+    def pinned_sessions(self) -> set[str]:
+        """The session ids whose snapshots the disk budget must not evict: the readings of
+        documents kept in the library."""
+        rows = self._rows(
+            "SELECT r.reading_id FROM library_readings r JOIN documents d"
+            " ON d.id = r.document_id WHERE d.in_library=1"
+        )
+        return {str(r["reading_id"]) for r in rows}
+
+    def remove_from_library(self, document_id: str) -> list[str]:
+        """Take a document out of the library and un-pin its readings (their snapshots stay,
+        now evictable like any other); returns the readings un-pinned."""
+        with self._tx() as conn:
+            readings = [
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT reading_id FROM library_readings WHERE document_id=?", (document_id,)
+                ).fetchall()
+            ]
+            conn.execute("DELETE FROM library_readings WHERE document_id=?", (document_id,))
+            conn.execute("UPDATE documents SET in_library=0 WHERE id=?", (document_id,))
+        return readings
 
     def forget_unused_documents(self) -> int:
         """Delete documents no session uses and the library does not keep; returns rows."""

@@ -424,6 +424,19 @@ def m018_documents(db: sqlite_utils.Database) -> None:
     )
 
 
+def m019_library_readings(db: sqlite_utils.Database) -> None:
+    """The readings the document library keeps (``kvchat docs add``): which reading (a
+    hidden session's snapshot) holds a library document's KV, for which model and KV type,
+    and how many tokens; a reading listed here is exempt from the disk budget's eviction
+    while its document stays in the library."""
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS library_readings (document_id TEXT NOT NULL,"
+        " reading_id TEXT NOT NULL, model TEXT NOT NULL, kv_type TEXT NOT NULL,"
+        " tokens INTEGER NOT NULL, read_at TEXT NOT NULL,"
+        " PRIMARY KEY (document_id, reading_id))"
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -442,6 +455,7 @@ MIGRATIONS: list[Migration] = [
     m016_message_reasoning,
     m017_server_slot_kv_check,
     m018_documents,
+    m019_library_readings,
 ]
 
 

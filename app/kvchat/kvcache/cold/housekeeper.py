@@ -290,10 +290,10 @@ class Housekeeper:
         keep: str | None = None,
         hold: Callable[[str], AbstractContextManager[None]] | None = None,
     ) -> list[str]:
-        """Evict least recently used snapshots (never ``keep``) until ``budget_bytes`` holds,
-        those shelved for other settings first. With ``hold`` (a session's turn lock, tried
-        once), a session is evicted only while holding it: one with a turn running is
-        skipped.
+        """Evict least recently used snapshots (never ``keep``, never a reading the document
+        library pins) until ``budget_bytes`` holds, those shelved for other settings first.
+        With ``hold`` (a session's turn lock, tried once), a session is evicted only while
+        holding it: one with a turn running is skipped.
 
         Each evicted session's next restore says it was evicted, and for what budget.
         """
@@ -308,10 +308,11 @@ class Housekeeper:
             self.store.delete_shelved(row.session_id, row.fingerprint)
             self.drop_unreferenced_chunks()
             used = self.disk_bytes()
+        pinned = self.store.pinned_sessions()
         for row in self.store.snapshots():
             if used <= budget_bytes:
                 break
-            if row.session_id == keep:
+            if row.session_id == keep or row.session_id in pinned:
                 continue
             try:
                 with hold(row.session_id) if hold is not None else nullcontext():

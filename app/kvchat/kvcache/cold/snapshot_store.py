@@ -270,12 +270,19 @@ class SnapshotStore:
         """Bytes of snapshot data on disk (each shared chunk counted once)."""
         return self._housekeeper.disk_bytes()
 
+    def snapshot_bytes(self, session_id: str) -> int:
+        """Bytes on disk of one session's snapshot alone (its chunks, shared or not; 0 when
+        it has none)."""
+        row = self.store.get_snapshot(session_id)
+        return 0 if row is None else self._housekeeper.snapshot_bytes(row)
+
     def enforce_budget(
         self,
         keep: str | None = None,
         hold: Callable[[str], AbstractContextManager[None]] | None = None,
     ) -> list[str]:
-        """Evict least recently used snapshots until the disk budget holds; never text.
+        """Evict least recently used snapshots until the disk budget holds; never text, never
+        a reading the document library pins (until ``kvchat docs rm``).
 
         Without ``keep`` (a full pass, as ``kvchat cache gc`` runs it) damaged rows are
         dropped first (:meth:`drop_damaged`); they are not in the returned list. With
