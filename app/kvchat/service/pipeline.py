@@ -150,6 +150,30 @@ class TurnPipeline:
         reserve = reply_reserve(max_tokens, engine.n_ctx)
         return self.documents.fit(engine, head, reserve, speed)
 
+    def check_later_documents(
+        self, session_id: str, read: ReadDocuments, max_tokens: int
+    ) -> DocumentFit | None:
+        """Whether documents sent with the session's next message leave room for it and a
+        reply after its history (one line when they do not), with the same figures as
+        :meth:`check_documents`. None where the engine takes whole messages."""
+        engine = self.host.load().token_level()
+        if engine is None:
+            return None
+        tokens = engine.count_tokens(render_block(as_document(row) for row in read.rows))
+        held = len(self.history_tokens(session_id) or [])
+        reserve = reply_reserve(max_tokens, engine.n_ctx)
+        room = engine.n_ctx - held - tokens - reserve
+        probe = self.host.probe
+        threads = probe.best_threads("prefill") if probe is not None else None
+        speed = probe.speed(threads, "prefill") if probe is not None and threads else None
+        if room < 64:
+            raise KvchatError(
+                f"the documents take {tokens:,} tokens and the conversation {held:,} of a "
+                f"{engine.n_ctx:,}-token context, leaving no room for a reply "
+                f"({reserve:,} kept for it): attach fewer, or start a new conversation"
+            )
+        return DocumentFit(tokens, engine.n_ctx, room, tokens / speed if speed else None)
+
     def checked_message(self, text: str, system_prompt: str | None, max_tokens: int) -> str:
         """The message stripped, if it is text, not empty, and fits the context alone."""
         text = check_text(text).strip()
@@ -235,6 +259,23 @@ class TurnPipeline:
         finally:
             held.__exit__(None, None, None)
         return message
+
+    def post_with_documents(
+        self, session_id: str, text: str, documents: ReadDocuments, *, wait_s: float = POST_WAIT_S
+    ) -> tuple[Message, bool]:
+        """:meth:`post` with documents: at the session's start when it has no message yet
+        (read once for every conversation started with them), else with this message (read
+        once for this conversation). When the documents cannot be stored the message is
+        deleted again and the error raised: nothing of either is kept. Returns the message
+        and whether the documents went at the start."""
+        at_start = not self.store.messages_page(session_id, 1)
+        message = self.post(session_id, text, wait_s=wait_s)
+        try:
+            self.documents.give(session_id, documents, None if at_start else message.id)
+        except BaseException:
+            self.store.delete_message(message.id)
+            raise
+        return message, at_start
 
     def send(
         self,

@@ -73,6 +73,14 @@ KEYS: tuple[Key, ...] = (
         "pick_model",
         "Pick a model (catalog and local files, with what fits this machine)",
     ),
+    # Ctrl+\\: every Ctrl+letter is taken (by the input, the terminal or tmux); no terminal,
+    # tmux or input binds this one (in raw mode it is not SIGQUIT).
+    Key(
+        "ctrl+backslash",
+        "Ctrl+\\",
+        "attach",
+        "Attach files (or a folder, with a glob) to the next message; shows what they take first",
+    ),
     # Ctrl+/ (most terminals send it as Ctrl+_): no terminal, tmux or input binds it.
     Key(
         "ctrl+underscore,ctrl+slash",

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvchat.tui.backend import Backend
     from kvchat.tui.main.screen_state import ScreenState
     from kvchat.tui.widgets.conversation import Conversation
+    from kvchat.tui.widgets.documents import DocumentsPanel
     from kvchat.tui.widgets.prompt import PromptInput
     from kvchat.tui.widgets.sidebar import SessionList
     from kvchat.tui.widgets.status import StatusBar
@@ -54,6 +55,8 @@ COPY = Job("_copy_elsewhere", "copy")
 LATEST = Job("show_latest", "latest", exclusive=True)
 SWITCH_VERSION = Job("switch_version", "action")
 PICK_MODEL = Job("pick_model", "models", exclusive=True)
+ATTACH_OFFER = Job("offer_attachments", "attach", exclusive=True)
+DOCUMENTS = Job("show_documents", "documents", exclusive=True)
 
 
 class RunJob(Protocol):
@@ -81,6 +84,7 @@ class ScreenContext:
     sessions: SessionList
     status: StatusBar
     prompt: PromptInput
+    documents: DocumentsPanel  # the attachments and the open session's documents
     post: Callable[[Message], bool]  # a Message to the screen
     refresh: Callable[[], Awaitable[None]]  # reads the sessions list again and shows it
     run: RunJob  # background work, as a worker of the screen

@@ -31,8 +31,10 @@ from textual.worker import Worker, WorkerState
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import Backend
 from kvchat.tui.keys import bindings
+from kvchat.tui.main.attachments import Attachments
 from kvchat.tui.main.branching import Branching
 from kvchat.tui.main.context import (
+    DOCUMENTS,
     LATEST,
     MORE_SESSIONS,
     OPEN_SESSION,
@@ -53,7 +55,9 @@ from kvchat.tui.main.screen_state import ActiveTurn, ScreenState, ready_or_say
 from kvchat.tui.main.session_actions import SessionActions
 from kvchat.tui.main.session_feed import SessionFeed
 from kvchat.tui.main.signals import (
+    DocumentsChanged,
     OpenRequested,
+    SendRequested,
     SessionHot,
     SessionsChanged,
     TurnEnded,
@@ -62,6 +66,7 @@ from kvchat.tui.main.signals import (
 from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
+from kvchat.tui.widgets.documents import DocumentsPanel
 from kvchat.tui.widgets.footer import KeysFooter
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.sidebar import SessionList
@@ -102,6 +107,7 @@ class MainScreen(Screen[None]):
         )
         self.prompt.cursor_blink = cursor_blink
         self.status = StatusBar(id="status")
+        self.documents = DocumentsPanel(id="documents")
         ctx = ScreenContext(
             app=self.app,
             backend=backend,
@@ -110,6 +116,7 @@ class MainScreen(Screen[None]):
             sessions=self.sessions,
             status=self.status,
             prompt=self.prompt,
+            documents=self.documents,
             post=self.post_message,
             refresh=self.refresh_sessions,
             run=self.run_job,
@@ -123,12 +130,14 @@ class MainScreen(Screen[None]):
         self.branching = Branching(ctx, opener=self.opener)
         self.message_actions = MessageActions(ctx, opener=self.opener)
         self.model_switch = ModelSwitch(ctx, opener=self.opener)
+        self.attachments = Attachments(ctx, opener=self.opener)
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
             yield self.sessions
             with Vertical(id="chat"):
                 yield self.conversation
+                yield self.documents
                 yield self.prompt
         yield self.status
         yield KeysFooter(compact=True)
@@ -280,6 +289,7 @@ class MainScreen(Screen[None]):
     @on(SessionHot)
     def _session_hot(self, event: SessionHot) -> None:
         self.run_job(SESSION_MODEL, self.model_switch.note_session_model, event.session_id)
+        self.run_job(DOCUMENTS, self.attachments.show_session)
 
     @on(TurnRequested)
     def _turn_requested(self, event: TurnRequested) -> None:
@@ -288,6 +298,19 @@ class MainScreen(Screen[None]):
     @on(TurnEnded)
     def _turn_ended(self) -> None:
         self.idle_work.start()
+        self.run_job(DOCUMENTS, self.attachments.show_session)
+
+    @on(DocumentsChanged)
+    def _documents_changed(self) -> None:
+        self.run_job(DOCUMENTS, self.attachments.show_session)
+
+    @on(SendRequested)
+    def _send_requested(self, event: SendRequested) -> None:
+        self.turns.start(self.turns.submit(event.text))
+
+    @on(DocumentsPanel.Removed)
+    def _document_removed(self, event: DocumentsPanel.Removed) -> None:
+        self.attachments.remove(event.index)
 
     # --- what the widgets report ----------------------------------------------------------
 
@@ -300,7 +323,9 @@ class MainScreen(Screen[None]):
 
     @on(PromptInput.Submitted)
     def _submitted(self, event: PromptInput.Submitted) -> None:
-        self.turns.start(self.turns.submit(event.text))
+        # A message naming files or folders waits while the user says whether to attach.
+        if not self.attachments.offer(event.text):
+            self.turns.start(self.turns.submit(event.text))
 
     @on(MessageView.CopyRequested)
     def _copy_requested(self, event: MessageView.CopyRequested) -> None:
@@ -425,6 +450,10 @@ class MainScreen(Screen[None]):
     @work(group="action", exit_on_error=False)
     async def action_message_details(self, view: MessageView | None = None) -> None:
         await self.message_actions.details(view)
+
+    @work(group="action", exit_on_error=False)
+    async def action_attach(self) -> None:
+        await self.attachments.pick()
 
     @work(group="action", exit_on_error=False)
     async def action_toggle_thinking(self) -> None:

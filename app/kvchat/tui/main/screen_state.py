@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from kvchat.service.chat import RestoreResult, TurnReport
     from kvchat.service.reasoning import ReasoningStream
+    from kvchat.tui.screens.attach import Reading
     from kvchat.tui.widgets.conversation import MessageView
 
 
@@ -53,6 +54,9 @@ class ActiveTurn:
     # From the engine thread: why the streaming reply is not being saved now (one line), or
     # None (see kvchat.service.streaming.StreamSaver).
     save_trouble: str | None = None
+    # A send: the attachments it carries (stored with the message; see Attachments).
+    documents: Reading | None = None
+    documents_at_start: bool | None = None  # where they went, once stored
 
 
 @dataclass
@@ -81,6 +85,8 @@ class ScreenState:
     turn_figures: dict[int, TurnReport] = field(default_factory=dict)
     # Sessions this run made (Ctrl+N, a first message): those left empty go at quit.
     made_sessions: set[str] = field(default_factory=set)
+    # Attachments read and fitted, waiting for the next message (owned by Attachments).
+    pending_documents: Reading | None = None
 
     @property
     def open_and_hot(self) -> str | None:

@@ -41,6 +41,18 @@ class TurnRequested(Message):
     turn: ActiveTurn
 
 
+@dataclass
+class SendRequested(Message):
+    """Send ``text`` as Enter does (a message held while the user chose what to attach)."""
+
+    text: str
+
+
+class DocumentsChanged(Message):
+    """The attachments waiting for the next message, or the open session's documents,
+    changed: the documents panel shows them again."""
+
+
 class TurnEnded(Message):
     """A reply ended and is stored: what it left to do (the settle, the snapshot) may run."""
 

@@ -27,7 +27,7 @@ from kvchat.tui.main.context import TURN, ScreenContext
 from kvchat.tui.main.idle_work import IdleWork
 from kvchat.tui.main.opener import SessionOpener
 from kvchat.tui.main.screen_state import ActiveTurn, idle_or_say, ready_or_say
-from kvchat.tui.main.signals import SessionsChanged, TurnEnded
+from kvchat.tui.main.signals import DocumentsChanged, SessionsChanged, TurnEnded
 from kvchat.tui.phrases import restore_phrase, saved_phrase
 from kvchat.tui.widgets.conversation import MessageView
 from kvchat.tui.widgets.thought import ThoughtFigures
@@ -75,6 +75,11 @@ class TurnRunner:
             self.ctx.app.notify("Wait for the reply, or press Esc to stop it", severity="warning")
             return None
         self.ctx.state.turn = ActiveTurn("send", self.ctx.state.session_id, text)
+        # What was attached goes with this message (back to waiting if it is not sent).
+        if self.ctx.state.pending_documents is not None:
+            self.ctx.state.turn.documents = self.ctx.state.pending_documents
+            self.ctx.state.pending_documents = None
+            self.ctx.post(DocumentsChanged())
         return self.ctx.state.turn
 
     def regenerate(self) -> ActiveTurn | None:
@@ -136,10 +141,20 @@ class TurnRunner:
         service.upkeep.interrupt()
         wait = {"wait_s": OWN_WORK_WAIT_S} if own_work else {}
         try:
-            message = await self.ctx.backend.on_store(
-                service.turns.post, turn.session_id, turn.text, **wait
-            )
+            if turn.documents is None:
+                message = await self.ctx.backend.on_store(
+                    service.turns.post, turn.session_id, turn.text, **wait
+                )
+            else:
+                message, turn.documents_at_start = await self.ctx.backend.on_store(
+                    service.turns.post_with_documents,
+                    turn.session_id,
+                    turn.text,
+                    turn.documents.documents,
+                    **wait,
+                )
         except KvchatError as exc:
+            self._documents_back(turn)
             self.ctx.state.turn = None
             self.ctx.prompt.give_back(turn.text)
             await turn.asked.remove()
@@ -150,6 +165,12 @@ class TurnRunner:
         turn.message_id = message.id
         turn.asked.set_stored(message.id)
         return True
+
+    def _documents_back(self, turn: ActiveTurn) -> None:
+        """A message not sent: what was attached to it waits for the next one again."""
+        if turn.documents is not None and self.ctx.state.pending_documents is None:
+            self.ctx.state.pending_documents = turn.documents
+            self.ctx.post(DocumentsChanged())
 
     def _say_not_sent(self, exc: KvchatError) -> None:
         """Say why a message went back to the input."""
@@ -214,6 +235,7 @@ class TurnRunner:
             if given_back:
                 assert turn.text is not None
                 self.ctx.prompt.give_back(turn.text)
+                self._documents_back(turn)
                 if turn.asked is not None and turn.asked.is_mounted:
                     await turn.asked.remove()
             self.ctx.status.set_turn(str(exc) or type(exc).__name__, "error")
