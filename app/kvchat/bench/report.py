@@ -85,9 +85,15 @@ class BenchReport:
     layouts_note: str | None = None
     # Tokens/s with the thread counts in use vs the physical cores (see bench._bench_threads).
     threads: dict[str, Any] = field(default_factory=dict)
+    # The run's own time against what was said up front.
+    estimate_s: float = 0.0
+    elapsed_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "headline": headline(self),
+            "estimate_s": round(self.estimate_s, 1),
+            "elapsed_s": round(self.elapsed_s, 1),
             "threads": self.threads,
             "rows": [r.to_json() for r in self.rows],
             "layouts": [r.to_json() for r in self.layouts],
@@ -149,32 +155,126 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
+def seconds_words(ms: float) -> str:
+    """Milliseconds as seconds a reader takes in at a glance: 21.4 → "0.02 s", 2312 → "2.3 s",
+    13185 → "13 s", 184000 → "184 s"."""
+    secs = ms / 1000
+    if secs >= 10:
+        return f"{secs:,.0f} s"
+    if secs >= 1:
+        return f"{secs:.1f} s"
+    if secs >= 0.01:
+        return f"{secs:.2f} s"
+    return f"{secs:.3f} s"
+
+
+def times_words(ratio: float) -> str:
+    """A ratio as "113×", "2.4×" or "0.86×"."""
+    if ratio >= 10:
+        return f"{ratio:,.0f}×"
+    if ratio >= 1:
+        return f"{ratio:.1f}×"
+    return f"{ratio:.2f}×"
+
+
+def headline(report: BenchReport) -> list[str]:
+    """What the run found, in words, before any table: the longest conversation's resume
+    against reading it again, the restore against llama.cpp's own loader, RAM, writes, forks."""
+    lines: list[str] = []
+    mib = 2**20
+    if report.rows:
+        r = max(report.rows, key=lambda row: row.tokens)
+        lines.append(
+            f"resuming a {r.tokens:,}-token conversation from disk: first word in "
+            f"{seconds_words(r.ttft_resume_ms)} instead of {seconds_words(r.ttft_prefill_ms)} "
+            f"— {times_words(r.speedup)} sooner"
+        )
+        if r.limit_ms:
+            pace = "faster than" if r.restore_over_limit < 1 else "slower than"
+            lines.append(
+                f"reading its {r.snapshot_bytes / mib:,.0f} MiB of KV back took "
+                f"{r.restore_ms:.1f} ms: {times_words(r.restore_over_limit)} the time of "
+                f"llama.cpp's own state loader ({r.limit_ms:.1f} ms), {pace} it"
+            )
+        if r.restore_ram_ms:
+            lines.append(
+                f"switching back to it from RAM: its KV in place in {r.restore_ram_ms:.1f} ms"
+            )
+    if report.writes:
+        last = report.writes[-1]
+        per_turn = sum(w.written_bytes for w in report.writes) / len(report.writes)
+        lines.append(
+            f"each turn writes only its new tokens' KV: {per_turn / mib:.1f} MiB a turn over "
+            f"{len(report.writes)} turns, where saving the whole state would write "
+            f"{last.blob_bytes / mib:.0f} MiB by the last"
+        )
+    if report.forks:
+        f = report.forks
+        lines.append(
+            f"{f['forks']} branches of one {f['prefix_tokens']:,}-token conversation take "
+            f"{f['disk_bytes'] / mib:.0f} MiB on disk, {f['disk_over_blobs']:.0%} of saving "
+            f"each one whole ({f['whole_blob_bytes'] / mib:.0f} MiB)"
+        )
+    return lines
+
+
+# (header, what the column means): one line each under the table.
+RESUME_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("tokens", "the conversation's length when it is resumed"),
+    ("on disk", "its KV as kvchat stores it"),
+    (
+        "restore",
+        "kvchat reading that KV back from disk: validate, read, checksum, hand to "
+        "llama.cpp (median)",
+    ),
+    ("llama.cpp", "llama.cpp's own llama_state_seq_load_file of the same state: the floor"),
+    (
+        "÷llama",
+        "restore ÷ llama.cpp: under 1.00× kvchat is faster than llama.cpp's loader, over it slower",
+    ),
+    ("blob", "the same restore from kvchat's whole-file format"),
+    ("RAM", "the same KV back from memory, as after switching between conversations"),
+    ("resumed", "time to the first word of the next message (~20 tokens) after a restore"),
+    ("hot", "the same with the conversation still in the context (no restore at all)"),
+    ("re-read", "the same with no KV kept: the whole history read again"),
+    ("sooner", "re-read ÷ resumed: how many times sooner the first word comes"),
+    ("best", "re-read ÷ (llama.cpp + hot): the most any restore could give"),
+    ("reached", "sooner ÷ best: 100% is as good as a restore can be"),
+)
+
+
+def column_notes(columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """One line per column: "  restore    kvchat reading …"."""
+    width = max(len(name) for name, _ in columns)
+    return [f"  {name:<{width}}  {meaning}" for name, meaning in columns]
+
+
 def format_report(report: BenchReport) -> str:
     mib = 2**20
+    lines = [*headline(report)]
+    if report.machine:
+        lines += ["", machine_line(report.machine)]
+    if report.elapsed_s:
+        lines.append(
+            f"took {report.elapsed_s:.0f} s (estimated {report.estimate_s:.0f} s); "
+            "every ratio is against a baseline measured in this run"
+        )
     header = (
-        f"{'tokens':>7} {'snapshot':>10} {'restore':>9} {'llama.cpp':>10} {'ratio':>6} "
-        f"{'blob':>8} {'RAM':>7} {'TTFT resume':>12} {'TTFT hot':>9} {'TTFT prefill':>13} "
-        f"{'speedup':>8} {'limit':>6} {'of limit':>9}"
+        f"{'tokens':>7} {'on disk':>10} {'restore':>9} {'llama.cpp':>10} {'÷llama':>6} "
+        f"{'blob':>8} {'RAM':>7} {'resumed':>9} {'hot':>7} {'re-read':>10} "
+        f"{'sooner':>7} {'best':>6} {'reached':>8}"
     )
-    lines = [machine_line(report.machine), ""] if report.machine else []
-    lines += [header, "-" * len(header)]
+    lines += ["", header, "-" * len(header)]
     for r in report.rows:
         lines.append(
             f"{r.tokens:>7,} {r.snapshot_bytes / mib:>6.1f} MiB {r.restore_ms:>6.1f} ms "
             f"{r.limit_ms:>7.1f} ms {r.restore_over_limit:>5.2f}× {r.restore_blob_ms:>5.1f} ms "
-            f"{r.restore_ram_ms:>4.1f} ms {r.ttft_resume_ms:>9.0f} ms {r.ttft_hot_ms:>6.0f} ms "
-            f"{r.ttft_prefill_ms:>10.0f} ms {r.speedup:>7.0f}× {r.limit_speedup:>5.0f}× "
+            f"{r.restore_ram_ms:>4.1f} ms {r.ttft_resume_ms:>6.0f} ms {r.ttft_hot_ms:>4.0f} ms "
+            f"{r.ttft_prefill_ms:>7.0f} ms {r.speedup:>6.0f}× {r.limit_speedup:>5.0f}× "
             f"{r.speedup_of_limit:>8.0%}"
         )
-    lines.append(
-        "restore = validate + read chunks into the state buffer + checksum + "
-        "llama_state_seq_set_data (median, taken in turns with llama.cpp's and the blob's); "
-        "llama.cpp = llama_state_seq_load_file of the same state; blob = our whole-file "
-        "snapshot; RAM = the warm tier; TTFT = next ~20-token turn to its first token "
-        "(hot: the session already in the context); limit = TTFT prefill ÷ (llama.cpp + "
-        "TTFT hot), the most a restore can give; of limit = speedup ÷ limit."
-    )
-    if report.layouts or report.layouts_note:
+    lines += column_notes(RESUME_COLUMNS)
+    if len({lr.flash_attn for lr in report.layouts}) > 1 or report.layouts_note:
         lines += ["", "chunk restores in both V layouts (llama.cpp = its own loader, same state):"]
         for lr in sorted(report.layouts, key=lambda r: (r.tokens, not r.flash_attn)):
             kind = (
@@ -193,7 +293,7 @@ def format_report(report: BenchReport) -> str:
         lines += [
             "",
             f"{'turn':>4} {'history':>8} {'new':>5} {'written':>10} {'new KV':>10} "
-            f"{'ratio':>6} {'whole blob':>11}",
+            f"{'ratio':>6} {'whole':>11}",
         ]
         for w in report.writes:
             lines.append(
@@ -201,6 +301,7 @@ def format_report(report: BenchReport) -> str:
                 f"{w.written_bytes / mib:>6.2f} MiB {w.new_kv_bytes / mib:>6.2f} MiB "
                 f"{w.written_over_new:>5.2f}× {w.blob_bytes / mib:>7.2f} MiB"
             )
+        lines += column_notes(WRITE_COLUMNS)
     if report.threads.get("speeds"):
         lines += ["", threads_line(report.threads)]
     if report.forks:
@@ -212,6 +313,17 @@ def format_report(report: BenchReport) -> str:
             f"{f['disk_over_blobs']:.2f}× of whole blobs ({f['whole_blob_bytes'] / mib:.1f} MiB)",
         ]
     return "\n".join(lines)
+
+
+WRITE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("turn", "one turn of a conversation that grows"),
+    ("history", "its length in tokens after the turn"),
+    ("new", "tokens the turn added (message and reply)"),
+    ("written", "bytes kvchat wrote for the turn's snapshot"),
+    ("new KV", "the KV bytes of the new tokens alone: the least any save can write"),
+    ("ratio", "written ÷ new KV: 1.00× writes nothing twice"),
+    ("whole", "what saving the whole state (llama.cpp's way) would write that turn"),
+)
 
 
 def threads_line(threads: dict[str, Any]) -> str:

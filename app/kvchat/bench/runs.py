@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvchat.bench.progress import Reporter, plan_resume_bench
 from kvchat.bench.report import (
     BenchReport,
     BenchRow,
@@ -50,6 +51,7 @@ __all__ = [
     "format_report",
     "machine",
     "machine_line",
+    "Reporter",
     "run_bench",
 ]
 
@@ -107,6 +109,10 @@ def _warm(path: Path) -> None:
             pass
 
 
+# Prefill speed assumed for the estimate when the start's measurement gave none (tokens/s).
+FALLBACK_RATE = 300.0
+
+
 def run_bench(
     settings: Settings,
     sizes: list[int],
@@ -115,10 +121,17 @@ def run_bench(
     repeat: int = 5,
     tiers: bool = True,
     layouts: bool = True,
-    progress: Say | None = None,
+    write_turns: int = 12,
+    forks: int = 5,
+    reporter: Reporter | None = None,
 ) -> BenchReport:
-    say = progress or (lambda _line: None)
+    """Measure each size's resume against a re-read and llama.cpp's loader; then writes per
+    turn, forks and the other V layout (each when asked). ``reporter`` gets the estimate
+    (once the prefill speed is measured), each step and what was found."""
+    out = reporter or Reporter()
+    say = out.say
     report = BenchReport()
+    started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="kvchat-bench-") as scratch,
         open_service(settings, home=Path(scratch)) as service,
@@ -129,25 +142,51 @@ def run_bench(
         report.threads = _bench_threads(engine)
         if report.threads.get("speeds"):
             say(threads_line(report.threads))
-        for target in sizes:
-            if target + 200 > engine.n_ctx:
-                say(f"skipping {target} tokens: does not fit n_ctx={engine.n_ctx}")
-                continue
+        fitting = [t for t in sizes if t + 200 <= engine.n_ctx]
+        for target in sorted(set(sizes) - set(fitting)):
+            say(f"skipping {target} tokens: does not fit n_ctx={engine.n_ctx}")
+        rate = _prefill_rate(report.threads)
+        plan = plan_resume_bench(
+            fitting,
+            rate,
+            repeat=repeat,
+            writes=write_turns if tiers else 0,
+            forks=forks if tiers else 0,
+            other_layout=layouts,
+        )
+        report.estimate_s = plan.seconds + time.monotonic() - started
+        out.begin(plan, rate)
+        for target in fitting:
+            out.step(f"resume-{target}")
             row, layout = _bench_resume(service, target, cold=cold, repeat=repeat, say=say)
             report.rows.append(row)
             report.layouts.append(layout)
-        if tiers:
-            report.writes = _bench_writes(service, say)
-            report.forks = _bench_forks(service, say)
+        if tiers and write_turns:
+            out.step("writes")
+            report.writes = _bench_writes(service, say, turns=write_turns)
+        if tiers and forks:
+            out.step("forks")
+            report.forks = _bench_forks(service, say, n_forks=forks)
         flash_attn = bool(report.machine.get("flash_attn"))
         type_v = str(report.machine.get("type_v", "f16"))
     if layouts:
+        out.step("layout")
         other, report.layouts_note = _other_layout(
-            settings, flash_attn, type_v, sizes, cold=cold, repeat=repeat, say=say
+            settings, flash_attn, type_v, fitting, cold=cold, repeat=repeat, say=say
         )
         report.layouts += other
+    out.finish()
+    report.elapsed_s = time.monotonic() - started
     report.machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def _prefill_rate(threads: dict[str, Any]) -> float:
+    """Prompt tokens/s measured at the start with the threads in use, or a guess."""
+    speeds = threads.get("speeds") or {}
+    mine = speeds.get(str(threads.get("chosen")), {})
+    rate = float(mine.get("prefill") or 0.0)
+    return rate if rate > 0 else FALLBACK_RATE
 
 
 def _bench_threads(engine: Engine) -> dict[str, Any]:

@@ -28,7 +28,9 @@ ROW_KEYS = {
 
 
 def test_e2e_bench_json_reports_the_limit_and_both_layouts(kvhome: Path, cli) -> None:
-    result = cli(kvhome, "bench", "--json", "--sizes", "300", "--repeat", "1", "--no-tiers")
+    result = cli(
+        kvhome, "bench", "--full", "--json", "--sizes", "300", "--repeat", "1", "--no-tiers"
+    )
     report = result.json
     (row,) = report["rows"]
     assert ROW_KEYS <= set(row)
@@ -57,6 +59,7 @@ def test_e2e_bench_with_a_quantized_v_cache_says_why_one_layout(kvhome: Path, cl
     result = cli(
         kvhome,
         "bench",
+        "--full",
         "--json",
         "--sizes",
         "300",
@@ -70,3 +73,33 @@ def test_e2e_bench_with_a_quantized_v_cache_says_why_one_layout(kvhome: Path, cl
     assert report["machine"]["type_v"] == "q8_0" and report["machine"]["flash_attn"] is True
     assert [entry["flash_attn"] for entry in report["layouts"]] == [True]
     assert "f16 V cache" in report["layouts_note"]
+
+
+def test_e2e_bench_reads_in_words_with_an_estimate_and_a_bar(kvhome: Path, cli) -> None:
+    """The default run (one size here, small): the estimate and the bar on stderr, the
+    headline first on stdout, then the table with one line per column; one V layout."""
+    result = cli(kvhome, "bench", "--sizes", "300", "--repeat", "1", "--no-tiers")
+    err = result.stderr.splitlines()
+    estimate = next(line for line in err if line.startswith("this will take about "))
+    assert "prompts read at" in estimate
+    bars = [line for line in err if line.startswith("[") and "% " in line]
+    assert bars and bars[0].endswith("tokens: resume vs re-read")
+    out = result.stdout.splitlines()
+    assert (
+        out[0].startswith("resuming a ")
+        and "-token conversation from disk: first word in" in (out[0])
+    )
+    assert out[0].endswith("sooner")
+    assert any(line.startswith("took ") and "(estimated " in line for line in out)
+    assert any(line.strip().startswith("re-read ") and "read again" in line for line in out)
+    assert "chunk restores in both V layouts" not in result.stdout  # --full measures both
+
+
+def test_e2e_bench_json_keeps_the_headline_and_says_nothing_on_stderr(kvhome: Path, cli) -> None:
+    result = cli(kvhome, "bench", "--json", "--sizes", "300", "--repeat", "1", "--no-tiers")
+    report = result.json
+    (row,) = report["rows"]
+    assert report["headline"][0].startswith(f"resuming a {row['tokens']:,}-token conversation")
+    assert report["estimate_s"] > 0 and report["elapsed_s"] > 0
+    assert [entry["flash_attn"] for entry in report["layouts"]] == [report["machine"]["flash_attn"]]
+    assert "this will take" not in result.stderr and "[#" not in result.stderr
