@@ -220,9 +220,17 @@ class TurnPipeline:
         Hot → RAM → disk (its own snapshot, or the longest prefix another session's
         snapshot shares with ``prompt``, by default its whole history) → none.
         """
-        self.host.load()
+        engine = self.host.load()
         self.upkeep.abandon()  # the last turn's housekeeping yields to this
-        return self.host.tiers.make_hot(
+        tiers = self.host.tiers
+        level = engine.token_level()
+        if prompt is not None and tiers.hot_session_id == session_id and level is not None:
+            if not level.n_tokens:
+                # A session made hot while it had no message (the app opens a new one at
+                # once) holds nothing: its first prompt may still borrow another session's
+                # prefix (documents read once, the same system prompt).
+                tiers.mark_hot(None)
+        return tiers.make_hot(
             session_id,
             no_restore=no_restore,
             prompt=prompt,
