@@ -38,7 +38,10 @@ def _looks_like_path(word: str) -> bool:
 def _as_path(word: str) -> str | None:
     """The path a word names as typed (a ``file://`` URI decoded), or None."""
     if word.startswith("file://"):
-        parsed = urlparse(word)
+        try:
+            parsed = urlparse(word)
+        except ValueError:  # "file://[…": an unclosed IPv6 bracket
+            return None
         if parsed.netloc not in ("", "localhost"):
             return None
         word = unquote(parsed.path)
