@@ -590,6 +590,35 @@ def _write_private(path: Path, text: str) -> None:
     help="With --full: skip restores in the other V layout (flash attention the other way).",
 )
 @click.option(
+    "--peers",
+    is_flag=True,
+    help="kvchat against re-reading, llama-cpp-python's LlamaDiskCache and llama-server's "
+    "slot files, on the same conversations [sizes: 1024,4096; with --full also 16384 and "
+    "the largest that fits].",
+)
+@click.option(
+    "--turns",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --peers: turns of the conversation whose writes are measured.",
+)
+@click.option(
+    "--conversations",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --peers: conversations sharing one prefix, for the disk they use.",
+)
+@click.option(
+    "--prefix",
+    "prefix_tokens",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(min=64),
+    help="With --peers: the shared prefix's tokens.",
+)
+@click.option(
     "--ui", is_flag=True, help="The app's latencies instead: first paint, switch, jump, typing."
 )
 @click.option(
@@ -616,6 +645,10 @@ def bench(
     repeat: int | None,
     no_tiers: bool,
     one_layout: bool,
+    peers: bool,
+    turns: int,
+    conversations: int,
+    prefix_tokens: int,
     ui: bool,
     sessions: str | None,
     messages: int,
@@ -626,6 +659,9 @@ def bench(
     from kvchat.bench.progress import TerminalReporter
     from kvchat.bench.runs import format_report, run_bench
 
+    if peers:
+        _bench_peers(ctx, as_json, full, sizes, repeat, turns, conversations, prefix_tokens, flags)
+        return
     if sizes is None:
         sizes = "512,1024,2048,4096" if full or ui else "1024,4096"
     if repeat is None:
@@ -678,6 +714,44 @@ def bench(
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         click.echo(format_report(report))
+
+
+def _bench_peers(
+    ctx: click.Context,
+    as_json: bool,
+    full: bool,
+    sizes: str | None,
+    repeat: int | None,
+    turns: int,
+    conversations: int,
+    prefix_tokens: int,
+    flags: dict[str, Any],
+) -> None:
+    """``kvchat bench --peers``: every row on the same conversations, in one run."""
+    from kvchat.bench.peers import format_peers, run_peers
+    from kvchat.bench.progress import TerminalReporter
+
+    settings = settings_from(ctx, **flags)
+    if sizes is None:
+        targets = [1024, 4096]
+        if full:
+            largest = settings.n_ctx - 300
+            targets += [t for t in (16384, largest) if t <= largest and t not in targets]
+    else:
+        try:
+            targets = [int(x) for x in sizes.split(",") if x.strip()]
+        except ValueError:
+            raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
+    report = run_peers(
+        settings,
+        sorted(set(targets)),
+        repeat=repeat or 3,
+        turns=turns,
+        conversations=conversations,
+        prefix=prefix_tokens,
+        reporter=None if as_json else TerminalReporter(),
+    )
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_peers(report))
 
 
 @main.command(name="config")
