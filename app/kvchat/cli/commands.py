@@ -597,6 +597,12 @@ def _write_private(path: Path, text: str) -> None:
     "the largest that fits].",
 )
 @click.option(
+    "--docs",
+    is_flag=True,
+    help="Read once, ask forever: a document's first read against a later conversation's "
+    "first word [sizes: 2048,8192 and the largest that fits].",
+)
+@click.option(
     "--turns",
     default=20,
     show_default=True,
@@ -646,6 +652,7 @@ def bench(
     no_tiers: bool,
     one_layout: bool,
     peers: bool,
+    docs: bool,
     turns: int,
     conversations: int,
     prefix_tokens: int,
@@ -659,6 +666,9 @@ def bench(
     from kvchat.bench.progress import TerminalReporter
     from kvchat.bench.runs import format_report, run_bench
 
+    if docs:
+        _bench_docs(ctx, as_json, sizes, flags)
+        return
     if peers:
         _bench_peers(ctx, as_json, full, sizes, repeat, turns, conversations, prefix_tokens, flags)
         return
@@ -714,6 +724,22 @@ def bench(
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
         click.echo(format_report(report))
+
+
+def _bench_docs(
+    ctx: click.Context, as_json: bool, sizes: str | None, flags: dict[str, Any]
+) -> None:
+    """``kvchat bench --docs``: a document's first read against later conversations."""
+    from kvchat.bench.docs import format_docs, run_docs
+    from kvchat.bench.progress import TerminalReporter
+
+    try:
+        targets = [int(x) for x in (sizes or "2048,8192").split(",") if x.strip()]
+    except ValueError:
+        raise KvchatError(f"--sizes must be comma-separated integers, not {sizes!r}") from None
+    settings = settings_from(ctx, **flags)
+    report = run_docs(settings, targets, reporter=None if as_json else TerminalReporter())
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else format_docs(report))
 
 
 def _bench_peers(
