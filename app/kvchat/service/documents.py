@@ -137,7 +137,7 @@ class DocumentShelf:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._shared_ends: dict[tuple[int, str], int] = {}
+        self._shared_ends: dict[tuple[int, int, str], int] = {}
 
     # --- reading files ---------------------------------------------------------------------
 
@@ -222,15 +222,19 @@ class DocumentShelf:
 
     def shared_end(self, engine: TokenEngine, head: list[ChatMessage]) -> int:
         """How many tokens every conversation that starts with ``head`` shares: up to where
-        the template starts the first question (0 for a head without documents)."""
+        the template starts the first question (0 for a head without documents), rounded
+        down to where the engine can start a prefill (``batch_align``: repacked weights
+        decode in tiles, so a reading that ended between two would be restored only up to
+        the tile before it, and a recurrent state, which can't be cut, not at all)."""
         if not head:
             return 0
-        key = (id(engine), head[0]["content"])
+        key = (id(engine), engine.batch_align, head[0]["content"])
         if key not in self._shared_ends:
             first, second = (
                 engine.chat_tokens([*head, {"role": "user", "content": probe}]) for probe in _PROBES
             )
-            self._shared_ends[key] = common_prefix(first, second)
+            end = common_prefix(first, second)
+            self._shared_ends[key] = end - end % max(1, engine.batch_align)
         return self._shared_ends[key]
 
     def fit(

@@ -20,9 +20,10 @@ class CharEngine:
     """A stand-in for a token engine's template: one token per character of a ChatML-like
     rendering (or, with ``folds``, Gemma's: the system text inside the first user turn)."""
 
-    def __init__(self, *, folds: bool = False, n_ctx: int = 4096) -> None:
+    def __init__(self, *, folds: bool = False, n_ctx: int = 4096, batch_align: int = 1) -> None:
         self.folds = folds
         self.n_ctx = n_ctx
+        self.batch_align = batch_align
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         text, system = "", ""
@@ -110,6 +111,18 @@ def test_the_shared_prefix_ends_where_the_template_starts_the_question(
         assert rest.startswith(question)  # nothing of the question lies inside the prefix
     what = engine.chat_tokens([*head, {"role": "user", "content": "What?"}])
     assert "".join(map(chr, what[:end])).endswith("DOCS</s><u>" if not folds else "DOCS\n\n")
+
+
+@pytest.mark.parametrize("align", [4, 16])
+def test_the_shared_prefix_ends_where_a_prefill_can_start(tmp_path: Path, align: int) -> None:
+    """Repacked weights decode in tiles: a reading that ended inside one would be restored
+    only up to the tile before it (a recurrent state, which can't be cut, not at all)."""
+    shelf, _ = shelf_with(tmp_path, {})
+    head = system_message("Be brief.", "DOCS" * 7)
+    plain, tiles = CharEngine(), CharEngine(batch_align=align)
+    exact = shelf.shared_end(plain, head)  # type: ignore[arg-type]
+    tiled = shelf.shared_end(tiles, head)  # type: ignore[arg-type]
+    assert exact % align and tiled == exact - exact % align
 
 
 def test_documents_that_leave_no_room_for_the_conversation_are_one_line(tmp_path: Path) -> None:

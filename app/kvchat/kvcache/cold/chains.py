@@ -134,7 +134,9 @@ def verify_chain(
 def best_donor(
     store: Store, session_id: str, fingerprint: Fingerprint, prompt: list[int] | None, n_ctx: int
 ) -> tuple[SnapshotRow, int] | None:
-    """Another session's chunked snapshot sharing the longest prefix with ``prompt``.
+    """Another session's chunked snapshot sharing the longest prefix with ``prompt``, or a
+    whole-state one (a recurrent model's) whose every token the prompt starts with (a
+    document's reading: a whole state serves only a prompt that continues it).
 
     Returns the row and how many tokens to take from it (at most ``n_ctx``), or None
     when no chain shares at least :data:`MIN_DONOR_TOKENS`. A damaged chain, or one whose
@@ -145,22 +147,19 @@ def best_donor(
     wanted = fingerprint.to_dict()
     candidates: list[tuple[int, SnapshotRow]] = []
     for row in store.snapshots():
-        if (
-            row.damage
-            or row.session_id == session_id
-            or row.format != "chunks"
-            or row.fingerprint != wanted
-        ):
+        if row.damage or row.session_id == session_id or row.fingerprint != wanted:
             continue
         shared = min(common_prefix(row.token_ids, prompt), n_ctx)
-        if shared >= MIN_DONOR_TOKENS:
+        whole = row.format == "blob" and shared == len(row.token_ids) == row.n_tokens
+        if shared >= MIN_DONOR_TOKENS and (row.format == "chunks" or whole):
             candidates.append((shared, row))
     candidates.sort(key=lambda item: item[0], reverse=True)
     for shared, row in candidates:
-        try:
-            verify_chain(row, store.get_chunks(row.chunk_keys), shared)
-        except SnapshotRejected:
-            continue
+        if row.format == "chunks":
+            try:
+                verify_chain(row, store.get_chunks(row.chunk_keys), shared)
+            except SnapshotRejected:
+                continue
         return row, shared
     return None
 
