@@ -546,6 +546,9 @@ def _export_all(
 
 def _read_once(report: Any) -> str:
     """What a new conversation's turn did with its documents."""
+    if report.remote is not None:  # an OpenAI-compatible server: its own cache decides
+        reused = report.tokens.shown("reused")
+        return f"sent as text; the server's cache reused {reused} prompt tokens (its figure)"
     if report.restore.donor is not None and report.restore.tokens:
         return f"restored ({report.restore.tokens:,} tokens read by an earlier conversation)"
     return "read once for all conversations started with them"
