@@ -73,12 +73,24 @@ async def open_picker(pilot: Pilot[None], app: KvchatApp) -> AttachScreen:
     return screen
 
 
-async def pick_first_file(pilot: Pilot[None], screen: AttachScreen) -> None:
-    """In the tree: down from the root to the first entry, Enter reads it."""
+async def pick_file(pilot: Pilot[None], screen: AttachScreen, name: str = "valves.txt") -> None:
+    """In the tree: the cursor on the file ``name`` (by its line), Enter reads it."""
     tree = screen.query_one("#attach-tree", DirectoryTree)
     tree.focus()
     await wait_until(lambda: tree.last_line >= 1)
-    await pilot.press("down", "enter")
+
+    def line_of_name() -> int | None:
+        for line in range(tree.last_line + 1):
+            node = tree.get_node_at_line(line)
+            if node is not None and node.data is not None and node.data.path.name == name:
+                return line
+        return None
+
+    await wait_until(lambda: line_of_name() is not None)
+    line = line_of_name()
+    assert line is not None
+    tree.cursor_line = line
+    await pilot.press("enter")
     await wait_until(lambda: screen.reading is not None or "-error" in _message_classes(screen))
 
 
@@ -89,7 +101,7 @@ def _message_classes(screen: AttachScreen) -> set[str]:
 async def attach_via_picker(pilot: Pilot[None], app: KvchatApp, main: MainScreen) -> str:
     """Ctrl+\\, the first file, Attach: the fit line the picker showed."""
     screen = await open_picker(pilot, app)
-    await pick_first_file(pilot, screen)
+    await pick_file(pilot, screen)
     assert screen.reading is not None, screen.message
     line = screen.message
     await pilot.press("enter")  # the Attach button has focus once read
@@ -234,7 +246,7 @@ async def test_a_changed_file_is_never_mixed_in_a_new_conversation_is_offered(
 
         # Declined: nothing attached, the conversation unchanged.
         screen = await open_picker(pilot, app)
-        await pick_first_file(pilot, screen)
+        await pick_file(pilot, screen)
         await pilot.press("enter")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         question = app.screen
@@ -248,7 +260,7 @@ async def test_a_changed_file_is_never_mixed_in_a_new_conversation_is_offered(
 
         # Accepted: a new conversation, the new version at its start.
         screen = await open_picker(pilot, app)
-        await pick_first_file(pilot, screen)
+        await pick_file(pilot, screen)
         await pilot.press("enter")
         await wait_until(lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("y")
@@ -302,3 +314,11 @@ async def test_bad_inputs_are_one_line_each_and_nothing_is_stored(docs: Path) ->
         assert main.state.pending_documents is None
         assert service.store.documents() == []
         assert main.session_id is None  # nothing was made
+
+        # Attached, then taken off again with its ✕: nothing goes with the next message.
+        await attach_via_picker(pilot, app, main)
+        await pilot.click("#drop-0")
+        await wait_until(lambda: main.state.pending_documents is None)
+        await wait_until(lambda: main.documents.lines == [])
+        assert not main.documents.display or not main.documents.has_class("-shown")
+        assert service.store.documents() == []

@@ -118,7 +118,7 @@ class Attachments:
             line = "the server reads them in its own context"
         else:
             line = fit.line() if at_start else later_line(fit)
-        return Reading(documents, line, at_start, paths, glob)
+        return Reading(documents, line, at_start, paths, glob, session_id)
 
     def _engine_fit(
         self, documents: ReadDocuments, session_id: str | None, at_start: bool
@@ -209,7 +209,12 @@ class Attachments:
             kept = ReadDocuments(rows, pending.documents.notes)
             line = "fewer documents than the figures above were counted for"
             self.ctx.state.pending_documents = Reading(
-                kept, f"{pending.fit_line} ({line})", pending.at_start, pending.paths, pending.glob
+                kept,
+                f"{pending.fit_line} ({line})",
+                pending.at_start,
+                pending.paths,
+                pending.glob,
+                pending.session_id,
             )
         self.ctx.post(DocumentsChanged())
 
@@ -252,7 +257,7 @@ class Attachments:
         """Show the pending attachments, the open session's documents and what the last turn
         with documents did."""
         panel, state = self.ctx.documents, self.ctx.state
-        pending = state.pending_documents
+        pending = await self._refitted(state.pending_documents)
         pending_lines = []
         note = ""
         if pending is not None:
@@ -270,6 +275,28 @@ class Attachments:
             at_start = turn.documents_at_start if turn is not None else None
             line = turn_line(report, at_start)
         await panel.show(pending=pending_lines, pending_note=note, stored=stored, turn_line=line)
+
+    async def _refitted(self, pending: Reading | None) -> Reading | None:
+        """The attachments fitted to the conversation open now (another one was open when
+        they were attached); dropped, with one line, when they do not fit it."""
+        state = self.ctx.state
+        if pending is None or pending.session_id == state.session_id or state.turn is not None:
+            return pending
+        try:
+            refitted = await self.fit(pending.documents, pending.paths, pending.glob)
+        except KvchatError as exc:
+            if state.pending_documents is pending:
+                state.pending_documents = None
+            self.ctx.app.notify(
+                f"{pending.names}: not attached to this conversation: {exc}",
+                severity="warning",
+                markup=False,
+            )
+            return None
+        if state.pending_documents is not pending:  # changed meanwhile: that one is shown
+            return state.pending_documents
+        state.pending_documents = refitted
+        return refitted
 
     async def _stored_lines(self, session_id: str | None) -> list[DocumentLine]:
         backend = self.ctx.backend

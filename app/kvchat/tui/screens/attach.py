@@ -32,6 +32,7 @@ class Reading:
     at_start: bool  # a new conversation's start block (else: with the next message)
     paths: tuple[str, ...] = ()
     glob: str | None = None
+    session_id: str | None = None  # the conversation open when they were fitted
 
     @property
     def names(self) -> str:
