@@ -141,7 +141,8 @@ def _one_size(service: ChatService, scratch: Path, target: int, out: Reporter) -
     reread = service.start(
         LATER_QUESTION, documents=DocumentShelf.read([str(path)]), no_restore=True, **params
     )
-    document_tokens = first.tokens.prompt - later.tokens.decoded
+    # What the later conversation restored: the system prompt and the document's block.
+    document_tokens = later.tokens.reused
     later_ms, reread_ms = later.ttft_ms or 0.0, reread.ttft_ms or 0.0
     return DocRow(
         target=target,
@@ -159,7 +160,10 @@ def _one_size(service: ChatService, scratch: Path, target: int, out: Reporter) -
 
 
 DOC_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("document", "its tokens as the model reads them"),
+    (
+        "document",
+        "the tokens read once: the system prompt and the document as the model reads them",
+    ),
     ("first", "the first conversation about it: the document read, to the first word"),
     (
         "later",
