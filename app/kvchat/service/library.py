@@ -167,11 +167,15 @@ class DocumentLibrary:
     # --- what reads what ----------------------------------------------------------------
 
     def _engine(self) -> TokenEngine:
+        """The engine that reads ahead: kvchat's own, whose KV the library keeps and pins
+        (a llama-server's slot files and an OpenAI server's cache are not on kvchat's
+        disk budget)."""
         engine = self.host.load().token_level()
-        if engine is None:
+        if engine is None or self.host.tiers is not self.host.local_tiers:
             raise KvchatError(
-                "kvchat docs reads documents ahead with kvchat's own engine; a server "
-                "(--server, --openai) keeps its own cache: attach them with kvchat ask -a"
+                "kvchat docs reads documents ahead with kvchat's own engine; with a server "
+                "(--server, --openai) attach them with kvchat ask --new -a: with --server "
+                "the first conversation saves their reading as a slot file"
             )
         return engine
 

@@ -81,3 +81,15 @@ def test_with_openai_the_text_is_sent_and_the_servers_cached_tokens_are_shown(
     )
     assert f"kvchat: {line}" in second.stderr
     assert f"prompt {len(wanted):,} tokens, reused {shared:,}" in second.stderr
+
+
+def test_the_library_reads_ahead_with_kvchats_own_engine_only(
+    server: Server, document: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    for flags in (["--server", server.url], ["--openai", f"{server.url}/v1"]):
+        refused = run_cli(home, "docs", "add", str(document), *flags, check=False)
+        assert refused.returncode == 2 and refused.stdout == ""
+        (line,) = refused.stderr.strip().splitlines()
+        assert line.startswith("kvchat: kvchat docs reads documents ahead with kvchat's own")
+    assert run_cli(home, "docs", "list", "--json").json == {"documents": []}
