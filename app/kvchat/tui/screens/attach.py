@@ -56,7 +56,10 @@ class AttachScreen(Dialog):
     """Pick files or a folder, see what they take, attach (or Esc)."""
 
     DEFAULT_CSS = """
-    AttachScreen #attach-tree { height: 12; margin-bottom: 1; }
+    AttachScreen #attach-tree { height: 8; margin-bottom: 1; }
+    AttachScreen #attach-fields { height: auto; }
+    AttachScreen #attach-path { width: 3fr; }
+    AttachScreen #attach-glob { width: 2fr; }
     AttachScreen #attach-message { width: 1fr; margin-top: 1; }
     AttachScreen #attach-message.-error { color: $text-error; }
     AttachScreen #attach-buttons { height: auto; margin-top: 1; align-horizontal: right; }
@@ -75,10 +78,9 @@ class AttachScreen(Dialog):
         with Vertical(classes="dialog -wide"):
             yield Label("Attach files", classes="dialog-title")
             yield DirectoryTree(self.root, id="attach-tree")
-            yield Input(placeholder="or a path (Enter reads it)", id="attach-path")
-            yield Input(
-                placeholder="glob for a folder, e.g. *.py or docs/**/*.md", id="attach-glob"
-            )
+            with Horizontal(id="attach-fields"):
+                yield Input(placeholder="or a path (Enter reads it)", id="attach-path")
+                yield Input(placeholder="glob for a folder: *.py, docs/**/*.md", id="attach-glob")
             yield Label(
                 "Enter on a file reads it; on a folder picks it (Read folder reads it)",
                 id="attach-message",
