@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvchat.documents import DEFAULT_BOUNDS, render_block
@@ -113,6 +113,7 @@ class ReadAhead:
     restored: int
     seconds: float
     added: bool = True  # False: cancelled, nothing stored
+    replaced: int = 0  # earlier versions of the file taken out of the library
 
     def line(self) -> str:
         if not self.added:
@@ -123,7 +124,10 @@ class ReadAhead:
             how = f"read {self.decoded:,} tokens in {self.seconds:.1f} s"
             if self.restored:
                 how += f" ({self.restored:,} restored from disk)"
-        return f"{self.document.name}: {self.tokens:,} tokens, {how}; kept in the library"
+        line = f"{self.document.name}: {self.tokens:,} tokens, {how}; kept in the library"
+        if self.replaced:
+            line += " in place of the earlier version (conversations keep what they read)"
+        return line
 
 
 def kv_label(type_k: str, type_v: str) -> str:
@@ -227,8 +231,23 @@ class DocumentLibrary:
                 done.append(ReadAhead(row, "", 0, 0, 0, 0.0, added=False))
                 continue
             result = self._read_one(engine, row, head, progress, cancel)
+            if result.added:
+                result = self._replace_earlier(result)
             done.append(result)
         return done
+
+    def _replace_earlier(self, result: ReadAhead) -> ReadAhead:
+        """Take earlier versions of the same file (same name and path, other content) out of
+        the library: the new version replaces them (conversations keep what they read)."""
+        new = result.document
+        earlier = [
+            doc
+            for doc in self.store.documents(library=True)
+            if doc.name == new.name and doc.source == new.source and doc.id != new.id
+        ]
+        for doc in earlier:
+            self.store.remove_from_library(doc.id)
+        return replace(result, replaced=len(earlier)) if earlier else result
 
     def _read_one(
         self,

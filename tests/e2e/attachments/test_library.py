@@ -96,16 +96,22 @@ def test_a_library_document_starts_a_conversation_with_no_prefill_and_is_kept_un
     (entry,) = docs_list(cli, kvhome)
     assert all(r["on_disk"] for r in entry["readings"])
 
-    # The file changes: the library keeps the text it read, and says so.
+    # The file changes: the library keeps the text it read, and says so; a new add reads
+    # the new version in place of the old one.
     path.write_text(manual(LINES) + "\nItem 41: a new valve.\n")
     listed = cli(kvhome, "docs", "list").stdout
     assert "changed on disk" in listed and "reads the new version" in listed
+    newer = cli(kvhome, "docs", "add", str(path), "--n-ctx", "4096").stdout
+    assert "kept in the library in place of the earlier version" in newer
+    (entry,) = docs_list(cli, kvhome)
+    assert entry["file"] is None and entry["tokens"] > shared
+    assert [r["kv_type"] for r in entry["readings"]] == ["f16"]
 
     removed = cli(kvhome, "docs", "rm", "valves.txt")
     assert "removed valves.txt from the library" in removed.stdout
     assert docs_list(cli, kvhome) == []
     gc = cli(kvhome, "cache", "gc", env=no_room)
-    assert "evicted 2 snapshots" in gc.stdout  # both readings, no longer pinned
+    assert "evicted 3 snapshots" in gc.stdout  # the three readings, none pinned now
     assert cli(kvhome, "cache", "--json").json["disk"]["snapshots"] == 0
     missing = cli(kvhome, "ask", "--new", "--doc", "valves.txt", QUESTION, *FLAGS, check=False)
     assert missing.returncode == 2 and "no document 'valves.txt' in the library" in missing.stderr
