@@ -16,6 +16,7 @@ Placement (see DESIGN.md, "What else goes into a prompt"):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -154,7 +155,9 @@ class DocumentShelf:
             attached = attach(path, glob=glob)
             notes.extend(attached.notes)
             for document in attached.documents:
-                found.setdefault(f"{document.name}\0{document.sha256}", (document, path))
+                # The library looks at the file again later, from wherever it is asked.
+                source = os.path.abspath(path) if library else path
+                found.setdefault(f"{document.name}\0{document.sha256}", (document, source))
         if not found:
             raise KvchatError("no documents to attach: " + ("; ".join(notes) or "nothing read"))
         ordered = canonical_order(doc for doc, _ in found.values())

@@ -122,7 +122,10 @@ def _insert_document(conn: sqlite3.Connection, doc: DocumentRow, stamp: str) -> 
     conn.execute(
         "INSERT INTO documents (id, name, kind, size, sha256, text, pages, source,"
         " added, in_library) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(id) DO UPDATE SET source=excluded.source,"
+        # A library document keeps the path it was added from (``docs list`` looks there);
+        # an attachment's row shows the path it was last attached from.
+        " ON CONFLICT(id) DO UPDATE SET source=CASE WHEN documents.in_library=1"
+        " AND excluded.in_library=0 THEN documents.source ELSE excluded.source END,"
         " in_library=MAX(in_library, excluded.in_library)",
         (
             doc.id,

@@ -6,6 +6,7 @@ Model-free: snapshots of a synthetic seq state (tests/unit/kvcache/test_kvcache_
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,17 @@ def test_the_disk_budget_keeps_a_pinned_reading_and_evicts_it_once_removed(
     store.remove_from_library(doc.id)
     assert snapshots.enforce_budget() == [READING]
     assert store.get_snapshot(READING) is None and snapshots.disk_bytes() == 0
+
+
+def test_a_library_document_keeps_the_path_it_was_added_from(tmp_path: Path) -> None:
+    store = Store(tmp_path / "kvchat.db")
+    doc = document()
+    store.add_to_library(replace(doc, source="/home/me/valves.txt", in_library=True), pin(doc))
+    store.put_documents([replace(doc, source="valves.txt")])  # attached later, elsewhere
+    kept = store.library_document("valves.txt")
+    assert kept is not None and kept.source == "/home/me/valves.txt" and kept.in_library
+    loose = document("other.txt")
+    store.put_documents([replace(loose, source="a/other.txt")])
+    store.put_documents([replace(loose, source="b/other.txt")])
+    (row,) = [d for d in store.documents() if d.id == loose.id]
+    assert row.source == "b/other.txt"  # an attachment shows where it was last read from
