@@ -256,6 +256,11 @@ async def test_a_changed_file_is_never_mixed_in_a_new_conversation_is_offered(
         await wait_until(lambda: app.screen is main)
         await pilot.pause()
         assert main.state.pending_documents is None and main.session_id == first_id
+        await wait_until(lambda: any("changed on disk" in x for x in main.documents.lines))
+        (noted,) = [x for x in main.documents.lines if x.startswith("valves.txt")]
+        assert noted.endswith(
+            "at start · changed on disk: this conversation keeps the text it read"
+        )
         assert [u.document.sha256 for u in service.documents.of_session(first_id)] == [old_sha]
 
         # Accepted: a new conversation, the new version at its start.

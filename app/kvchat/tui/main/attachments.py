@@ -160,6 +160,7 @@ class Attachments:
             stored = await backend.on_store(backend.chat.documents.of_session, state.session_id)
             changed = changed_names(stored, reading.documents)
             if changed:
+                self.ctx.post(DocumentsChanged())  # the panel says which file changed
                 names = ", ".join(changed)
                 self.ctx.app.notify(
                     f"{names} changed on disk since this conversation read it; the "
@@ -310,6 +311,7 @@ class Attachments:
             positions = await backend.on_store(self._positions, session_id)
         except KvchatError:
             return []
+        notes = await asyncio.to_thread(_file_notes, [u.document for u in used])
         lines = []
         for index, u in enumerate(used):
             doc = u.document
@@ -319,7 +321,17 @@ class Attachments:
                 else f"with message #{positions.get(u.message_id, '?')}"
             )
             count = tokens[index] if tokens is not None and index < len(tokens) else None
-            lines.append(DocumentLine(doc.name, doc.kind, size_text(doc.size), count, where))
+            lines.append(
+                DocumentLine(
+                    doc.name,
+                    doc.kind,
+                    size_text(doc.size),
+                    count,
+                    where,
+                    notes[index],
+                    doc.in_library,
+                )
+            )
         return lines
 
     def _engine_tokens(self, session_id: str) -> list[int] | None:
@@ -335,3 +347,20 @@ class Attachments:
         """On the store thread: message id → its number in the conversation (1 = first)."""
         messages = self.ctx.backend.chat.sessions.messages(session_id)
         return {m.id: n for n, m in enumerate(messages, start=1)}
+
+
+def _file_notes(documents: Sequence[Any]) -> list[str | None]:
+    """In a thread of its own: for each stored document, whether the file it was read from
+    changed on disk or is gone (the conversation keeps the text it was read with)."""
+    from kvchat.service.library import file_note
+
+    notes: list[str | None] = []
+    for document in documents:
+        try:
+            note = file_note(document)
+        except (OSError, ValueError):
+            note = None
+        if note == "changed on disk":
+            note = "changed on disk: this conversation keeps the text it read"
+        notes.append(note)
+    return notes

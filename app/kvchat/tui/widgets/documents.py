@@ -24,10 +24,16 @@ class DocumentLine:
     size: str
     tokens: int | None
     where: str  # "at start" or "with message #N"
+    note: str | None = None  # e.g. its file changed on disk since it was read
+    in_library: bool = False  # kept by `kvchat docs add`
 
     def text(self) -> str:
         tokens = f" · {self.tokens:,} tokens" if self.tokens is not None else ""
-        return one_line(f"{self.name} · {self.kind} · {self.size}{tokens} · {self.where}")
+        kept = " · in the library" if self.in_library else ""
+        note = f" · {self.note}" if self.note else ""
+        return one_line(
+            f"{self.name} · {self.kind} · {self.size}{tokens} · {self.where}{kept}{note}"
+        )
 
 
 @dataclass(frozen=True)
