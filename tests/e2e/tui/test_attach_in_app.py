@@ -75,6 +75,12 @@ async def open_picker(pilot: Pilot[None], app: KvchatApp) -> AttachScreen:
 
 async def pick_file(pilot: Pilot[None], screen: AttachScreen, name: str = "valves.txt") -> None:
     """In the tree: the cursor on the file ``name`` (by its line), Enter reads it."""
+    await select_in_tree(pilot, screen, name)
+    await wait_until(lambda: screen.reading is not None or "-error" in _message_classes(screen))
+
+
+async def select_in_tree(pilot: Pilot[None], screen: AttachScreen, name: str) -> None:
+    """In the tree: the cursor on the entry ``name`` (by its line), Enter."""
     tree = screen.query_one("#attach-tree", DirectoryTree)
     tree.focus()
     await wait_until(lambda: tree.last_line >= 1)
@@ -91,7 +97,6 @@ async def pick_file(pilot: Pilot[None], screen: AttachScreen, name: str = "valve
     assert line is not None
     tree.cursor_line = line
     await pilot.press("enter")
-    await wait_until(lambda: screen.reading is not None or "-error" in _message_classes(screen))
 
 
 def _message_classes(screen: AttachScreen) -> set[str]:
@@ -284,9 +289,15 @@ async def test_a_changed_file_is_never_mixed_in_a_new_conversation_is_offered(
         assert kept.document.sha256 == old_sha and kept.document.text == manual() + "\n"
 
 
-async def test_bad_inputs_are_one_line_each_and_nothing_is_stored(docs: Path) -> None:
+async def test_bad_inputs_are_one_line_a_folder_takes_a_glob_and_nothing_is_stored(
+    docs: Path,
+) -> None:
     (docs / "blob.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     (docs / "huge.txt").write_text(manual(lines=400) + "\n")  # ~11,000 tokens: over 2,048
+    notes = docs / "notes"
+    notes.mkdir()
+    for name in ("a.md", "b.md", "c.py"):
+        (notes / name).write_text(f"{name}\n")
     many = docs / "many"
     many.mkdir()
     for i in range(1_001):
@@ -319,6 +330,21 @@ async def test_bad_inputs_are_one_line_each_and_nothing_is_stored(docs: Path) ->
         assert main.state.pending_documents is None
         assert service.store.documents() == []
         assert main.session_id is None  # nothing was made
+
+        # A folder picked in the tree, read with a glob: only the files it matches.
+        screen = await open_picker(pilot, app)
+        await select_in_tree(pilot, screen, "notes")
+        await wait_until(lambda: screen.folder is not None)
+        screen.query_one("#attach-glob", Input).value = "*.md"
+        await pilot.click("#attach-read")
+        await wait_until(lambda: screen.reading is not None)
+        folder = screen.reading
+        assert folder is not None
+        assert [row.name for row in folder.documents.rows] == ["a.md", "b.md"]
+        assert "tokens" in screen.message and "a.md" in screen.message
+        await pilot.press("escape")  # cancelled: nothing attached, nothing stored
+        await wait_until(lambda: app.screen is main)
+        assert main.state.pending_documents is None and service.store.documents() == []
 
         # Attached, then taken off again with its ✕: nothing goes with the next message.
         await attach_via_picker(pilot, app, main)
