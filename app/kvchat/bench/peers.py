@@ -85,6 +85,9 @@ class PeerRow:
     # re-read ÷ this, per length: how many times sooner the first token comes.
     sooner: dict[str, float] = field(default_factory=dict)
     decoded: dict[str, int] = field(default_factory=dict)
+    # The same peer reading the whole prompt itself (its own engine), per length, and ÷ this.
+    own_reread_ms: dict[str, float] = field(default_factory=dict)
+    sooner_than_own: dict[str, float] = field(default_factory=dict)
     # Greedy after the restore equal to the same peer's full read (None: not verified).
     greedy_equal: bool | None = None
     greedy_note: str = ""
@@ -97,6 +100,8 @@ class PeerRow:
     # Conversations sharing a prefix: bytes on disk, and ÷ the KV itself (prefix once).
     shared_disk_bytes: int | None = None
     shared_over_kv: float | None = None
+    # Of those conversations, how many it could still restore at the end.
+    shared_kept: int | None = None
     # A snapshot of another KV type: "rejected: …", "accepted: …", "crashed: …".
     foreign: str = ""
 
@@ -215,17 +220,26 @@ class DiskCachePeer:
 
         self.llama = llama
         self.directory = directory
-        # Room for every state this run saves: the default (1 GiB) would evict them.
+        # Room for every state this run saves (LlamaDiskCache's own limit; diskcache's
+        # size_limit of 1 GiB still applies: see save).
         self.cache = LlamaDiskCache(cache_dir=str(directory), capacity_bytes=64 << 30)
 
     def save(self, key: Sequence[int]) -> tuple[float, int]:
-        """``cache[key] = save_state()``: (ms, bytes the directory grew by)."""
-        before = dir_bytes(self.directory)
+        """``cache[key] = save_state()``: (ms, bytes of the files it wrote). Not the
+        directory's growth: diskcache drops the oldest entries past its own 1 GiB
+        ``size_limit`` (LlamaDiskCache leaves it at the default), whatever capacity_bytes
+        says."""
+        before = dir_files(self.directory)
         started = time.perf_counter()
         with _quiet():  # LlamaDiskCache.__setitem__ prints to stderr
             self.cache[list(key)] = self.llama.llm.save_state()
         ms = (time.perf_counter() - started) * 1000
-        return ms, dir_bytes(self.directory) - before
+        after = dir_files(self.directory)
+        return ms, sum(size for path, size in after.items() if before.get(path) != size)
+
+    def holds(self, key: Sequence[int]) -> bool:
+        """Whether the entry saved under ``key`` is still in the cache."""
+        return tuple(key) in self.cache.cache
 
     def put(self, key: Sequence[int], state: Any) -> None:
         with _quiet():
@@ -247,6 +261,17 @@ class DiskCachePeer:
 def _quiet() -> Iterator[None]:
     with contextlib.redirect_stderr(io.StringIO()):
         yield
+
+
+def dir_files(path: Path) -> dict[str, int]:
+    """Size of each regular file under ``path``."""
+    found: dict[str, int] = {}
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                found[full] = os.lstat(full).st_size
+    return found
 
 
 def dir_bytes(path: Path) -> int:
@@ -501,6 +526,7 @@ def _resume(p: _Peers, target: int) -> None:
     reread_ms, reference = p.llama.greedy(prompt)
     row = rows[RE_READ]
     row.ttft_ms[size], row.sooner[size], row.decoded[size] = reread_ms, 1.0, len(prompt)
+    _own(row, size, reread_ms)
     row.greedy_equal, row.greedy_note = True, "the reference: a full read"
 
     say(f"{target}: LlamaDiskCache…")
@@ -515,9 +541,10 @@ def _resume(p: _Peers, target: int) -> None:
         _verdict(rows[DISK_CACHE], size, tokens == reference)
     held = int(state.n_tokens) if state is not None else 0
     _timed(rows[DISK_CACHE], size, times, reread_ms, len(prompt) - _common(history[:held], prompt))
+    _own(rows[DISK_CACHE], size, reread_ms)
 
     say(f"{target}: kvchat, from disk after a restart and from RAM after a switch…")
-    _, kv_reference, _ = _kvchat_turn(service, session_id, chat, None)
+    own_ms, kv_reference, _ = _kvchat_turn(service, session_id, chat, None)
     for peer, tier in ((KVCHAT_DISK, "disk"), (KVCHAT_RAM, "ram")):
         if tier == "ram":
             service.make_hot(session_id)
@@ -528,6 +555,7 @@ def _resume(p: _Peers, target: int) -> None:
             times.append(ms)
             _verdict(rows[peer], size, reply == kv_reference)
         _timed(rows[peer], size, times, reread_ms, decoded)
+        _own(rows[peer], size, own_ms)
     service.host.tiers.warm.clear()
 
     if p.server is not None:
@@ -545,7 +573,7 @@ def _server_resume(
     server.completion(history, 1)  # the previous turn
     server.save(name)
     server.erase()
-    _, reference, _ = server.completion(prompt, GREEDY_TOKENS)  # its own full read
+    own_ms, reference, _ = server.completion(prompt, GREEDY_TOKENS)  # its own full read
     times, evaluated = [], 0
     for _ in range(p.repeat):
         server.erase()  # a restart: nothing in the slot
@@ -556,6 +584,7 @@ def _server_resume(
         times.append(restored_ms + ttft)
         _verdict(row, size, text == reference)
     _timed(row, size, times, reread_ms, evaluated)
+    _own(row, size, own_ms)
 
 
 def _timed(row: PeerRow, size: str, times: list[float], reread_ms: float, decoded: int) -> None:
@@ -563,6 +592,13 @@ def _timed(row: PeerRow, size: str, times: list[float], reread_ms: float, decode
     row.ttft_ms[size] = ms
     row.sooner[size] = reread_ms / ms if ms else 0.0
     row.decoded[size] = decoded
+
+
+def _own(row: PeerRow, size: str, own_ms: float) -> None:
+    """The peer's own full read of the same prompt, and how many times sooner its resume."""
+    row.own_reread_ms[size] = own_ms
+    ms = row.ttft_ms.get(size, 0.0)
+    row.sooner_than_own[size] = own_ms / ms if ms else 0.0
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -683,18 +719,23 @@ def _shared(p: _Peers, conversations: int, prefix: int, per_token: float) -> int
     chat = _chat(service, parent)
     history = engine.chat_tokens(chat)
     branch_tokens = 0
+    children: list[str] = []
     for index in range(conversations):
         child = service.sessions.fork(parent)
+        children.append(child.id)
         service.send(
             child.id, f"Conversation {index}: {NEXT_MESSAGE}", max_tokens=8, temperature=0.0
         )
         branch_tokens += service.context_tokens - len(history)
     ideal = per_token * (len(history) + branch_tokens)
     on_disk = kv.stats()["disk"]["bytes"] - before
+    kept = sum(1 for child in children if service.host.tiers.snapshot(child) is not None)
     for peer in (KVCHAT_DISK, KVCHAT_RAM):
         rows[peer].shared_disk_bytes = on_disk
         rows[peer].shared_over_kv = on_disk / ideal
+        rows[peer].shared_kept = kept
     rows[RE_READ].shared_disk_bytes, rows[RE_READ].shared_over_kv = 0, 0.0
+    rows[RE_READ].shared_kept = 0
 
     say("shared prefix: LlamaDiskCache…")
     branches = [
@@ -706,13 +747,16 @@ def _shared(p: _Peers, conversations: int, prefix: int, per_token: float) -> int
     p.llama.read(history)
     parent_state = p.llama.llm.save_state()
     total = 0
+    keys = []
     for tokens in branches:
         p.llama.restart()
         p.llama.llm.load_state(parent_state)
         _, reply = p.llama.greedy(tokens, 8)
-        total += p.disk.save(tokens + reply)[1]
+        keys.append(tokens + reply)
+        total += p.disk.save(keys[-1])[1]
     rows[DISK_CACHE].shared_disk_bytes = total
     rows[DISK_CACHE].shared_over_kv = total / ideal
+    rows[DISK_CACHE].shared_kept = sum(1 for key in keys if p.disk.holds(key))
 
     if p.server is not None:
         say("shared prefix: llama-server…")
@@ -727,6 +771,11 @@ def _shared(p: _Peers, conversations: int, prefix: int, per_token: float) -> int
             total += server.save(f"shared-{index}.bin")[1]
         rows[SERVER].shared_disk_bytes = total
         rows[SERVER].shared_over_kv = total / ideal
+        rows[SERVER].shared_kept = sum(
+            1
+            for index in range(len(branches))
+            if (server.slot_dir / f"shared-{index}.bin").is_file()
+        )
     return len(history)
 
 
@@ -936,37 +985,46 @@ def _per_token(service: ChatService) -> float:
 PEER_COLUMNS: tuple[tuple[str, str], ...] = (
     (
         "first word",
-        "time to the first token of the next message after a restart (or a "
-        "switch, for RAM), per history length: load what was kept, read the rest",
+        "time to the first token of the next message after a restart (a switch, for RAM), "
+        "per history length: load what was kept, read the rest",
     ),
-    ("sooner", "re-read ÷ this row, per length, same run: how many times sooner"),
+    ("sooner", "re-read's first word ÷ this row's, per length, same run"),
+    ("own read", "the same peer reading the whole prompt itself, per length"),
+    ("÷own", "its own read ÷ its resume: the speedup on its own engine"),
     (
         "greedy",
-        "the greedy reply after the restore equals the same peer's full read "
-        "(yes/NO, every length)",
+        "the greedy reply after the restore equals the same peer's full read (every length)",
     ),
     ("save/turn", "time the save after each turn took (mean over the conversation)"),
     (
         "written",
-        "bytes written per turn ÷ the KV of the turn's new tokens (1.0× writes "
-        "nothing twice; re-read writes nothing and pays a full read instead)",
+        "bytes written per turn ÷ the KV of the turn's new tokens (1.0× writes nothing "
+        "twice; re-read writes nothing and pays a full read instead)",
     ),
     ("turn", "a whole turn (read the message, reply, save) ÷ re-read's turn"),
     (
         "shared",
-        "disk used by the conversations sharing one prefix ÷ the KV itself "
-        "(the prefix once + the branches)",
+        "bytes written for the conversations sharing one prefix ÷ the KV itself (the prefix "
+        "once + the branches), and how many of them it still holds at the end",
     ),
-    ("other KV", "what it does with a snapshot made with another KV type"),
 )
 
 
-def _sizes_cell(
-    row: PeerRow, sizes: list[str], values: dict[str, float], fmt: Callable[[float], str]
-) -> str:
-    if row.missing:
-        return "—"
+def _cell(sizes: list[str], values: dict[str, float], fmt: Callable[[float], str]) -> str:
     return " / ".join(fmt(values[s]) if s in values else "—" for s in sizes)
+
+
+def _versus(kv_ms: float, other: PeerRow, size: str) -> str:
+    """kvchat against another row, in words."""
+    ms = other.ttft_ms[size]
+    if not kv_ms or not ms:
+        return ""
+    ratio = ms / kv_ms
+    if ratio >= 1.1:
+        return f"{times_words(ratio)} sooner than {other.peer} ({seconds_words(ms)})"
+    if ratio > 1 / 1.1:
+        return f"level with {other.peer} ({seconds_words(ms)})"
+    return f"{other.peer} is {times_words(1 / ratio)} sooner ({seconds_words(ms)})"
 
 
 def peers_headline(report: PeersReport) -> list[str]:
@@ -984,31 +1042,32 @@ def peers_headline(report: PeersReport) -> list[str]:
         + ", ".join(parts)
     ]
     kv = report.row(KVCHAT_DISK)
-    if size in kv.sooner:
-        best_peer = max(
-            (r for r in report.rows if r.peer in (DISK_CACHE, SERVER) and size in r.sooner),
-            key=lambda r: r.sooner[size],
-            default=None,
-        )
-        line = f"kvchat from disk: {times_words(kv.sooner[size])} sooner than reading it again"
-        if best_peer is not None:
-            ratio = best_peer.ttft_ms[size] / kv.ttft_ms[size] if kv.ttft_ms[size] else 0
-            line += f", {times_words(ratio)} sooner than {best_peer.peer}"
-        lines.append(line)
-    disk = report.row(DISK_CACHE)
+    if size in kv.ttft_ms:
+        line = f"kvchat from disk: first word in {seconds_words(kv.ttft_ms[size])}"
+        own = kv.own_reread_ms.get(size)
+        if own:
+            line += (
+                f" instead of {seconds_words(own)} reading it again "
+                f"({times_words(kv.sooner_than_own[size])} sooner)"
+            )
+        versus = [
+            _versus(kv.ttft_ms[size], r, size)
+            for r in report.rows
+            if r.peer in (DISK_CACHE, SERVER) and size in r.ttft_ms
+        ]
+        lines.append("; ".join([line, *[v for v in versus if v]]))
+    disk, server = report.row(DISK_CACHE), report.row(SERVER)
     if kv.written_per_turn is not None and disk.written_per_turn:
-        lines.append(
+        line = (
             f"per turn kvchat wrote {kv.written_per_turn / 2**20:.1f} MiB, LlamaDiskCache "
             f"{disk.written_per_turn / 2**20:.0f} MiB"
-            + (
-                f", llama-server {report.row(SERVER).written_per_turn / 2**20:.0f} MiB"
-                if report.row(SERVER).written_per_turn
-                else ""
-            )
         )
-    missing = [r for r in report.rows if r.missing]
-    for row in missing:
-        lines.append(f"{row.peer}: {row.missing}")
+        if server.written_per_turn:
+            line += f", llama-server {server.written_per_turn / 2**20:.0f} MiB"
+        lines.append(line)
+    for row in report.rows:
+        if row.missing:
+            lines.append(f"{row.peer}: {row.missing}")
     return lines
 
 
@@ -1023,37 +1082,44 @@ def format_peers(report: PeersReport) -> str:
         f"{report.prefix_tokens:,}-token prefix"
     )
     header = (
-        f"{'':<18} {'first word':>20} {'sooner':>12} {'greedy':>7} {'save/turn':>10} "
-        f"{'written':>8} {'turn':>6} {'shared':>12}  other KV"
+        f"{'':<18} {'first word':>16} {'sooner':>12} {'own read':>14} {'÷own':>11} "
+        f"{'greedy':>6} {'save/turn':>9} {'written':>7} {'turn':>5} {'shared':>22}"
     )
     lines += ["", header, "-" * len(header)]
     for row in report.rows:
         if row.missing:
             lines.append(f"{row.peer:<18} {row.missing}")
             continue
-        first = _sizes_cell(row, sizes, row.ttft_ms, seconds_words)
-        sooner = _sizes_cell(row, sizes, row.sooner, times_words)
         greedy = "—" if row.greedy_equal is None else ("yes" if row.greedy_equal else "NO")
         save = f"{row.save_ms_per_turn:.0f} ms" if row.save_ms_per_turn is not None else "—"
-        written = (
-            f"{row.written_over_new_kv:.1f}×"
-            if row.written_over_new_kv is not None
-            else ("0" if row.written_per_turn == 0 else "—")
-        )
         if row.written_per_turn == 0:
             written = "0"
+        elif row.written_over_new_kv is not None:
+            written = f"{row.written_over_new_kv:.1f}×"
+        else:
+            written = "—"
         turn = f"{row.turn_over_reread:.2f}×" if row.turn_over_reread is not None else "—"
-        shared = (
-            f"{row.shared_disk_bytes / mib:,.0f} MiB {row.shared_over_kv:.1f}×"
-            if row.shared_disk_bytes and row.shared_over_kv is not None
-            else ("0" if row.shared_disk_bytes == 0 else "—")
-        )
+        if row.shared_disk_bytes == 0:
+            shared = "0"
+        elif row.shared_disk_bytes and row.shared_over_kv is not None:
+            shared = f"{row.shared_disk_bytes / mib:,.0f} MiB {row.shared_over_kv:.1f}×"
+        else:
+            shared = "—"
+        if row.shared_kept is not None and row.shared_disk_bytes:
+            shared += f" {row.shared_kept}/{report.conversations}"
         lines.append(
-            f"{row.peer:<18} {first:>20} {sooner:>12} {greedy:>7} {save:>10} {written:>8} "
-            f"{turn:>6} {shared:>12}  {row.foreign}"
+            f"{row.peer:<18} {_cell(sizes, row.ttft_ms, seconds_words):>16} "
+            f"{_cell(sizes, row.sooner, times_words):>12} "
+            f"{_cell(sizes, row.own_reread_ms, seconds_words):>14} "
+            f"{_cell(sizes, row.sooner_than_own, times_words):>11} {greedy:>6} {save:>9} "
+            f"{written:>7} {turn:>5} {shared:>22}"
         )
     lines += column_notes(PEER_COLUMNS)
-    lines.append("")
+    lines += ["", "a snapshot made with another KV type:"]
+    for row in report.rows:
+        if not row.missing:
+            lines.append(f"  {row.peer}: {row.foreign}")
+    lines += ["", "the rows:"]
     for row in report.rows:
         lines.append(f"  {row.peer}: {row.how}")
     return "\n".join(lines)

@@ -58,6 +58,10 @@ def test_e2e_bench_peers_rows_ratios_and_verified_restores(kvhome: Path, cli) ->
         if not row["greedy_equal"]:
             assert "differs at" in row["greedy_note"]
         assert row["foreign"]
+        # Each peer's own full read of the same prompt, and its resume against it.
+        own = row["own_reread_ms"][size]
+        assert own > 0
+        assert abs(row["sooner_than_own"][size] - own / ttft) <= 0.01 * own / ttft + 0.002
     # kvchat's own restores equal a full read, from disk and from RAM.
     assert rows[KVCHAT_DISK]["greedy_equal"] is True
     assert rows[KVCHAT_RAM]["greedy_equal"] is True
@@ -76,6 +80,10 @@ def test_e2e_bench_peers_rows_ratios_and_verified_restores(kvhome: Path, cli) ->
     assert reread["shared_disk_bytes"] == 0
     assert 0.9 <= kv["shared_over_kv"] <= 1.5
     assert rows[DISK_CACHE]["shared_over_kv"] > 2
+    # Every conversation still restorable at the end (kvchat; the server's files stay).
+    assert kv["shared_kept"] == 3
+    if server["missing"] is None:
+        assert server["shared_kept"] == 3
     # Another KV type's snapshot: kvchat refuses it and reads again.
     assert kv["foreign"].startswith("rejected: ") and "read again" in kv["foreign"]
     assert rows[DISK_CACHE]["foreign"].split(":")[0] in {"rejected", "accepted", "crashed"}

@@ -62,18 +62,31 @@ def _report() -> PeersReport:
 
 
 def test_the_headline_names_each_rows_first_word_and_the_best_peer() -> None:
-    lines = peers_headline(_report())
+    report = _report()
+    kv = report.row(KVCHAT_DISK)
+    kv.own_reread_ms["4185"] = 46000.0
+    kv.sooner_than_own["4185"] = 46000.0 / 380.0
+    lines = peers_headline(report)
     assert lines[0] == (
         "resuming a 4,185-token conversation after a restart, first word: re-read 47 s, "
         "LlamaDiskCache 2.1 s, kvchat (disk) 0.38 s, kvchat (RAM) 0.37 s"
     )
     assert lines[1] == (
-        "kvchat from disk: 124× sooner than reading it again, 5.5× sooner than LlamaDiskCache"
+        "kvchat from disk: first word in 0.38 s instead of 46 s reading it again (121× "
+        "sooner); 5.5× sooner than LlamaDiskCache (2.1 s)"
     )
     assert lines[2] == "per turn kvchat wrote 3.5 MiB, LlamaDiskCache 140 MiB"
     assert lines[3] == (
         "llama-server slots: not measured: no llama-server is built here (kvchat server build)"
     )
+
+
+def test_a_peer_as_quick_as_kvchat_is_said_level_and_a_quicker_one_quicker() -> None:
+    report = _report()
+    report.row(DISK_CACHE).ttft_ms["4185"] = 390.0
+    assert "level with LlamaDiskCache (0.39 s)" in peers_headline(report)[1]
+    report.row(DISK_CACHE).ttft_ms["4185"] = 190.0
+    assert "LlamaDiskCache is 2.0× sooner (0.19 s)" in peers_headline(report)[1]
 
 
 def test_the_table_says_why_a_row_is_missing_and_explains_every_column() -> None:
@@ -88,6 +101,7 @@ def test_the_table_says_why_a_row_is_missing_and_explains_every_column() -> None
         assert any(line.strip().startswith(name) and line.endswith(meaning) for line in lines)
     for peer in PEERS:
         assert f"  {peer}: {HOW[peer]}" in lines
+    assert "a snapshot made with another KV type:" in lines
 
 
 def test_the_json_reads_back_into_the_same_tables() -> None:
