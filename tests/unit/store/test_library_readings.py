@@ -98,9 +98,14 @@ def test_the_disk_budget_keeps_a_pinned_reading_and_evicts_it_once_removed(
     assert store.get_snapshot(READING) is not None
     assert snapshots.disk_bytes() == reading_bytes
 
+    assert snapshots.over_budget_note() is None
+
     snapshots.budget_bytes = 1  # no room at all: a pinned reading stays even so
     assert snapshots.enforce_budget() == []
     assert store.get_snapshot(READING) is not None
+    note = snapshots.over_budget_note()
+    assert note is not None and "the document library's readings use" in note
+    assert "kvchat docs rm" in note
 
     store.remove_from_library(doc.id)
     assert snapshots.enforce_budget() == [READING]

@@ -335,7 +335,16 @@ class Housekeeper:
         used = self.disk_bytes()
         if used <= budget_bytes:
             return None
-        sizes = [(self.snapshot_bytes(r), r.session_id) for r in self.store.snapshots()]
+        rows = self.store.snapshots()
+        pinned = self.store.pinned_sessions()
+        kept = sum(self.snapshot_bytes(r) for r in rows if r.session_id in pinned)
+        if kept > budget_bytes:
+            return (
+                f"the document library's readings use {kept / 2**20:.1f} MiB, more than the "
+                f"disk budget ({gib(budget_bytes)}): they are never evicted; `kvchat docs rm` "
+                "frees them, or raise disk_cache_gib"
+            )
+        sizes = [(self.snapshot_bytes(r), r.session_id) for r in rows if r.session_id not in pinned]
         largest, session_id = max(sizes, default=(0, ""))
         if largest > budget_bytes:
             return (
