@@ -14,6 +14,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from textual import events
 from textual.pilot import Pilot
 from textual.widgets import DirectoryTree, Input
 
@@ -215,10 +216,10 @@ async def test_a_path_in_the_message_is_offered_declined_or_accepted(docs: Path)
         await wait_until(lambda: isinstance(app.screen, OfferDialog))
         await pilot.press("a")
         await wait_until(lambda: isinstance(app.screen, AttachScreen))
-        screen = app.screen
-        assert isinstance(screen, AttachScreen)
-        await wait_until(lambda: screen.reading is not None)
-        assert "read once for this conversation" in screen.message
+        offered = app.screen
+        assert isinstance(offered, AttachScreen)
+        await wait_until(lambda: offered.reading is not None)
+        assert "read once for this conversation" in offered.message
         assert service.store.documents() == []  # not before Attach
         await pilot.press("enter")
         await wait_until(lambda: main.last_turn is not before and main.turn is None, 90)
@@ -232,6 +233,31 @@ async def test_a_path_in_the_message_is_offered_declined_or_accepted(docs: Path)
         assert main.last_turn is not None and main.last_turn.documents_at_start is False
         await wait_until(lambda: any("with message #3" in x for x in main.documents.lines))
         assert any("read once for this conversation" in x for x in main.documents.lines)
+
+        # Pasted: a notice; Ctrl+\\ reads the pasted path at once; Enter then sends as is.
+        (docs / "pumps.txt").write_text("Pump 1 runs at night.\n")
+        pasted = f"And {docs / 'pumps.txt'}?"
+        main.prompt.focus()
+        app.post_message(events.Paste(pasted))  # as the terminal driver does
+        await wait_until(lambda: main.prompt.text == pasted)
+        await wait_until(lambda: any("pumps.txt: Ctrl+" in n.message for n in app._notifications))
+        assert len(service.store.documents()) == 1  # valves.txt only: nothing attached by itself
+        picker = await open_picker(pilot, app)
+        await wait_until(lambda: picker.reading is not None)
+        assert picker.reading is not None and picker.reading.names == "pumps.txt"
+        await pilot.press("enter")
+        await wait_until(lambda: main.state.pending_documents is not None)
+        before = main.last_turn
+        main.prompt.focus()
+        await pilot.press("enter")  # no offer: the path is attached already
+        await wait_until(lambda: main.last_turn is not before and main.turn is None, 90)
+        await wait_until(lambda: main.housekeeping_idle, 90)
+        messages = service.sessions.messages(session_id)
+        assert messages[4].content == pasted
+        later = [
+            u for u in service.documents.of_session(session_id) if u.message_id == messages[4].id
+        ]
+        assert [u.document.name for u in later] == ["pumps.txt"]
 
 
 async def test_a_changed_file_is_never_mixed_in_a_new_conversation_is_offered(

@@ -143,6 +143,8 @@ class Attachments:
         something was attached."""
         if not ready_or_say(self.ctx.app, self.ctx.state):
             return False
+        if not preset:  # paths named in the message so far are read at once
+            preset = [resolved(p) for p in self._unattached(self.ctx.prompt.text)]
         screen = AttachScreen(self.read, Path.cwd(), preset)
         reading = await self.ctx.app.push_screen_wait(screen)
         if reading is None:
@@ -221,19 +223,37 @@ class Attachments:
 
     # --- paths named in a message -------------------------------------------------------
 
+    def _unattached(self, text: str) -> list[str]:
+        """The paths ``text`` names that exist and are not attached already."""
+        try:
+            named = named_paths(text)
+        except (OSError, ValueError):
+            return []
+        pending = self.ctx.state.pending_documents
+        attached = set(pending.paths) if pending is not None else set()
+        return [p for p in named if resolved(p) not in attached]
+
+    def pasted(self, text: str) -> None:
+        """Text pasted into the input that names files or folders: a notice saying how to
+        attach them (nothing is attached by itself; the text stays as pasted)."""
+        if not self.ctx.state.ready:
+            return
+        named = self._unattached(text)
+        if named:
+            self.ctx.app.notify(
+                f"{', '.join(named)}: Ctrl+\\ attaches (showing what it takes first); "
+                "Enter asks too. The message stays text",
+                title="Attach?",
+                markup=False,
+            )
+
     def offer(self, text: str) -> bool:
         """Enter on a message that names existing files or folders not attached yet: asks
         whether to attach them (the message waits; True), else False (send it as usual)."""
         state = self.ctx.state
         if not state.ready or state.turn is not None or not text.strip():
             return False
-        try:
-            named = named_paths(text)
-        except (OSError, ValueError):
-            return False
-        pending = state.pending_documents
-        attached = set(pending.paths) if pending is not None else set()
-        offered = [p for p in named if resolved(p) not in attached]
+        offered = self._unattached(text)
         if not offered:
             return False
         self.ctx.run(ATTACH_OFFER, self._offer, text, offered)

@@ -327,6 +327,10 @@ class MainScreen(Screen[None]):
         if not self.attachments.offer(event.text):
             self.turns.start(self.turns.submit(event.text))
 
+    @on(PromptInput.Pasted)
+    def _pasted(self, event: PromptInput.Pasted) -> None:
+        self.attachments.pasted(event.text)
+
     @on(MessageView.CopyRequested)
     def _copy_requested(self, event: MessageView.CopyRequested) -> None:
         if event.code:

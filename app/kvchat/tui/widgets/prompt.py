@@ -35,6 +35,23 @@ class PromptInput(TextArea):
         def control(self) -> PromptInput:
             return self.prompt
 
+    @dataclass
+    class Pasted(Message):
+        """Text was pasted into the input (it is inserted as text, as always)."""
+
+        prompt: PromptInput
+        text: str
+
+        @property
+        def control(self) -> PromptInput:
+            return self.prompt
+
+    def on_paste(self, event: events.Paste) -> None:
+        """After TextArea inserted the pasted text: say what was pasted (paths in it are
+        offered as attachments)."""
+        if not self.read_only and self.takes_sent:
+            self.post_message(self.Pasted(self, event.text))
+
     def give_back(self, text: str) -> None:
         """Put a message that was not sent back at the start of the input, above anything
         typed since (nothing the user wrote is lost)."""
