@@ -9,7 +9,7 @@ head counts, QKV bias, sliding windows and soft-capping are what these tests exe
 Attention is made sharp (:data:`QK_STD`, :data:`QK_NORM`): with the other weights' scale
 (std 0.05) every query attends almost evenly to every cell, and a restore that swaps two
 cells' K rows replied exactly as a full prefill (measured on llama-gqa: see
-tests/test_planted_defects.py).
+tests/stress/test_planted_defects.py).
 """
 
 from __future__ import annotations

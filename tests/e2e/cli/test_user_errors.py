@@ -114,7 +114,7 @@ def test_ask_says_how_far_a_long_prompt_is_read(kvhome: Path):
     import sys
 
     from tests.conftest import REPO, clean_env
-    from tests.test_tui_nothing_typed_is_lost import LONG_MESSAGE
+    from tests.e2e.tui.test_tui_nothing_typed_is_lost import LONG_MESSAGE
 
     proc = subprocess.run(
         [sys.executable, "-m", "kvchat", "ask", "--n-ctx", "4096", "--max-tokens", "2", "-"],

@@ -326,7 +326,7 @@ async def test_the_app_replies_through_the_server_and_says_whose_kv_it_is(
 ) -> None:
     from kvchat.config import Settings
     from kvchat.tui.app import KvchatApp
-    from tests.test_tui import SIZE, quit_app, ready, send, wait_until
+    from tests.e2e.tui.test_tui import SIZE, quit_app, ready, send, wait_until
 
     settings = Settings(
         temperature=0, max_tokens=8, openai_url=f"{server.url}/v1", openai_api_key=KEY

@@ -393,7 +393,7 @@ async def test_the_app_resumes_from_the_server_and_says_where_the_model_runs(
 ) -> None:
     from kvchat.config import Settings
     from kvchat.tui.app import KvchatApp
-    from tests.test_tui import SIZE, quit_app, ready, send
+    from tests.e2e.tui.test_tui import SIZE, quit_app, ready, send
 
     def app() -> KvchatApp:
         settings = Settings(temperature=0, max_tokens=16, server_url=server.url)

@@ -64,8 +64,8 @@ def test_a_session_longer_than_the_window_resumes_from_its_slot_file(
     Not asserted: equality with a full prefill. On this Gemma the server's full prefill
     departs from the turn-by-turn KV after ~20 greedy tokens with and without --swa-full and
     with and without weight repacking (measured), while the in-process engine is exact on
-    the same model (tests/test_sliding_window.py); the server engine's exactness is proved
-    on the bundled model (tests/test_server.py)."""
+    the same model (tests/e2e/families/test_sliding_window.py); the server engine's exactness is proved
+    on the bundled model (tests/e2e/server/test_server.py)."""
     cells = _window_cells(gemma_server.log)
     assert cells and max(cells) < N_CTX, cells  # window-sized, not n_ctx
     home = tmp_path / "home"

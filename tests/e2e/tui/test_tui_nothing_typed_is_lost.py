@@ -181,7 +181,7 @@ async def test_f8_in_the_sessions_list_deletes_the_highlighted_session(kvhome: P
 
     from kvchat.service.chat import ChatService
     from kvchat.tui.screens.dialogs import ConfirmDialog
-    from tests.test_tui_relaunch_and_continue import make_settings
+    from tests.e2e.tui.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
     other = service.sessions.new_session("Other chat")
@@ -226,7 +226,7 @@ async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_
     import json
 
     from tests.conftest import run_cli
-    from tests.test_tui_relaunch_and_continue import quit_app
+    from tests.e2e.tui.test_tui_relaunch_and_continue import quit_app
 
     prompt = "Write a long poem about the sea."
     asked = run_cli(kvhome, "ask", "--max-tokens", "4", "--temperature", "0", prompt)
@@ -254,7 +254,7 @@ async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_
 async def test_the_cut_mark_stays_on_an_earlier_reply_after_the_next_turn_and_a_reopen(
     kvhome: Path,
 ) -> None:
-    from tests.test_tui_relaunch_and_continue import quit_app
+    from tests.e2e.tui.test_tui_relaunch_and_continue import quit_app
 
     app = make_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
@@ -370,7 +370,7 @@ async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome:
 async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Path) -> None:
     from kvchat.service.chat import ChatService
     from tests.conftest import run_cli
-    from tests.test_tui_relaunch_and_continue import make_settings, quit_app
+    from tests.e2e.tui.test_tui_relaunch_and_continue import make_settings, quit_app
 
     service = ChatService(make_settings())
     kept_empty = service.sessions.new_session()  # not made by the app's run: not its to drop
@@ -403,7 +403,7 @@ async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Pa
 
 
 async def test_the_kv_status_follows_each_turn_after_a_restore(kvhome: Path) -> None:
-    from tests.test_tui_relaunch_and_continue import quit_app
+    from tests.e2e.tui.test_tui_relaunch_and_continue import quit_app
 
     app = make_app(max_tokens=16)
     async with app.run_test(size=SIZE) as pilot:
@@ -465,7 +465,7 @@ async def test_the_code_picker_numbers_blocks_as_shown_and_copies_the_one_picked
     from kvchat.service.chat import ChatService
     from kvchat.tui.phrases import code_blocks
     from kvchat.tui.screens.dialogs import CodePickerDialog
-    from tests.test_tui_relaunch_and_continue import make_settings
+    from tests.e2e.tui.test_tui_relaunch_and_continue import make_settings
 
     service = ChatService(make_settings())
     session = service.sessions.new_session("Reverse a string")
@@ -623,7 +623,7 @@ async def test_a_long_prompt_shows_tokens_read_and_time_left(kvhome: Path) -> No
 async def test_a_fork_and_an_edit_read_differently_in_the_sidebar(kvhome: Path) -> None:
     from kvchat.tui.screens.dialogs import EditDialog
     from kvchat.tui.widgets.prompt import PromptInput
-    from tests.test_tui_branches import titles
+    from tests.e2e.tui.test_tui_branches import titles
 
     app = make_app(max_tokens=8, auto_title=False)  # the titles of the first line
     async with app.run_test(size=SIZE) as pilot:

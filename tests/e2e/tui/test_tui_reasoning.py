@@ -13,15 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from test_reasoning import ANSWER, REASONING, SWITCHED, forced
-from test_tui import SIZE, make_app, open_id, quit_app, ready, send, service_of, wait_until
-from test_tui import home as home  # noqa: F401  (the fixture)
-from test_tui import no_background_failures as no_background_failures  # noqa: F401
-
 from kvchat.config import Settings
 from kvchat.service.chat import ChatService
 from kvchat.tui.widgets.conversation import MessageView
 from kvchat.tui.widgets.thought import Thought, ThoughtFigures, thought_line
+from tests.e2e.reasoning.test_reasoning import ANSWER, REASONING, SWITCHED, forced
+from tests.e2e.tui.test_tui import (
+    SIZE,
+    make_app,
+    open_id,
+    quit_app,
+    ready,
+    send,
+    service_of,
+    wait_until,
+)
+from tests.e2e.tui.test_tui import home as home  # noqa: F401  (the fixture)
+from tests.e2e.tui.test_tui import no_background_failures as no_background_failures  # noqa: F401
 
 OTHER_REASONING = "Count: three, four."
 LONG_REASONING = "First, two and two.\n\nThen: four, surely."

@@ -3,10 +3,10 @@ first-run empty state, at 100×30 (and the main screen at 80×24, the smallest s
 
 Pictures must not change from run to run, so these use a deterministic stand-in for
 the model (``StandInService``: the real ChatService and store, a fake engine with fixed
-figures). Nothing here claims anything about resume, reuse or output: tests/test_tui.py
+figures). Nothing here claims anything about resume, reuse or output: tests/e2e/tui/test_tui.py
 does that with the real model. The libraries that draw them (Textual, Rich, Pygments) are
 pinned in the test extra: a new minor version recolours the pictures (Pygments 2.21 did).
-Update with ``pytest tests/test_tui_snapshots.py --snapshot-update``.
+Update with ``pytest tests/unit/tui/test_tui_snapshots.py --snapshot-update``.
 """
 
 from __future__ import annotations
