@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from tests.conftest import FAST, run_cli
-from tests.unit.planner.test_model_stores import stores
+from tests.unit.planner.test_model_stores import stores, tiny
 
-__all__ = ["stores"]  # fixtures shared with the module they come from
+__all__ = ["stores", "tiny"]  # fixtures shared with the module they come from
 
 
 def test_a_model_in_ollamas_store_replies_and_resumes_by_name(stores: Path, kvhome: Path) -> None:
