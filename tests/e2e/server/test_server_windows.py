@@ -55,6 +55,10 @@ def _window_cells(log: Path) -> list[int]:
     return [int(n) for n in re.findall(r"creating\s+SWA KV cache, size = (\d+) cells", text)]
 
 
+# A real Gemma 3 270M server turn past its 512-token window, four times: minutes on two cores.
+# The default run proves the server path on the bundled model (test_server.py) and Gemma's
+# windows in-process (test_sliding_window.py); this runs in CI's second step.
+@pytest.mark.stress
 def test_a_session_longer_than_the_window_resumes_from_its_slot_file(
     gemma_server: Server, tmp_path: Path
 ) -> None:
