@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from kvchat.engine import common_prefix
 from kvchat.engine.llama import weight_repack
 from kvchat.paths import bundled_model_path
+from tests.conftest import run_cli
 
 # Greedy, short replies; room for a ~3,000-token document.
 FLAGS = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "4096", "--json"]
@@ -53,17 +55,29 @@ def document(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def first_read(
+    tmp_path_factory: pytest.TempPathFactory, document: Path
+) -> tuple[Path, dict[str, Any]]:
+    """A home where the first conversation about the document read it (the one full read
+    both tests start from; each works on a copy)."""
+    home = tmp_path_factory.mktemp("first-read") / "home"
+    first = run_cli(home, "ask", "--new", "-a", str(document), FIRST, *FLAGS).json
+    return home, first
+
+
 def test_a_second_conversation_restores_the_document_and_decodes_only_its_question(
-    kvhome: Path, copy_home, cli, document: Path
+    first_read: tuple[Path, dict[str, Any]], copy_home, cli, document: Path
 ) -> None:
-    first = cli(kvhome, "ask", "--new", "-a", str(document), FIRST, *FLAGS).json
+    source, first = first_read
     assert first["restore"]["from"] == "none"
     assert first["tokens"]["decoded"] == first["tokens"]["prompt"] > 2_500
     (read,) = first["documents"]
     assert read["name"] == "valves.txt" and read["tokens"] > 2_500
 
-    baseline_home = copy_home(kvhome, "baseline")
-    second = cli(kvhome, "ask", "--new", "-a", str(document), SECOND, *FLAGS).json
+    home = copy_home(source, "second")
+    baseline_home = copy_home(source, "baseline")
+    second = cli(home, "ask", "--new", "-a", str(document), SECOND, *FLAGS).json
     baseline = cli(
         baseline_home, "ask", "--new", "-a", str(document), SECOND, "--no-restore", *FLAGS
     ).json
@@ -81,14 +95,17 @@ def test_a_second_conversation_restores_the_document_and_decodes_only_its_questi
 
 
 def test_ten_conversations_about_one_document_store_its_kv_once(
-    kvhome: Path, cli, document: Path
+    first_read: tuple[Path, dict[str, Any]], copy_home, cli, document: Path
 ) -> None:
-    reports = [
-        cli(kvhome, "ask", "--new", "-a", str(document), f"Question {n}: which room?", *FLAGS).json
-        for n in range(10)
+    source, first = first_read
+    home = copy_home(source, "ten")
+    reports = [first] + [
+        cli(home, "ask", "--new", "-a", str(document), f"Question {n}: which room?", *FLAGS).json
+        for n in range(1, 10)
     ]
     assert [r["restore"]["from"] for r in reports] == ["none"] + ["disk"] * 9
-    with sqlite3.connect(kvhome / "kvchat.db") as db:
+    with sqlite3.connect(home / "kvchat.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM sessions WHERE length(id) = 8").fetchone()[0] == 10
         stored = db.execute("SELECT COALESCE(SUM(n_bytes), 0) FROM kv_chunks").fetchone()[0]
         per_token = db.execute(
             "SELECT n_bytes * 1.0 / n_tokens FROM kv_chunks ORDER BY n_tokens DESC LIMIT 1"
