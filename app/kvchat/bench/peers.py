@@ -274,16 +274,6 @@ def dir_files(path: Path) -> dict[str, int]:
     return found
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path``."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
-
-
 # --- a real llama-server -------------------------------------------------------------------
 
 
