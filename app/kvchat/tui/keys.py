@@ -125,31 +125,18 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "",
-        "c / b / i (on a message)",
+        "Typing (on a message or the sessions list)",
         None,
-        "Copy that message / a code block of it / show its details",
+        "Every printable key goes to the input, as typed (on the list: but Space and /); no "
+        "letter acts on a message: Ctrl+O, F5, F3, Ctrl+T and F4 act on the selected one",
         palette=False,
     ),
     Key(
         "",
-        "f / e (on a message)",
+        "Enter (on a message)",
         None,
-        "Branch from that message / edit it (yours) in a new branch",
-        palette=False,
-    ),
-    Key(
-        "",
-        "t (on a reply)",
-        None,
-        "Show / fold a thinking model's reasoning (folded above the answer; a click on its "
-        "line too)",
-        palette=False,
-    ),
-    Key(
-        "",
-        "Enter (on a long message)",
-        None,
-        "Show all of a long message of yours (folded after 20 lines), or fold it again",
+        "Show all of a long message (folded after 20 lines), or fold it again; on a thinking "
+        "model's reply, show / fold its reasoning (a click on its line too)",
         palette=False,
     ),
     Key("f1", "F1", "help", "Show every key", footer="Help"),

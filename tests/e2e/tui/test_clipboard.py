@@ -83,7 +83,7 @@ async def test_copy_under_tmux_external_writes_the_file_and_says_where(
         await _settled(pilot)
         app.main.conversation.views[0].focus()
         await pilot.pause()
-        await pilot.press("c")
+        await pilot.press("ctrl+o")
         path = kvhome / "clipboard.txt"
         await _wait(lambda: any(str(path) in n for n in notices(app)))
         assert path.read_text() == "a question"

@@ -279,12 +279,12 @@ async def test_search_jumps_to_the_hit_and_export(home: Path, tmp_path: Path) ->
         assert main.conversation.scroll_y >= 0  # not the anchor's negative offset
         assert area.y <= focused.region.y < area.bottom  # the hit is on screen
 
-        # Copy that message (c) and its code block (F5: the focused message's only one).
-        await pilot.press("c")
+        # Copy that message (Ctrl+O) and its code block (F5: the focused message's only one).
+        await pilot.press("ctrl+o")
         assert app.clipboard.startswith("The **Eiffel tower**")
         await pilot.press("f5")
         await wait_until(lambda: app.clipboard == "print('Paris')")
-        # Any other key typed on a message goes to the input.
+        # A letter typed on a message goes to the input.
         await pilot.press("o", "k")
         assert main.prompt.text == "ok" and app.focused is main.prompt
         main.prompt.clear()
@@ -444,7 +444,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
         assert first_reply.role == "assistant"
         first_reply.focus()
         await pilot.pause()
-        await pilot.press("f")
+        await pilot.press("ctrl+t")
         await wait_until(lambda: main.session_id not in (None, original))
         branch = open_id(main)
         await wait_until(lambda: main.last_restore is not None and main.hot_id == branch)
@@ -469,7 +469,7 @@ async def test_branch_from_a_reply_reuses_the_shared_kv(home: Path) -> None:
 
 
 async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
-    """e on the first user message: a branch holding the edited message and a new streamed
+    """F4 on the first user message: a branch holding the edited message and a new streamed
     reply; the original conversation is unchanged. Replies cannot be edited."""
     app = make_app(max_tokens=12)
     async with app.run_test(size=SIZE) as pilot:
@@ -480,7 +480,8 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
         before = service_of(app).sessions.messages(original)
 
         main.conversation.views[1].focus()  # a reply: not editable
-        await pilot.press("e")
+        await pilot.pause()
+        await pilot.press("f4")
         await wait_until(
             lambda: any("Only your own messages" in n.message for n in app._notifications)
         )
@@ -488,7 +489,7 @@ async def test_edit_a_past_message_as_a_new_branch(home: Path) -> None:
 
         main.conversation.views[0].focus()
         await pilot.pause()
-        await pilot.press("e")
+        await pilot.press("f4")
         await wait_until(lambda: isinstance(app.screen, EditDialog))
         area = app.screen.query_one("#edit-text", PromptInput)
         assert area.text == "Name a color."

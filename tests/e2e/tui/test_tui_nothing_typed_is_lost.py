@@ -631,13 +631,14 @@ async def test_a_fork_and_an_edit_read_differently_in_the_sidebar(kvhome: Path) 
         await send(pilot, main, "Let's plan a trip to Japan in the spring.")
         original = main.session_id
         main.conversation.views[1].focus()
-        await pilot.press("f")  # fork at the reply, #2
+        await pilot.pause()
+        await pilot.press("ctrl+t")  # fork at the reply, #2
         await wait_until(lambda: main.session_id not in (None, original))
         main.open_session(original)  # type: ignore[arg-type]
         await wait_until(lambda: main.session_id == original and len(main.conversation.views) == 2)
         main.conversation.views[0].focus()
         await pilot.pause()
-        await pilot.press("e")  # edit #1
+        await pilot.press("f4")  # edit #1
         await wait_until(lambda: isinstance(app.screen, EditDialog))
         area = app.screen.query_one("#edit-text", PromptInput)
         area.clear()

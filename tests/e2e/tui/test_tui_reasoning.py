@@ -85,13 +85,14 @@ async def test_a_stored_reply_shows_its_reasoning_folded_until_t(home: Path) -> 
             reply.drawn_text
         )
         reply.focus()
-        await pilot.press("t")
+        await pilot.pause()
+        await pilot.press("enter")
         await pilot.pause()
         assert thought.shown and thought.body_text == LONG_REASONING
         assert _line(reply).startswith("▾ Thought")
         assert "Then: four, surely." in reply.drawn_text  # below its line, above the answer
         assert reply.drawn_text.index("Then: four, surely.") < reply.drawn_text.index(ANSWER)
-        await pilot.press("t")
+        await pilot.press("enter")
         await pilot.pause()
         assert not thought.shown and "Then: four, surely." not in reply.drawn_text
         # A click on the line unfolds it (the role line is row 0 of the message's content).
@@ -193,7 +194,8 @@ async def test_a_streamed_reply_thinks_folded_and_the_key_switches_thinking(
         stored = service.sessions.messages(open_id(main))[-1]
         assert (stored.content, stored.reasoning) == (ANSWER, REASONING)
         reply.focus()
-        await pilot.press("t")
+        await pilot.pause()
+        await pilot.press("enter")
         await pilot.pause()
         assert thought.body_text == REASONING
         # Ctrl+/: off, then on again, in the session's settings.

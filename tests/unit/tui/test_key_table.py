@@ -48,14 +48,21 @@ def test_every_key_has_a_description_and_palette_actions_have_keys() -> None:
             assert key.action and key.keys
 
 
-def test_branch_and_edit_are_in_the_palette_and_on_messages() -> None:
+def test_branch_and_edit_are_in_the_palette_and_no_typed_key_acts_on_a_message() -> None:
+    from kvchat.tui.screens.details import DetailsDialog
     from kvchat.tui.widgets.conversation import MessageView
+    from kvchat.tui.widgets.sidebar import SessionList
 
     entries = {action for _, action, _ in KvchatCommands._entries(None)}  # type: ignore[arg-type]
-    assert {"branch", "edit_message", "regenerate"} <= entries
-    message_keys = {b.key: b.action for b in MessageView.BINDINGS}  # type: ignore[union-attr]
-    assert message_keys["f"] == "branch" and message_keys["e"] == "edit"
-    assert {"c", "b", "f", "e"} <= MessageView.OWN_KEYS
+    assert {"branch", "edit_message", "regenerate", "copy_code", "message_details"} <= entries
+    # Where the user may expect to type (a message, the sessions list, a dialog that only
+    # shows lines, the main screen), no binding is a key that types a character: only the
+    # list's Space and / (they fold and filter it), which the list keeps.
+    for cls in (MessageView, SessionList, DetailsDialog, MainScreen):
+        for binding in cls.BINDINGS:
+            for key in binding.key.split(","):  # type: ignore[union-attr]
+                typed = len(key) == 1 or key in ("space", "slash")
+                assert not typed or (cls is SessionList and key in ("space", "slash")), (cls, key)
 
 
 def test_format_helpers() -> None:

@@ -124,5 +124,11 @@ async def test_help_lists_the_new_keys(service: StandInService) -> None:
         await pilot.press("f1")
         await _wait(lambda: isinstance(app.screen, HelpScreen))
         labels = {str(label.render()) for label in app.screen.query(".key-label")}
-        assert {"F3", "F5", "↑ / ↓ (on a message)", "c / b / i (on a message)"} <= labels
+        assert {
+            "F3",
+            "F5",
+            "↑ / ↓ (on a message)",
+            "Typing (on a message or the sessions list)",
+        } <= labels
+        assert "c / b / i (on a message)" not in labels
         assert "Ctrl+B" not in labels

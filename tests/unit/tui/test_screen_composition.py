@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from kvchat.tui.main import context
+from kvchat.tui.main.attachments import Attachments
 from kvchat.tui.main.branching import Branching
 from kvchat.tui.main.idle_work import IdleWork
 from kvchat.tui.main.message_actions import MessageActions
@@ -22,6 +23,7 @@ from kvchat.tui.main.turns import TurnRunner
 from kvchat.tui.main.watch import SessionWatch
 
 COLLABORATORS = (
+    Attachments,
     Branching,
     IdleWork,
     MessageActions,

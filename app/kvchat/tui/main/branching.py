@@ -20,7 +20,7 @@ from kvchat.tui.widgets.conversation import MessageView
 
 
 class Branching:
-    """Branch (``f``, Ctrl+T) and edit (``e``, F4); each runs in a worker of the screen."""
+    """Branch (Ctrl+T) and edit (F4); each runs in a worker of the screen."""
 
     def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
         self.ctx = ctx
@@ -43,7 +43,7 @@ class Branching:
     # --- branch ---------------------------------------------------------------------------
 
     async def branch(self, view: MessageView | None = None) -> None:
-        """Ctrl+T / ``f``: a new session with the messages up to the selected one, opened.
+        """Ctrl+T: a new session with the messages up to the selected one, opened.
 
         Without a selected message the branch takes the whole conversation.
         """
@@ -77,7 +77,7 @@ class Branching:
     # --- edit -----------------------------------------------------------------------------
 
     async def edit_message(self, view: MessageView | None = None) -> None:
-        """F4 / ``e``: edit a past message of yours as a new branch, then regenerate.
+        """F4: edit a past message of yours as a new branch, then regenerate.
 
         Without a selected message it edits your last one. The original is kept.
         """
@@ -93,7 +93,7 @@ class Branching:
         if view.role != "user":
             self.ctx.app.notify(
                 "Only your own messages can be edited: Ctrl+R regenerates the last reply, "
-                "f branches from this one",
+                "Ctrl+T branches from this one",
                 severity="warning",
             )
             return

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class MessageActions:
-    """Copy (``c``, ``b``, Ctrl+O, F5) and details (``i``, F3); the dialogs are awaited in a
+    """Copy (Ctrl+O, F5) and details (F3); the dialogs are awaited in a
     worker of the screen; the copy beyond OSC 52 runs in a worker of the screen too (started
     through the context, so its failures are reported like any other)."""
 
@@ -90,7 +90,7 @@ class MessageActions:
     # --- details --------------------------------------------------------------------------
 
     async def details(self, view: MessageView | None = None) -> None:
-        """F3 / ``i``: time, tokens and, for a reply of this run, its turn's figures."""
+        """F3: time, tokens and, for a reply of this run, its turn's figures."""
         view = view or self._selected_view()
         if view is None or self.ctx.state.session_id is None:
             self.ctx.app.notify("No message to show", severity="warning")

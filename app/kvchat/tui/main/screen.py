@@ -4,7 +4,7 @@ The screen composes the widgets and hands them, with the shared ``ScreenState`` 
 app's ``Backend``, to collaborators that each own one concern: opening sessions
 (``opener``), turns (``turns``), housekeeping after a reply (``idle_work``), the watch on
 other processes (``watch``), session, branch, message and model actions. The widgets
-report what the user did with typed Messages (``MessageView.CopyRequested``…), the
+report what the user did with typed Messages (``MessageView.VersionRequested``…), the
 collaborators what they need done with those of ``signals``; the screen handles each in
 one place below. Each collaborator is given one ``ScreenContext`` (the app, the backend,
 the state, the widgets, and the screen's ``post``, ``refresh`` and ``run``), not the same
@@ -331,20 +331,9 @@ class MainScreen(Screen[None]):
     def _pasted(self, event: PromptInput.Pasted) -> None:
         self.attachments.pasted(event.text)
 
-    @on(MessageView.CopyRequested)
-    def _copy_requested(self, event: MessageView.CopyRequested) -> None:
-        if event.code:
-            self.action_copy_code(event.view)
-        elif event.view.text:
-            self.message_actions.copy(event.view.text, "message")
-
     @on(MessageView.VersionRequested)
     def _version_requested(self, event: MessageView.VersionRequested) -> None:
         self.run_job(SWITCH_VERSION, self.turns.switch_version, event.view, event.step)
-
-    @on(MessageView.DetailsRequested)
-    def _details_requested(self, event: MessageView.DetailsRequested) -> None:
-        self.action_message_details(event.view)
 
     @on(Conversation.LatestRequested)
     def _latest_requested(self) -> None:
@@ -355,16 +344,9 @@ class MainScreen(Screen[None]):
     def _leave_requested(self) -> None:
         self.prompt.focus()
 
-    @on(MessageView.BranchRequested)
-    def _branch_requested(self, event: MessageView.BranchRequested) -> None:
-        self.action_branch(event.view)
-
-    @on(MessageView.EditRequested)
-    def _edit_requested(self, event: MessageView.EditRequested) -> None:
-        self.action_edit_message(event.view)
-
     @on(MessageView.TypedAhead)
-    def _typed_ahead(self, event: MessageView.TypedAhead) -> None:
+    @on(SessionList.TypedAhead)
+    def _typed_ahead(self, event: MessageView.TypedAhead | SessionList.TypedAhead) -> None:
         self.prompt.focus()
         self.prompt.insert(event.character)
 

@@ -1,4 +1,4 @@
-"""F3 / ``i``: a message's details: its number, time and tokens, and for a reply generated
+"""F3: a message's details: its number, time and tokens, and for a reply generated
 in this run the figures of its turn."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from textual.widgets import Label
 
 
 class DetailsDialog(ModalScreen[None]):
-    """Plain lines of ``label: value``; any of Esc, Enter, i, q or F3 closes it."""
+    """Plain lines of ``label: value``; Esc, Enter or F3 closes it (no letter: a sentence
+    typed on would close it and lose its first letter)."""
 
-    BINDINGS = [Binding("escape,enter,i,q,f3", "close", "Close", show=False)]
+    BINDINGS = [Binding("escape,enter,f3", "close", "Close", show=False)]
 
     def __init__(self, title: str, lines: list[str]) -> None:
         super().__init__(classes="dialog-screen")

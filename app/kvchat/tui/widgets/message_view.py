@@ -90,46 +90,24 @@ FOLD_CHARS = 4_000
 
 class MessageView(MessageBody, can_focus=True):
     """One message, headed by its role and its number in the session (``#3``: what
-    ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) to copy it with ``c``
-    or a code block with ``b``, see its details with ``i``, branch a new session from it
-    with ``f``, or edit it (your messages) with ``e``. A thinking model's reply shows its
-    reasoning folded above the answer (:class:`Thought`): ``t`` or a click unfolds it.
+    ``kvchat fork --at`` takes). Focus it (click, or Tab then ↑/↓) and the screen's keys act
+    on it: Ctrl+O copies it, F5 a code block of it, F3 its details, Ctrl+T branches a new
+    session from it, F4 edits it (your messages). No key that can be typed acts on a
+    message: a printable key goes to the input (:class:`TypedAhead`), so a sentence typed
+    after a search jump or a click lands there as typed. A thinking model's reply shows its
+    reasoning folded above the answer (:class:`Thought`): Enter or a click unfolds it.
 
     It draws, as lines: the role line, the reasoning's line (and its text, unfolded), the
     Markdown, and a long message's fold note (see the module docstring)."""
 
     COMPONENT_CLASSES = {"message-view--role", "message-view--note", "message-view--reasoning"}
     BINDINGS = [
-        Binding("c", "copy", "Copy message", show=False),
-        Binding("b", "copy_code", "Copy code block", show=False),
-        Binding("i", "details", "Message details", show=False),
-        Binding("f", "branch", "Branch from here", show=False),
-        Binding("e", "edit", "Edit message", show=False),
         Binding("up", "move(-1)", "Previous message", show=False),
         Binding("down", "move(1)", "Next message", show=False),
         Binding("left", "version(-1)", "Previous version of the reply", show=False),
         Binding("right", "version(1)", "Next version of the reply", show=False),
-        Binding("enter", "toggle_fold", "Show all / fold a long message", show=False),
-        Binding("t", "toggle_thought", "Show / fold the reasoning", show=False),
+        Binding("enter", "enter", "Show all / fold a long message, or the reasoning", show=False),
     ]
-    OWN_KEYS = frozenset({"c", "b", "i", "f", "e", "t"})
-
-    @dataclass
-    class CopyRequested(TextualMessage):
-        view: MessageView
-        code: bool
-
-    @dataclass
-    class BranchRequested(TextualMessage):
-        """``f``: a new session with the messages up to this one."""
-
-        view: MessageView
-
-    @dataclass
-    class EditRequested(TextualMessage):
-        """``e``: edit this message as a new branch."""
-
-        view: MessageView
 
     @dataclass
     class VersionRequested(TextualMessage):
@@ -137,12 +115,6 @@ class MessageView(MessageBody, can_focus=True):
 
         view: MessageView
         step: int
-
-    @dataclass
-    class DetailsRequested(TextualMessage):
-        """``i``: show this message's time and its turn's figures."""
-
-        view: MessageView
 
     @dataclass
     class MoveRequested(TextualMessage):
@@ -153,7 +125,7 @@ class MessageView(MessageBody, can_focus=True):
 
     @dataclass
     class TypedAhead(TextualMessage):
-        """A printable key that is not one of this widget's keys: it belongs in the input."""
+        """A printable key typed on a message: it belongs in the input."""
 
         character: str
 
@@ -254,8 +226,16 @@ class MessageView(MessageBody, can_focus=True):
             return f"⋯ {more:,} more lines · Enter shows them all"
         return "Enter folds this message again"
 
+    async def action_enter(self) -> None:
+        """Enter: a long message shows all of it (or folds again); else a reply's
+        reasoning unfolds (or folds again)."""
+        if self.foldable:
+            await self.action_toggle_fold()
+        elif self.thought is not None:
+            await self.action_toggle_thought()
+
     async def action_toggle_fold(self) -> None:
-        """Enter on a long message: show all of it, or fold it again."""
+        """Show all of a long message, or fold it again."""
         if not self.foldable:
             return
         self.folded = not self.folded
@@ -274,7 +254,7 @@ class MessageView(MessageBody, can_focus=True):
             await self.action_toggle_fold()
 
     async def action_toggle_thought(self) -> None:
-        """``t``: unfold the reasoning of a thinking model's reply, or fold it again."""
+        """Enter or a click: unfold the reasoning of a thinking model's reply, or fold it again."""
         if self.thought is not None:
             self.thought.toggle()
             self._redraw()
@@ -466,7 +446,7 @@ class MessageView(MessageBody, can_focus=True):
     # --- keys ------------------------------------------------------------------------------------
 
     def on_key(self, event: events.Key) -> None:
-        if event.is_printable and event.character and event.key not in self.OWN_KEYS:
+        if event.is_printable and event.character:
             event.stop()
             event.prevent_default()
             self.post_message(self.TypedAhead(event.character))
@@ -477,18 +457,3 @@ class MessageView(MessageBody, can_focus=True):
     def action_version(self, step: int) -> None:
         if self.role == "assistant":
             self.post_message(self.VersionRequested(self, step))
-
-    def action_details(self) -> None:
-        self.post_message(self.DetailsRequested(self))
-
-    def action_copy(self) -> None:
-        self.post_message(self.CopyRequested(self, code=False))
-
-    def action_copy_code(self) -> None:
-        self.post_message(self.CopyRequested(self, code=True))
-
-    def action_branch(self) -> None:
-        self.post_message(self.BranchRequested(self))
-
-    def action_edit(self) -> None:
-        self.post_message(self.EditRequested(self))

@@ -4,7 +4,8 @@ A line-API widget: it draws only the lines on screen, whatever the number of ses
 (no widget per session), and a change to one session redraws that row alone. Sessions
 are grouped by date (Today, Yesterday, Previous 7 days, then by month), each followed by
 its branches (Space folds or unfolds them); ``/`` filters the titles as you type (Esc
-clears the filter). Enter or a click opens the highlighted session.
+clears the filter). Enter or a click opens the highlighted session. Any other printable
+key goes to the input, as typed.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ class SessionList(ScrollView, can_focus=True):
         """Enter or a click on a session: open it."""
 
         session_id: str
+
+    @dataclass
+    class TypedAhead(Message):
+        """A printable key typed on the list (not filtering): it belongs in the input."""
+
+        character: str
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -316,6 +323,11 @@ class SessionList(ScrollView, can_focus=True):
 
     async def _on_key(self, event: events.Key) -> None:
         if self.filter_text is None:
+            if event.is_printable and event.character and event.key not in ("space", "slash"):
+                # Typing here, not filtering: the text belongs in the input.
+                event.stop()
+                event.prevent_default()
+                self.post_message(self.TypedAhead(event.character))
             return
         if event.key == "escape":
             self._set_filter(None)

@@ -1,7 +1,7 @@
 """A thinking model's reasoning, folded to one line above the reply's answer.
 
 The line says how long and how much the model thought ("Thought for 12 s · 431 tokens");
-``t`` on the message, or a click on the line, unfolds the reasoning (and folds it again).
+Enter on the message, or a click on the line, unfolds the reasoning (and folds it again).
 The message draws the line and, only while unfolded, the reasoning's text: a session of
 long reasoning replies opens as fast as one without.
 """
