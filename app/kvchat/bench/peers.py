@@ -305,10 +305,15 @@ class ServerPeer:
         self.host, self.port = "127.0.0.1", plan.port
         argv = [*plan.argv(), "--threads", str(threads), "--threads-batch", str(threads)]
         self.log = slot_dir.parent / f"llama-server-{plan.port}.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+        try:
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+        except OSError as exc:
+            raise PeerServerError(
+                f"not measured: could not start {binary}: {exc.strerror or exc}"
+            ) from None
         self._wait_ready(120.0)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -572,7 +572,7 @@ def _write_private(path: Path, text: str) -> None:
     is_flag=True,
     help="The whole matrix (512 to 4,096 tokens, medians of 5, 12 turns of writes, both V "
     "layouts): many minutes. Without it: 1,024 and 4,096 tokens, medians of 3, 8 turns, "
-    "one layout, under 2 minutes on 2 cores.",
+    "one layout: under 2 minutes on 2 idle cores (it says how long up front).",
 )
 @click.option(
     "--sizes",
@@ -665,7 +665,8 @@ def bench(
     idle_s: float,
     **flags: Any,
 ) -> None:
-    """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage."""
+    """Resume vs full prefill, restore vs llama.cpp's loader, chunk writes and fork storage;
+    --peers: against LlamaDiskCache and llama-server; --docs: a document read once."""
     from kvchat.bench.progress import TerminalReporter
     from kvchat.bench.runs import format_report, run_bench
 
