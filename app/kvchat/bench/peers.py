@@ -52,6 +52,7 @@ from kvchat.config import Settings
 from kvchat.engine import GenerationParams, GenerationStats
 from kvchat.service.chat import ChatService, open_service
 from kvchat.service.context_window import system_head
+from kvchat.text import one_line
 
 RE_READ = "re-read"
 DISK_CACHE = "LlamaDiskCache"
@@ -301,6 +302,7 @@ class ServerPeer:
             )
         slot_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.slot_dir = slot_dir
+        self.timeout = 600.0
         plan = plan_server(settings, port=free_port(), slots=1, slot_dir=slot_dir)
         self.host, self.port = "127.0.0.1", plan.port
         argv = [*plan.argv(), "--threads", str(threads), "--threads-batch", str(threads)]
@@ -325,28 +327,32 @@ class ServerPeer:
                 status, _ = self._request("GET", "/health", None, 2.0)
                 if status == 200:
                     return
-            except OSError:
+            except PeerServerError:
                 pass
             time.sleep(0.2)
         raise PeerServerError(f"llama-server was not ready in {timeout:.0f} s")
 
     def _request(
-        self, method: str, path: str, body: Any, timeout: float = 600.0
+        self, method: str, path: str, body: Any, timeout: float | None = None
     ) -> tuple[int, Any]:
+        """(HTTP status, the JSON body or None); :class:`PeerServerError` when the server
+        cannot be reached or its reply is not HTTP. At most 1 MiB of a body is read."""
         import http.client
 
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
         try:
             payload = None if body is None else json.dumps(body)
             headers = {"Content-Type": "application/json"} if body is not None else {}
             conn.request(method, path, payload, headers)
             response = conn.getresponse()
             raw = response.read(1 << 20)
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerServerError(f"{path}: {_one_line(exc)}") from None
         finally:
             conn.close()
         try:
             data = json.loads(raw) if raw else None
-        except ValueError:
+        except (ValueError, RecursionError):
             data = None
         return response.status, data
 
@@ -368,11 +374,13 @@ class ServerPeer:
             "id_slot": 0,
             "stream": True,
         }
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         started = time.perf_counter()
         ttft = 0.0
         text: list[str] = []
         evaluated = -1
+        events = 0
+        stopped = False
         try:
             conn.request(
                 "POST", "/completion", json.dumps(body), {"Content-Type": "application/json"}
@@ -380,13 +388,21 @@ class ServerPeer:
             response = conn.getresponse()
             if response.status != 200:
                 raise PeerServerError(f"completion: HTTP {response.status}")
-            for line in response:
+            while True:
+                line = response.readline(1 << 20)
+                if not line:
+                    break
+                if len(line) >= 1 << 20 and not line.endswith(b"\n"):
+                    raise PeerServerError("completion: a line of over 1 MiB")
                 if not line.startswith(b"data: "):
                     continue
                 try:
                     event = json.loads(line[6:])
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise PeerServerError("completion: a reply that is not JSON") from None
+                events += 1
+                if events > n + 64:
+                    raise PeerServerError("completion: more events than tokens asked for")
                 if not isinstance(event, dict):
                     continue
                 content = event.get("content")
@@ -398,9 +414,14 @@ class ServerPeer:
                     timings = event.get("timings")
                     if isinstance(timings, dict) and isinstance(timings.get("prompt_n"), int):
                         evaluated = int(timings["prompt_n"])
+                    stopped = True
                     break
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerServerError(f"completion: {_one_line(exc)}") from None
         finally:
             conn.close()
+        if not stopped:
+            raise PeerServerError("completion: the reply ended before its last event")
         return ttft, "".join(text), evaluated
 
     def save(self, name: str) -> tuple[float, int]:
@@ -411,9 +432,12 @@ class ServerPeer:
         if status != 200:
             raise PeerServerError(f"slot save: HTTP {status}")
         written = data.get("n_written") if isinstance(data, dict) else None
-        if not isinstance(written, int):
-            written = (self.slot_dir / name).stat().st_size
-        return ms, written
+        if isinstance(written, int) and not isinstance(written, bool) and 0 <= written < 1 << 40:
+            return ms, written
+        try:  # no figure in the reply: the file's size, as the slot directory holds it
+            return ms, (self.slot_dir / name).stat().st_size
+        except OSError:
+            raise PeerServerError("slot save: no size in the reply and no file written") from None
 
     def restore(self, name: str) -> None:
         status, data = self.slot("restore", name)
@@ -433,13 +457,17 @@ class ServerPeer:
                 self.proc.wait()
 
 
+def _one_line(exc: BaseException) -> str:
+    return one_line(str(exc))[:200] or type(exc).__name__
+
+
 def _error_line(data: Any) -> str:
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict):
             error = error.get("message")
         if isinstance(error, str):
-            return " ".join(error.split())[:200]
+            return one_line(error)[:200] or "no message"
     return "no message"
 
 
@@ -555,7 +583,8 @@ def _resume(p: _Peers, target: int) -> None:
 
     if p.server is not None:
         say(f"{target}: llama-server, its slot saved and restored…")
-        _server_resume(p, target, history, prompt, size, reread_ms)
+        with _server_part(p):
+            _server_resume(p, target, history, prompt, size, reread_ms)
 
 
 def _server_resume(
@@ -665,6 +694,15 @@ def _turns(p: _Peers, turns: int, per_token: float) -> None:
             kv_new,
         )
 
+    with _server_part(p):
+        _server_turns(p, messages, engine, turns, per_token, reread_turn)
+
+
+def _server_turns(
+    p: _Peers, messages: list[str], engine: Any, turns: int, per_token: float, reread: float
+) -> None:
+    rows = p.rows
+    reread_turn = reread
     if p.server is not None:
         p.say(f"turns: {turns} turns, llama-server…")
         server = p.server
@@ -753,8 +791,15 @@ def _shared(p: _Peers, conversations: int, prefix: int, per_token: float) -> int
     rows[DISK_CACHE].shared_over_kv = total / ideal
     rows[DISK_CACHE].shared_kept = sum(1 for key in keys if p.disk.holds(key))
 
+    with _server_part(p):
+        _server_shared(p, history, branches, ideal)
+    return len(history)
+
+
+def _server_shared(p: _Peers, history: list[int], branches: list[list[int]], ideal: float) -> None:
+    rows = p.rows
     if p.server is not None:
-        say("shared prefix: llama-server…")
+        p.say("shared prefix: llama-server…")
         server = p.server
         server.erase()
         server.completion(history, 1)
@@ -771,7 +816,21 @@ def _shared(p: _Peers, conversations: int, prefix: int, per_token: float) -> int
             for index in range(len(branches))
             if (server.slot_dir / f"shared-{index}.bin").is_file()
         )
-    return len(history)
+
+
+@contextlib.contextmanager
+def _server_part(p: _Peers) -> Iterator[None]:
+    """A part of the llama-server row: when the server fails (unreachable, a reply that is
+    not what llama-server sends, an HTTP error), its row stops with that one line and the
+    server is closed; the other rows go on."""
+    try:
+        yield
+    except PeerServerError as exc:
+        if p.server is not None:
+            p.server.close()
+            p.server = None
+        p.rows[SERVER].missing = f"stopped: {exc}"
+        p.say(f"llama-server: stopped: {exc}")
 
 
 def _foreign_kvchat(settings: Settings, home: Path, session_id: str, kv: str) -> str:
@@ -806,9 +865,9 @@ def _foreign_disk_cache(directory: Path, config: Any, kv: str) -> str:
     try:
         last = proc.stdout.strip().splitlines()[-1]
         data = json.loads(last)
-        return f"{data['outcome']}: {' '.join(str(data['why']).split())[:160]}"
+        return f"{one_line(str(data['outcome']))[:20]}: {one_line(str(data['why']))[:160]}"
     except (IndexError, ValueError, KeyError, TypeError):
-        tail = " ".join(proc.stderr.strip().split())[-160:]
+        tail = one_line(proc.stderr)[-160:]
         return f"crashed: exit {proc.returncode}: {tail}"
 
 
@@ -952,7 +1011,7 @@ def run_peers(
             )
             rows[KVCHAT_RAM].foreign = "RAM holds only this process's own KV"
         rows[DISK_CACHE].foreign = _foreign_disk_cache(scratch / "diskcache", config, foreign)
-        if server is not None:
+        if server is not None and rows[SERVER].missing is None:
             rows[SERVER].foreign = _foreign_server(
                 settings, scratch / "slots", config.n_threads, foreign
             )
