@@ -78,7 +78,13 @@ def starts_nothing(item: pytest.Item) -> bool:
 
 
 # Session fixtures of tests/ that cost nothing to make again on a second worker.
-CHEAP_SHARED = {"shared_probe", "models_load_only_as_probed", "probed_repack", "titles_off"}
+CHEAP_SHARED = {
+    "shared_probe",
+    "models_load_only_as_probed",
+    "probed_repack",
+    "titles_off",
+    "one_thread_per_engine",
+}
 
 
 def shared_setup(item: pytest.Item) -> str | None:
@@ -114,7 +120,32 @@ SERVER_BINARY_ENV = "KVCHAT_LLAMA_SERVER"
 # Automatic session titles (a second decode after each session's first reply) are off in
 # every test but the titles tests' own (tests/e2e/titles/conftest.py turns them back on).
 AUTO_TITLE_ENV = "KVCHAT_AUTO_TITLE"
-KEPT_ENV = ("KVCHAT_HOME", PROBE_FILE_ENV, PLANT_ENV, SERVER_BINARY_ENV, AUTO_TITLE_ENV)
+# One llama.cpp thread per engine in every test (tests of the probe's thread choice unset
+# it): two xdist workers on two cores, each engine running as many threads as there are
+# cores, make llama.cpp's threads spin-wait on each other. Measured on this 2-core machine:
+# two `kvchat ask` at once generated 1.8 tok/s each with 2 threads, 41-43 tok/s with 1.
+THREADS_ENV = "KVCHAT_N_THREADS"
+KEPT_ENV = (
+    "KVCHAT_HOME",
+    PROBE_FILE_ENV,
+    PLANT_ENV,
+    SERVER_BINARY_ENV,
+    AUTO_TITLE_ENV,
+    THREADS_ENV,
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_engine() -> None:
+    """One llama.cpp thread per engine for the run (see THREADS_ENV), unless the run's
+    environment names a count."""
+    os.environ.setdefault(THREADS_ENV, "1")
+
+
+@pytest.fixture
+def threads_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread count from the environment: the engine probe's measurement chooses."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

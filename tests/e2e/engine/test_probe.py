@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvchat.config import Settings, load_settings
 from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
 from kvchat.engine.probe import (
@@ -28,6 +30,9 @@ from kvchat.engine.probe import (
 from kvchat.errors import KvchatError
 from kvchat.paths import bundled_model_path
 from tests.conftest import FAST, REPO, clean_env, run_cli
+
+# The probe measures thread counts only where none is set (the run sets one: tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("threads_unset")
 
 CRASH_ENV = "KVCHAT_TEST_PROBE_CRASH"
 # A message whose greedy reply runs to the token limit (1,500 tokens: 10-20 s here).
