@@ -1,11 +1,15 @@
-"""Crash logs: a native crash (a segfault or abort in llama.cpp) is never silent.
+"""Crash logs and run markers: a native crash (a segfault or abort in llama.cpp) or a kill
+is never silent.
 
-Such a crash cannot be caught in the process it happens in. So each kvchat process that may
-run the model writes Python's ``faulthandler`` report into a log of its own in
-``<data dir>/crashes``; a process that ends normally removes its (empty) log. A log that is
-left with a report in it is a crash: the next start says so once, and ``kvchat doctor``
-lists the recent ones. The conversations are safe: the user's message is committed before
-the model runs, and a streaming reply is stored as it grows.
+Neither can be caught in the process it happens to. So each kvchat process that may run the
+model writes Python's ``faulthandler`` report into a log of its own in
+``<data dir>/crashes``; a process that ends normally removes its (empty) log. A log left
+with a report in it is a crash; an empty log whose process is gone is an unclean end (a
+``kill -9``, the terminal or the machine gone): the log is the run's marker. The next start
+says either once, and ``kvchat doctor`` lists the recent ones. The conversations are safe:
+the user's message is committed before the model runs, a streaming reply is stored as it
+grows (its last part, of at most ``STREAM_SAVE_EVERY_S``, is what such an end loses) and
+shows as cut off, and the input's draft is kept as it is typed.
 """
 
 from __future__ import annotations
@@ -36,18 +40,30 @@ class CrashReport:
     """A log that a crashed kvchat process left behind."""
 
     path: Path
-    when: float
+    when: float  # the crash's time; for an unclean end, when its run started
     in_engine: bool
     first_line: str
     seen: bool
+    killed: bool = False  # no report: the process ended without closing (an unclean end)
 
     @property
     def when_text(self) -> str:
         return datetime.fromtimestamp(self.when).strftime("%Y-%m-%d %H:%M:%S")
 
+    @property
+    def pid(self) -> str:
+        return self.path.stem.rsplit("-", 1)[-1]
+
     def line(self) -> str:
         """One line for the next start, e.g. "the last kvchat run ended in a crash in the
         model engine (llama.cpp) at …; log: …; your conversations are intact"."""
+        if self.killed:
+            return (
+                f"kvchat did not exit cleanly: the run started at {self.when_text} "
+                f"(pid {self.pid}) was killed or its machine stopped; a reply it was "
+                "writing is kept as far as it was saved, marked “cut off: kvchat ended”, "
+                "and what was typed in the app's input is kept (see `kvchat doctor`)"
+            )
         where = " in the model engine (llama.cpp)" if self.in_engine else ""
         return (
             f"the last kvchat run ended in a crash{where} at {self.when_text} "
@@ -105,7 +121,8 @@ def _clean_exit() -> None:
 
 
 def recent_crashes(directory: Path) -> list[CrashReport]:
-    """Logs with a report in them, newest first (this process's own log is not one)."""
+    """Logs with a report in them and the empty ones of processes gone (unclean ends),
+    newest first (this process's own log and those of kvchats running are not)."""
     logs = crash_dir(directory)
     if not logs.is_dir():
         return []
@@ -115,20 +132,22 @@ def recent_crashes(directory: Path) -> list[CrashReport]:
         if path == own or path.is_symlink():
             continue
         try:
-            if path.stat().st_size == 0:
-                continue
-            text = path.read_text(encoding="utf-8", errors="replace")[:20000]
-            when = path.stat().st_mtime
+            stat = path.stat()
+            killed = stat.st_size == 0
+            if killed and _alive(path.stem.rsplit("-", 1)[-1]):
+                continue  # a kvchat running now
+            text = "" if killed else path.read_text(encoding="utf-8", errors="replace")[:20000]
         except OSError:
             continue
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "a crash")
         reports.append(
             CrashReport(
                 path=path,
-                when=when,
+                when=stat.st_mtime,
                 in_engine=any(frame in text for frame in _ENGINE_FRAMES),
-                first_line=first[:120],
+                first_line="killed: no report" if killed else first[:120],
                 seen=path.with_name(path.name + SEEN_SUFFIX).exists(),
+                killed=killed,
             )
         )
     return sorted(reports, key=lambda r: r.when, reverse=True)
@@ -146,16 +165,13 @@ def unreported_crash(directory: Path) -> CrashReport | None:
 
 
 def _prune(logs: Path) -> None:
-    """Keep the newest KEEP_LOGS crash logs (and remove empty logs of processes gone)."""
+    """Keep the newest KEEP_LOGS crash logs and run markers (an empty log of a process gone:
+    it was killed outright, SIGKILL, and is an unclean end to report)."""
     found = []
     for path in logs.glob("run-*.log"):
         try:
             stat = path.stat()
         except OSError:
-            continue
-        pid = path.stem.rsplit("-", 1)[-1]
-        if stat.st_size == 0 and not _alive(pid):
-            _remove(path)  # a process killed outright (SIGKILL) leaves an empty log
             continue
         found.append((stat.st_mtime, path))
     for _, path in sorted(found, reverse=True)[KEEP_LOGS:]:

@@ -99,8 +99,15 @@ def _engine_report() -> None:
             click.echo(f"  {threads}")
     crashes = recent_crashes(data_dir())
     if not crashes:
-        click.echo("crashes: none recorded")
+        click.echo("crashes: none recorded; unclean ends: none recorded")
     for report in crashes[:SHOW_LOST]:
+        if report.killed:
+            click.echo(
+                f"unclean end: the run started {report.when_text} (pid {report.pid}) did not "
+                "exit cleanly (killed, or the machine stopped); a reply it was writing shows "
+                f"as “cut off: kvchat ended”; marker: {report.path}"
+            )
+            continue
         where = "in the model engine (llama.cpp)" if report.in_engine else "in kvchat"
         click.echo(
             f"crash {report.when_text} {where}: {one_line(report.first_line)}; log: {report.path}"

@@ -70,6 +70,14 @@ class SessionBook:
     def list_sessions(self) -> list[SessionSummary]:
         return self.store.list_sessions()
 
+    def draft(self, session_id: str) -> str:
+        """What was typed in the session's input and not sent ("" when nothing)."""
+        return self.store.draft(session_id)
+
+    def keep_drafts(self, drafts: dict[str, str]) -> None:
+        """Keep each session's unsent input (an empty one removes it)."""
+        self.store.set_drafts(drafts)
+
     def remember_open(self, session_id: str) -> None:
         """Note that the app opened this session: the next launch opens it again.
 

@@ -12,8 +12,13 @@ from kvchat.service.reports import TokenCallback
 from kvchat.store import Store
 from kvchat.text import one_line
 
-# A streaming reply is stored (partial) after this long, then updated this often.
-STREAM_SAVE_EVERY_S = 1.0
+# A streaming reply is stored (partial) after this long, then updated this often: what a
+# kill loses of what was shown is the tokens of at most this long (each save is one small
+# transaction; measured in tests/e2e/durability).
+STREAM_SAVE_EVERY_S = 0.25
+# The finish reason a reply is stored with while it streams: the final commit replaces it,
+# so a reply still marked so was cut off when the kvchat writing it ended (a kill, a crash).
+STREAMING = "streaming"
 # How long one save of a streaming reply waits for another process's write lock.
 SAVE_WAIT_S = 0.2
 # A save that failed is tried again after this long, doubling up to RETRY_MAX_S (a database
@@ -53,8 +58,9 @@ def stream_reply(
 
 
 class StreamSaver:
-    """Stores a streaming reply as a partial message after its first second, then updates it
-    every second, between tokens, on the thread that generates them.
+    """Stores a streaming reply as a partial message (finish reason :data:`STREAMING`) after
+    its first ``every_s``, then updates it as often, between tokens, on the thread that
+    generates them.
 
     A save never holds the reply up: it waits at most :data:`SAVE_WAIT_S` for the database
     (another process may hold its write lock: an import, a second kvchat, a shell), and one
@@ -106,11 +112,17 @@ class StreamSaver:
                         answer,
                         token_count=generated,
                         partial=True,
+                        finish_reason=STREAMING,
                         reasoning=reasoning,
                     ).id
                 else:
                     self.store.update_message(
-                        self.message_id, answer, True, token_count=generated, reasoning=reasoning
+                        self.message_id,
+                        answer,
+                        True,
+                        token_count=generated,
+                        finish_reason=STREAMING,
+                        reasoning=reasoning,
                     )
         except KvchatError as exc:
             self._failed(exc, len(answer))

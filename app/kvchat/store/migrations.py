@@ -437,6 +437,20 @@ def m019_library_readings(db: sqlite_utils.Database) -> None:
     )
 
 
+def m020_drafts(db: sqlite_utils.Database) -> None:
+    """What is typed in each session's input and not sent yet (see
+    :mod:`kvchat.store.drafts_sql`): kept as it is typed, so a kill loses none of it."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS drafts (
+            session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+            text TEXT NOT NULL,
+            updated TEXT NOT NULL
+        )
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -456,6 +470,7 @@ MIGRATIONS: list[Migration] = [
     m017_server_slot_kv_check,
     m018_documents,
     m019_library_readings,
+    m020_drafts,
 ]
 
 

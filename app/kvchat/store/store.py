@@ -21,6 +21,7 @@ from kvchat.store.connection import (
     read_only_uri,
 )
 from kvchat.store.documents_sql import DocumentsSql
+from kvchat.store.drafts_sql import DraftsSql
 from kvchat.store.imports_sql import ImportsSql
 from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
@@ -157,6 +158,7 @@ class Store(
     ServerSlotsSql,
     SessionModelsSql,
     DocumentsSql,
+    DraftsSql,
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 

@@ -197,7 +197,13 @@ class KvchatApp(App[None]):
         if self.service is not None and not self._closed:
             self._closed = True
             main = self.screen_stack[0] if self.screen_stack else None
-            dropped = self._drop_unused(main.made_sessions) if isinstance(main, MainScreen) else ()
+            dropped: list[str] = []
+            if isinstance(main, MainScreen):
+                try:
+                    main.opener.drafts.save_now()
+                except KvchatError:
+                    pass  # the drafts written before stay
+                dropped = self._drop_unused(main.made_sessions)
             open_id = main.session_id if isinstance(main, MainScreen) else None
             if open_id is not None and open_id not in dropped:
                 # The next launch reopens the session the user was in.
@@ -209,11 +215,14 @@ class KvchatApp(App[None]):
 
     def _drop_unused(self, made: set[str]) -> list[str]:
         """At quit: the sessions this run made that never got a message go (an empty "New
-        chat" would pile up in the list); returns their ids."""
+        chat" would pile up in the list), unless something is typed in them (a draft);
+        returns their ids."""
         assert self.service is not None
         dropped = []
         for session_id in made:
             try:
+                if self.service.sessions.draft(session_id):
+                    continue
                 if self.service.sessions.drop_if_unused(session_id):
                     dropped.append(session_id)
             except KvchatError:

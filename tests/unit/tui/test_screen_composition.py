@@ -12,6 +12,7 @@ import pytest
 from kvchat.tui.main import context
 from kvchat.tui.main.attachments import Attachments
 from kvchat.tui.main.branching import Branching
+from kvchat.tui.main.drafts import Drafts
 from kvchat.tui.main.idle_work import IdleWork
 from kvchat.tui.main.message_actions import MessageActions
 from kvchat.tui.main.model_switch import ModelSwitch
@@ -25,6 +26,7 @@ from kvchat.tui.main.watch import SessionWatch
 COLLABORATORS = (
     Attachments,
     Branching,
+    Drafts,
     IdleWork,
     MessageActions,
     ModelSwitch,

@@ -57,6 +57,8 @@ SWITCH_VERSION = Job("switch_version", "action")
 PICK_MODEL = Job("pick_model", "models", exclusive=True)
 ATTACH_OFFER = Job("offer_attachments", "attach", exclusive=True)
 DOCUMENTS = Job("show_documents", "documents", exclusive=True)
+SAVE_DRAFTS = Job("save_drafts", "drafts")
+RESTORE_DRAFT = Job("restore_draft", "draft-restore", exclusive=True)
 
 
 class RunJob(Protocol):

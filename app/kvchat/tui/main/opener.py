@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import Backend
-from kvchat.tui.main.context import ScreenContext
+from kvchat.tui.main.context import RESTORE_DRAFT, ScreenContext
+from kvchat.tui.main.drafts import Drafts
 from kvchat.tui.main.signals import Fatal, SessionHot, SessionsChanged
 from kvchat.tui.phrases import restore_phrase
 from kvchat.tui.widgets.conversation import (
@@ -62,6 +63,7 @@ class SessionOpener:
 
     def __init__(self, ctx: ScreenContext) -> None:
         self.ctx = ctx
+        self.drafts = Drafts(ctx)  # the input's text, kept per session
 
     # --- start ----------------------------------------------------------------------------
 
@@ -110,6 +112,8 @@ class SessionOpener:
             # A look through the service: what changed meanwhile, and where the KV is
             # (only the rows that changed are drawn again).
             await self.ctx.refresh()
+        if state.session_id is not None:  # its draft, kept from the last run
+            self.ctx.run(RESTORE_DRAFT, self.drafts.restore, state.session_id)
         service = backend.chat
         loading = backend.on_engine(backend.load_model)
         await self.ctx.conversation.fill()  # the earlier messages, while the model loads
@@ -229,6 +233,7 @@ class SessionOpener:
         with self.ctx.app.batch_update():
             if session_id != state.session_id:
                 self.ctx.status.set_turn("")
+            self.drafts.leave(session_id)
             state.session_id = session_id
             self.ctx.sessions.highlight(session_id)
             shown = session_id == state.shown_id
@@ -262,6 +267,7 @@ class SessionOpener:
         # Resume before Enter: the restore starts as soon as the session is drawn (not
         # together with the drawing: both would share the interpreter's lock).
         await self._painted()
+        self.ctx.run(RESTORE_DRAFT, self.drafts.restore, session_id)
         await self.make_hot(session_id, started=started)
         if remembered is not None:
             await remembered

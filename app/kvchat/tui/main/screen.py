@@ -321,8 +321,14 @@ class MainScreen(Screen[None]):
             self.sidebar_wanted = None  # picked: a narrow window gives the chat room back
             self._show_sidebar()
 
+    @on(PromptInput.Changed, "#prompt")
+    def _typed(self) -> None:
+        self.opener.drafts.changed()
+
     @on(PromptInput.Submitted)
     def _submitted(self, event: PromptInput.Submitted) -> None:
+        if event.prompt is self.prompt:
+            self.opener.drafts.sent()
         # A message naming files or folders waits while the user says whether to attach.
         if not self.attachments.offer(event.text):
             self.turns.start(self.turns.submit(event.text))

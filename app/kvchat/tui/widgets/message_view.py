@@ -86,6 +86,9 @@ FOLD_AFTER = 24
 # for its Markdown to be built.
 BIG_CHARS = 50_000
 FOLD_CHARS = 4_000
+# kvchat.service.streaming.STREAMING (not imported: it brings the engine's modules in before
+# the first paint): a reply stored as it streamed and never committed, cut off by a kill.
+STREAMING = "streaming"
 
 
 class MessageView(MessageBody, can_focus=True):
@@ -290,6 +293,9 @@ class MessageView(MessageBody, can_focus=True):
             return f"{name} · sending…"
         if self.streaming:
             return f"{name} ▍"
+        if self.partial and self.finish_reason == STREAMING:
+            # Stored as it streamed, never committed: the kvchat writing it ended (a kill).
+            return f"{name} · cut off: kvchat ended"
         if self.partial:
             return f"{name} · partial (stopped)"
         if self.cut:
