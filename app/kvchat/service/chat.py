@@ -55,6 +55,7 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.session_index import SessionReader
+from kvchat.service.streaming import STREAM_SAVE_EVERY_S as STREAMING_SAVE_EVERY_S
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
     Message,
@@ -88,8 +89,9 @@ __all__ = [
     "WindowShift",
 ]
 
-# A streaming reply is stored (partial) after this long, then updated this often.
-STREAM_SAVE_EVERY_S = 1.0
+# A streaming reply is stored (partial) after this long, then updated this often (tests
+# set it here; the value is streaming's).
+STREAM_SAVE_EVERY_S = STREAMING_SAVE_EVERY_S
 
 
 class ChatService:
