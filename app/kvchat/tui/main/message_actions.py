@@ -14,6 +14,7 @@ from kvchat.tui.main.context import COPY, ScreenContext
 from kvchat.tui.main.opener import SessionOpener
 from kvchat.tui.phrases import code_blocks, local_time, turn_lines
 from kvchat.tui.widgets.conversation import ROLE_NAMES, MessageView
+from kvchat.tui.widgets.message_view import STREAMING
 
 if TYPE_CHECKING:
     from kvchat.service.chat import Message
@@ -47,9 +48,15 @@ class MessageActions:
         self.copy(view.text, "message")
 
     async def copy_code(self, view: MessageView | None = None) -> None:
+        """F5: a code block of the selected message, else of any message of the session:
+        read from the store, so blocks of messages not shown (or not yet drawn) are
+        offered too."""
         focused = view or self.ctx.conversation.focused_view
-        sources = [focused] if focused is not None else self.ctx.conversation.views
-        found = [(b, v) for v in sources for b in code_blocks(v.text)]  # as on screen
+        if focused is not None:
+            sources = [(focused.number, focused.text)]
+        else:
+            sources = await self._session_texts()
+        found = [(b, number) for number, text in sources for b in code_blocks(text)]
         blocks = [b for b, _ in found]
         if not blocks:
             self.ctx.app.notify("No code block to copy", severity="warning")
@@ -59,12 +66,31 @@ class MessageActions:
             return
         from kvchat.tui.screens.dialogs import CodePickerDialog
 
-        where = [
-            f"#{v.number}" if v.number is not None and len(sources) > 1 else "" for _, v in found
-        ]
+        where = [f"#{n}" if n is not None and len(sources) > 1 else "" for _, n in found]
         picked = await self.ctx.app.push_screen_wait(CodePickerDialog(blocks, where))
         if picked is not None:
             self.copy(picked, "code block")
+
+    async def _session_texts(self) -> list[tuple[int | None, str]]:
+        """Every message of the open session as stored, numbered as in the conversation,
+        and a reply still streaming (not stored whole yet) as shown."""
+        session_id = self.ctx.state.session_id
+        if session_id is None:
+            return []
+        backend = self.ctx.backend
+        reader = backend.reader
+        first = await backend.on_store(reader.message_window, session_id, 1, from_start=True)
+        # The row's count may lag a message another process just added: a margin.
+        window = await backend.on_store(
+            reader.message_window, session_id, first.total + 64, from_start=True
+        )
+        streaming = [v for v in self.ctx.conversation.views if v.streaming or v.pending]
+        texts: list[tuple[int | None, str]] = [
+            (number, m.content)
+            for number, m in enumerate(window.messages, 1)
+            if not (streaming and m.partial and m.finish_reason == STREAMING)
+        ]
+        return texts + [(v.number, v.text) for v in streaming]
 
     def copy(self, text: str, what: str) -> None:
         # OSC 52 always (the terminal's clipboard, and the app's own for pasting in it);
