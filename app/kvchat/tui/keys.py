@@ -59,7 +59,12 @@ KEYS: tuple[Key, ...] = (
     Key("f4", "F4", "edit_message", "Edit your selected (or last) message: new branch, new reply"),
     Key("ctrl+o", "Ctrl+O", "copy_message", "Copy the selected message (or the last reply)"),
     # Not Ctrl+B: it is tmux's prefix key. F5 is bound neither by tmux nor by Textual's inputs.
-    Key("f5", "F5", "copy_code", "Copy a code block (of the selected message, or any)"),
+    Key(
+        "f5",
+        "F5",
+        "copy_code",
+        "Copy a code block (of the selected message, or any of the session)",
+    ),
     Key(
         "f3",
         "F3",
