@@ -513,6 +513,20 @@ def test_swapped_chunk_keys_fall_back_instead_of_loading_another_sessions_kv(hom
     assert store.get_snapshot(b) is not None
 
 
+@pytest.mark.parametrize("value", [b"", b"\x01\x02"], ids=repr)
+def test_a_chunk_checksum_of_another_type_falls_back(home: Path, value: bytes) -> None:
+    """A damaged index can hold a BLOB in a chunk's checksum (its TEXT column makes numbers
+    text, not bytes): the restore falls back with the reason (the stress damage campaign
+    found one raising TypeError)."""
+    store, snapshots, (a, b) = saved_sessions(home)
+    key = store.get_snapshot(a).chunk_keys[0]
+    sql(home, "UPDATE kv_chunks SET checksum=? WHERE key=?", value, key)
+    result, engine = restore(snapshots, a, 0)
+    assert result.source == "none" and engine.loaded is None
+    assert "damaged checksum" in result.reason
+    assert restore(snapshots, b, 1)[0].source in ("disk", "none")
+
+
 def test_edited_tokens_or_fingerprint_unbind_the_chain(home: Path) -> None:
     store, snapshots, (a,) = saved_sessions(home, n=1)
     row = store.get_snapshot(a)

@@ -121,6 +121,9 @@ def verify_chain(
                 f"snapshot chunk {str(key)[:12]} says it covers tokens "
                 f"{entry.start}+{entry.n_tokens}, but the chain uses it at {covered}"
             )
+        if not isinstance(entry.checksum, str):
+            # A damaged index can hold any SQLite type; the file's preamble is built from it.
+            raise SnapshotRejected(f"snapshot chunk {key[:12]} has a damaged checksum")
         needed.append((entry, covered))
         covered += entry.n_tokens
         ends.append(covered)
