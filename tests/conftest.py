@@ -291,7 +291,11 @@ class CliResult:
 
 
 def run_cli(
-    home: Path, *args: str, env: dict[str, str] | None = None, check: bool = True
+    home: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    timeout: float = 300,
 ) -> CliResult:
     """Run `python -m kvchat ARGS` in a new process with KVCHAT_HOME=home."""
     full_env = clean_env()
@@ -303,7 +307,7 @@ def run_cli(
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     result = CliResult(proc.returncode, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:

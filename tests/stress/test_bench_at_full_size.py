@@ -58,6 +58,7 @@ def test_stress_ten_thousand_conversations(tmp_path):
         "--repeat",
         "3",
         "--json",
+        timeout=1800,  # 500,000 messages written and painted: 300 s was not enough at load 5
     )
     report = json.loads(result.stdout)
     print("\n" + json.dumps(report, indent=2))
