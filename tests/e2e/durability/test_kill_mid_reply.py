@@ -50,7 +50,7 @@ def _reply(home: Path) -> tuple[str, int, str | None]:
     )
     assert len(rows) == 1, rows
     content, partial, reason = rows[0]
-    return str(content), int(partial), reason  # type: ignore[call-overload]
+    return str(content), int(str(partial)), None if reason is None else str(reason)
 
 
 class Reader(threading.Thread):

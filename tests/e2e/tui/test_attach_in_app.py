@@ -200,7 +200,10 @@ async def test_a_path_in_the_message_is_offered_declined_or_accepted(docs: Path)
         before = main.last_turn
         await type_and_enter(pilot, main, typed)
         await wait_until(lambda: isinstance(app.screen, OfferDialog))
-        await pilot.press("s")
+        await pilot.press(*"sat")  # letters typed on answer nothing
+        await pilot.pause()
+        assert isinstance(app.screen, OfferDialog)
+        await pilot.press("tab", "enter")  # Send as typed
         await wait_until(lambda: main.last_turn is not before and main.turn is None, 90)
         await wait_until(lambda: main.housekeeping_idle, 90)
         session_id = open_id(main)
@@ -214,7 +217,7 @@ async def test_a_path_in_the_message_is_offered_declined_or_accepted(docs: Path)
         before = main.last_turn
         await type_and_enter(pilot, main, asked)
         await wait_until(lambda: isinstance(app.screen, OfferDialog))
-        await pilot.press("a")
+        await pilot.press("enter")  # Attach, focused
         await wait_until(lambda: isinstance(app.screen, AttachScreen))
         offered = app.screen
         assert isinstance(offered, AttachScreen)

@@ -186,19 +186,16 @@ class OfferDialog(Dialog):
             yield Label(f"Your message names {what}: attach?", classes="dialog-title")
             yield Label(_one_line(shown), classes="dialog-detail", markup=False)
             yield Label(
-                "Attach shows what they take first · Send as typed keeps the text only · "
-                "Esc puts the message back",
+                "Attach shows what they take first · Send as typed keeps the text only "
+                "(Tab, Enter) · Esc puts the message back",
                 classes="dialog-hint",
             )
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Attach (a)", variant="primary", id="offer-attach")
-                yield Button("Send as typed (s)", id="offer-send")
+                yield Button("Attach", variant="primary", id="offer-attach")
+                yield Button("Send as typed", id="offer-send")
 
-    BINDINGS = [
-        *Dialog.BINDINGS,
-        ("a", "answer('attach')", "Attach"),
-        ("s", "answer('send')", "Send as typed"),
-    ]
+    # No letter answers it: it opens at Enter, while the user may type on (Enter, or Tab
+    # and Enter, picks a button).
 
     def on_mount(self) -> None:
         self.query_one("#offer-attach", Button).focus()
