@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
+from kvchat.cli.progress import ProgressLine
 from kvchat.config import Settings
 from kvchat.errors import KvchatError
 from kvchat.limits import RANGE_TEXT, sampling_problem
@@ -246,22 +247,14 @@ def ask(
 
 
 class _ReadingLine:
-    """How far a long prompt's read is, on stderr: one line redrawn on a terminal (at most
-    4 times a second), else a line after 2 s and then every 10 s. Prompts under 512 new
-    tokens say nothing."""
+    """How far a long prompt's read is, on stderr (see :class:`ProgressLine`)."""
 
     def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = -1.0
-        self.drawn = False  # a line is on the terminal, to clear before the reply
+        self.progress = ProgressLine(stream)
 
     def clear(self) -> None:
         """Take the redrawn line off the terminal (the reply follows)."""
-        if self.drawn:
-            self.drawn = False
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
+        self.progress.clear()
 
     def then(self, write: Callable[[str], None]) -> Callable[[str], None]:
         """``write`` for the reply's pieces, clearing the line first."""
@@ -275,16 +268,9 @@ class _ReadingLine:
     def __call__(self, done: int, total: int, seconds: float) -> None:
         from kvchat.service.reports import reading_phrase
 
-        if total < 512:
-            return
-        due = 0.25 if self.tty else (2.0 if self.last < 0 else 10.0)
-        if seconds - max(self.last, 0.0) < due:
-            return
-        self.last = seconds
-        line = f"kvchat: {reading_phrase(done, total, seconds)}"
-        self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
-        self.stream.flush()
-        self.drawn = self.tty
+        self.progress.show(
+            total, seconds, lambda: f"kvchat: {reading_phrase(done, total, seconds)}"
+        )
 
 
 def _set_think(chat: Any, session: Any, think: bool) -> None:

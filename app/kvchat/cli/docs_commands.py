@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from kvchat.cli.group import KvchatGroup, model_options, service, settings_from, shown, to_json
+from kvchat.cli.progress import ProgressLine
 from kvchat.errors import KvchatError
 from kvchat.text import check_text, one_line
 from kvchat.units import human_bytes
@@ -33,35 +34,24 @@ def docs_group() -> None:
 
 
 class _Progress:
-    """One line on stderr while a document is read: redrawn on a terminal, else a line
-    every 10 s (reads under 512 tokens say nothing)."""
+    """One line on stderr while a document is read (see :class:`ProgressLine`)."""
 
     def __init__(self) -> None:
-        self.stream = sys.stderr
-        self.tty = self.stream.isatty()
-        self.last = -1.0
-        self.drawn = False
+        self.progress = ProgressLine(sys.stderr)
 
     def __call__(self, name: str, done: int, total: int, seconds: float) -> None:
         from kvchat.service.library import reading_progress_line
 
-        if total < 512:
-            return
-        due = 0.25 if self.tty else (2.0 if self.last < 0 else 10.0)
-        if seconds - max(self.last, 0.0) < due:
-            return
-        self.last = seconds
-        line = f"kvchat: {reading_progress_line(shown(name, self.stream), done, total, seconds)}"
-        self.stream.write(f"\r{line}\x1b[K" if self.tty else f"{line}\n")
-        self.stream.flush()
-        self.drawn = self.tty
+        def line() -> str:
+            said = shown(name, self.progress.stream)
+            return f"kvchat: {reading_progress_line(said, done, total, seconds)}"
+
+        self.progress.show(total, seconds, line)
 
     def clear(self) -> None:
-        if self.drawn:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.drawn = False
-        self.last = -1.0
+        """Take the line off the terminal; the next document's read starts its own."""
+        self.progress.clear()
+        self.progress.last = -1.0
 
 
 @contextmanager
