@@ -20,6 +20,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +38,7 @@ from pydantic import (
 
 from kvchat.errors import KvchatError
 from kvchat.paths import open_regular
+from kvchat.system import LockBusy
 from kvchat.system import current as current_system
 from kvchat.text import one_line
 
@@ -161,6 +164,10 @@ def parse_marker(raw: bytes) -> UseMarker | None:
         return None
 
 
+# How long a change of the file waits for another process's (a probe writes once a model).
+LOCK_WAIT_S = 5.0
+
+
 class ProbeBook:
     """The outcomes file: one JSON object, written whole to a temporary name and renamed."""
 
@@ -179,11 +186,33 @@ class ProbeBook:
         return sorted(self.read().values(), key=lambda record: record.when, reverse=True)
 
     def put(self, record: OutcomeRecord) -> None:
-        """Keep ``record`` (best effort: an unwritable directory means probing again)."""
-        outcomes = self.read()
-        outcomes[record.key] = record
-        newest = sorted(outcomes.values(), key=lambda r: r.when, reverse=True)[:MAX_OUTCOMES]
-        self._write({r.key: r.model_dump(mode="json") for r in newest})
+        """Keep ``record`` (best effort: an unwritable directory, or a file another process
+        holds for over :data:`LOCK_WAIT_S`, means probing again)."""
+        with self._changing() as held:
+            if not held:
+                return
+            outcomes = self.read()
+            outcomes[record.key] = record
+            newest = sorted(outcomes.values(), key=lambda r: r.when, reverse=True)
+            self._write({r.key: r.model_dump(mode="json") for r in newest[:MAX_OUTCOMES]})
+
+    @contextmanager
+    def _changing(self) -> Iterator[bool]:
+        """Hold the file's lock for a read, change and write, so that two processes writing
+        at once (two kvchat, a shared KVCHAT_PROBE_FILE, a test run's workers) do not drop
+        each other's outcomes. Yields whether the lock is held."""
+        from kvchat.paths import ensure_private_dir
+
+        lock = self.path.with_name(f".{self.path.name}.lock")
+        held = ExitStack()
+        try:
+            ensure_private_dir(self.path.parent)
+            held.enter_context(current_system().hold_lock(lock, LOCK_WAIT_S))
+        except (OSError, LockBusy):
+            yield False
+            return
+        with held:
+            yield True
 
     def _write(self, outcomes: dict[str, Any]) -> None:
         from kvchat.paths import ensure_private_dir
@@ -238,15 +267,20 @@ class ProbeBook:
             if report and b"Fatal Python error" in report:
                 withdrawn.append(found.key)
         if withdrawn:
-            outcomes = self.read()
-            for key in withdrawn:
-                record = outcomes.get(key)
-                if record is not None:
-                    outcomes[key] = record.model_copy(
-                        update={"withdrawn": "kvchat crashed in llama.cpp on these options"}
-                    )
-            self._write({k: r.model_dump(mode="json") for k, r in outcomes.items()})
+            with self._changing() as held:
+                if held:
+                    self._withdraw(withdrawn)
         return withdrawn
+
+    def _withdraw(self, keys: list[str]) -> None:
+        outcomes = self.read()
+        for key in keys:
+            record = outcomes.get(key)
+            if record is not None:
+                outcomes[key] = record.model_copy(
+                    update={"withdrawn": "kvchat crashed in llama.cpp on these options"}
+                )
+        self._write({k: r.model_dump(mode="json") for k, r in outcomes.items()})
 
 
 def _remove(path: Path) -> None:
