@@ -167,19 +167,9 @@ class LlamaPeer:
     def __init__(self, config: Any) -> None:
         import llama_cpp
 
-        types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-        self.llm = llama_cpp.Llama(
-            model_path=str(config.model_path),
-            n_ctx=config.n_ctx,
-            n_batch=config.n_batch,
-            n_ubatch=config.n_batch,
-            n_threads=config.n_threads,
-            n_threads_batch=config.n_threads_batch or config.n_threads,
-            type_k=types.get(config.type_k, llama_cpp.GGML_TYPE_F16),
-            type_v=types.get(config.type_v, llama_cpp.GGML_TYPE_F16),
-            flash_attn=config.flash_attn,
-            verbose=False,
-        )
+        from kvchat.engine.llama import llama_arguments
+
+        self.llm = llama_cpp.Llama(**llama_arguments(config))
 
     def restart(self) -> None:
         """Nothing in the context, as in a new process (the model stays loaded, as it does

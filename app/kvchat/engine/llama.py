@@ -82,6 +82,29 @@ GGML_TYPES: dict[str, int] = {
 CHATML_TEMPLATE = CHATML
 
 
+def llama_arguments(config: EngineConfig) -> dict[str, Any]:
+    """llama-cpp-python's ``Llama`` arguments for ``config``: how kvchat's engine loads a
+    model, and how the bench's llama-cpp-python peer loads the same one."""
+    return {
+        "model_path": str(config.model_path),
+        "n_ctx": config.n_ctx,
+        "n_batch": config.n_batch,
+        "n_ubatch": config.n_batch,
+        "n_threads": config.n_threads,
+        "n_threads_batch": config.n_threads_batch or config.n_threads,
+        "n_gpu_layers": config.n_gpu_layers,
+        "type_k": GGML_TYPES[config.type_k],
+        "type_v": GGML_TYPES[config.type_v],
+        "flash_attn": config.flash_attn,
+        # Sliding-window layers keep a window's worth of cells (pad256(n_swa + n_ubatch)),
+        # not n_ctx: a cut below what they hold loads a window checkpoint (see
+        # window_floor). swa_full = true keeps every cell.
+        "swa_full": config.swa_full,
+        "seed": config.seed,
+        "verbose": False,
+    }
+
+
 class LlamaEngine:
     """A loaded model and its one context (implements :class:`kvchat.engine.Engine` in the
     roles of :class:`kvchat.engine.TokenEngine` and :class:`kvchat.engine.SeqStateEngine`).
@@ -103,24 +126,7 @@ class LlamaEngine:
             self.config = config
         try:
             with scratch_sequence(_scratch_wanted(config)), weight_repack(bool(config.repack)):
-                self.llm = llama_cpp.Llama(
-                    model_path=str(config.model_path),
-                    n_ctx=config.n_ctx,
-                    n_batch=config.n_batch,
-                    n_ubatch=config.n_batch,
-                    n_threads=config.n_threads,
-                    n_threads_batch=config.n_threads_batch or config.n_threads,
-                    n_gpu_layers=config.n_gpu_layers,
-                    type_k=GGML_TYPES[config.type_k],
-                    type_v=GGML_TYPES[config.type_v],
-                    flash_attn=config.flash_attn,
-                    # Sliding-window layers keep a window's worth of cells (pad256(n_swa +
-                    # n_ubatch)), not n_ctx: a cut below what they hold loads a window
-                    # checkpoint (see window_floor). swa_full = true keeps every cell.
-                    swa_full=config.swa_full,
-                    seed=config.seed,
-                    verbose=False,
-                )
+                self.llm = llama_cpp.Llama(**llama_arguments(config))
         except (ValueError, RuntimeError) as exc:
             raise KvchatError(f"could not load model {config.model_path}: {exc}") from exc
         self.ctx = self.llm._ctx.ctx
