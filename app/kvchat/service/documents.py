@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 import xxhash
 
@@ -138,7 +139,11 @@ class DocumentShelf:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._shared_ends: dict[tuple[int, int, str], int] = {}
+        # Per engine (gone with it, so a later engine at the same address starts afresh),
+        # per batch alignment and system message (by its digest: the text may be megabytes).
+        self._shared_ends: WeakKeyDictionary[TokenEngine, dict[tuple[int, bytes], int]] = (
+            WeakKeyDictionary()
+        )
 
     # --- reading files ---------------------------------------------------------------------
 
@@ -231,14 +236,15 @@ class DocumentShelf:
         the tile before it, and a recurrent state, which can't be cut, not at all)."""
         if not head:
             return 0
-        key = (id(engine), engine.batch_align, head[0]["content"])
-        if key not in self._shared_ends:
+        known = self._shared_ends.setdefault(engine, {})
+        key = (engine.batch_align, xxhash.xxh3_128_digest(head[0]["content"].encode()))
+        if key not in known:
             first, second = (
                 engine.chat_tokens([*head, {"role": "user", "content": probe}]) for probe in _PROBES
             )
             end = common_prefix(first, second)
-            self._shared_ends[key] = end - end % max(1, engine.batch_align)
-        return self._shared_ends[key]
+            known[key] = end - end % max(1, engine.batch_align)
+        return known[key]
 
     def fit(
         self, engine: TokenEngine, head: list[ChatMessage], reserve: int, speed: float | None
