@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from kvchat.tui.backend import Backend
     from kvchat.tui.main.screen_state import ScreenState
+    from kvchat.tui.main.slash import SlashCommands
     from kvchat.tui.widgets.conversation import Conversation
     from kvchat.tui.widgets.documents import DocumentsPanel
     from kvchat.tui.widgets.prompt import PromptInput
@@ -87,6 +88,7 @@ class ScreenContext:
     status: StatusBar
     prompt: PromptInput
     documents: DocumentsPanel  # the attachments and the open session's documents
+    slash: SlashCommands  # the commands typed in the input (/help, …), by their owners
     post: Callable[[Message], bool]  # a Message to the screen
     refresh: Callable[[], Awaitable[None]]  # reads the sessions list again and shows it
     run: RunJob  # background work, as a worker of the screen

@@ -63,6 +63,7 @@ from kvchat.tui.main.signals import (
     TurnEnded,
     TurnRequested,
 )
+from kvchat.tui.main.slash import SlashCommands
 from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
@@ -108,6 +109,8 @@ class MainScreen(Screen[None]):
         self.prompt.cursor_blink = cursor_blink
         self.status = StatusBar(id="status")
         self.documents = DocumentsPanel(id="documents")
+        self.slash = SlashCommands()
+        self.slash.on_help(lambda text: self.app.notify(text, title="Commands", timeout=12))
         ctx = ScreenContext(
             app=self.app,
             backend=backend,
@@ -117,6 +120,7 @@ class MainScreen(Screen[None]):
             status=self.status,
             prompt=self.prompt,
             documents=self.documents,
+            slash=self.slash,
             post=self.post_message,
             refresh=self.refresh_sessions,
             run=self.run_job,
@@ -329,9 +333,12 @@ class MainScreen(Screen[None]):
     def _submitted(self, event: PromptInput.Submitted) -> None:
         if event.prompt is self.prompt:
             self.opener.drafts.sent()
+        dispatched = self.slash.dispatch(event.text)
+        if dispatched.ran:
+            return
         # A message naming files or folders waits while the user says whether to attach.
-        if not self.attachments.offer(event.text):
-            self.turns.start(self.turns.submit(event.text))
+        if not self.attachments.offer(dispatched.text):
+            self.turns.start(self.turns.submit(dispatched.text))
 
     @on(PromptInput.Pasted)
     def _pasted(self, event: PromptInput.Pasted) -> None:
