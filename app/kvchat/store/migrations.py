@@ -451,6 +451,67 @@ def m020_drafts(db: sqlite_utils.Database) -> None:
     )
 
 
+def m022_compaction(db: sqlite_utils.Database) -> None:
+    """Compaction summaries (see :mod:`kvchat.store.summaries_sql`): a session's summary
+    of its messages up to ``upto_message_id``, which the model reads instead of them. The
+    messages stay; the newest row of a session is the one its prompts use."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS summaries (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+            upto_message_id INTEGER NOT NULL,
+            text TEXT NOT NULL,
+            replaced_tokens INTEGER NOT NULL,
+            created TEXT NOT NULL
+        )
+        """
+    )
+    db.execute(
+        "CREATE INDEX IF NOT EXISTS idx_summaries_session ON summaries(session_id, id)"
+    )
+
+
+def m023_session_pins_tags(db: sqlite_utils.Database) -> None:
+    """Finding sessions among thousands (issue 41, item 7): a session may be pinned (listed
+    first) and carry tags (lowercase words, space-separated, without the ``#``; the list's
+    filter matches ``#tag``). A change of either moves the session's change stamp, so every
+    open list sees it."""
+    columns = set(db["sessions"].columns_dict)
+    if "pinned" not in columns:
+        db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+    if "tags" not in columns:
+        db.execute("ALTER TABLE sessions ADD COLUMN tags TEXT NOT NULL DEFAULT ''")
+    db.execute(
+        f"CREATE TRIGGER IF NOT EXISTS sessions_stamp_pins_tags"
+        f" AFTER UPDATE OF pinned, tags ON sessions BEGIN {_STAMP_SESSION} END"
+    )
+
+
+def m024_message_figures(db: sqlite_utils.Database) -> None:
+    """Each reply's figures kept with it (issue 41, item 8; see
+    :mod:`kvchat.store.figures_sql`): the model that wrote it, its prompt's counts (tokens,
+    reused, decoded), tokens generated, time to the first token, tok/s and seconds taken,
+    and how its KV got into the context; gone with the message."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS message_figures (
+            message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
+            model TEXT NOT NULL DEFAULT '',
+            prompt_tokens INTEGER,
+            reused INTEGER,
+            decoded INTEGER,
+            generated INTEGER,
+            ttft_ms REAL,
+            tokens_per_s REAL,
+            seconds REAL,
+            kv TEXT NOT NULL DEFAULT '',
+            recorded TEXT NOT NULL
+        )
+        """
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_sessions_and_messages,
     m002_message_search,
@@ -471,6 +532,9 @@ MIGRATIONS: list[Migration] = [
     m018_documents,
     m019_library_readings,
     m020_drafts,
+    m023_session_pins_tags,
+    m024_message_figures,
+    m022_compaction,
 ]
 
 

@@ -31,6 +31,7 @@ from kvchat.store.session_list_sql import SessionListSql
 from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
+from kvchat.store.summaries_sql import SummariesSql
 from kvchat.store.versions_sql import VersionsSql
 from kvchat.system import current as current_system
 
@@ -159,6 +160,7 @@ class Store(
     SessionModelsSql,
     DocumentsSql,
     DraftsSql,
+    SummariesSql,
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
