@@ -532,9 +532,9 @@ MIGRATIONS: list[Migration] = [
     m018_documents,
     m019_library_readings,
     m020_drafts,
+    m022_compaction,
     m023_session_pins_tags,
     m024_message_figures,
-    m022_compaction,
 ]
 
 
