@@ -7,10 +7,11 @@ Precedence: command-line flag > ``KVCHAT_*`` environment > TOML config file > de
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvchat.errors import KvchatError
@@ -50,6 +51,84 @@ class _TomlSource(PydanticBaseSettingsSource):
                 return tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise KvchatError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+# An MCP server's name: it prefixes its tools' names (``server.tool``), so no dot, no path.
+MCP_SERVER_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+MCP_MAX_SERVERS = 64
+
+
+class McpServerConfig(BaseModel):
+    """One ``[mcp.servers.NAME]`` entry: a stdio server (``command``) or a streamable-HTTP
+    server (``url``), bounded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command: str | None = Field(default=None, min_length=1, max_length=4096)
+    args: list[str] = Field(default_factory=list, max_length=256)
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
+    url: str | None = Field(default=None, min_length=1, max_length=4096)
+    headers: dict[str, str] = Field(default_factory=dict, max_length=64)
+    enabled: bool = True
+    approve: Literal["ask", "always"] = "ask"
+    timeout_s: float = Field(default=60.0, ge=0.1, le=3600.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give either command (a stdio server) or url (an HTTP server)")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        for text in [self.command or "", self.url or "", *self.args, *self.env, *self.env.values()]:
+            if len(text) > 4096 or "\x00" in text:
+                raise ValueError("a command, argument or variable holds NUL or is too long")
+        return self
+
+
+def _config_problem(exc: ValidationError) -> str:
+    """A pydantic error as one line: where and what."""
+    first = exc.errors()[0]
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return f"{where}: {message}" if where else message
+
+
+class McpSettings(BaseModel):
+    """``[mcp.servers.NAME]`` tables. An entry that cannot be read does not stop kvchat: it
+    is kept in ``problems`` as one line (shown by ``kvchat tools list``) and never started."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    servers: dict[str, McpServerConfig] = Field(default_factory=dict)
+    problems: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _each_server(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return {"problems": {"mcp": "[mcp] is not a table"}}
+        raw = data.get("servers", {})
+        servers: dict[str, Any] = {}
+        problems: dict[str, str] = {}
+        if not isinstance(raw, dict):
+            return {"problems": {"mcp.servers": "[mcp.servers] is not a table"}}
+        for index, (name, entry) in enumerate(raw.items()):
+            label = name if isinstance(name, str) and re.fullmatch(MCP_SERVER_NAME, name) else None
+            if index >= MCP_MAX_SERVERS:
+                problems["mcp.servers"] = (
+                    f"more than {MCP_MAX_SERVERS} servers; the rest are left out"
+                )
+                break
+            if label is None:
+                problems[f"server{index + 1}"] = (
+                    "a server name must be 1-64 letters, digits, - or _ (it prefixes its tools)"
+                )
+                continue
+            try:
+                servers[label] = McpServerConfig.model_validate(entry)
+            except ValidationError as exc:
+                problems[label] = _config_problem(exc)
+        return {"servers": servers, "problems": problems}
 
 
 class Settings(BaseSettings):
@@ -175,6 +254,11 @@ class Settings(BaseSettings):
         "default: what NVML reports free, else no GPU",
     )
     detect_gpu: bool = Field(default=True, description="ask NVML (nvidia-ml-py) about the GPU")
+    mcp: McpSettings = Field(
+        default_factory=McpSettings,
+        description="MCP tool servers: [mcp.servers.NAME] with command/args/env (stdio) or "
+        "url/headers (streamable HTTP), enabled, approve (ask|always), timeout_s",
+    )
 
     # Fields given as command-line flags (set by load_settings), to say where a value came from.
     _flags: set[str] = PrivateAttr(default_factory=set)
