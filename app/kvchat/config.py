@@ -232,6 +232,12 @@ class Settings(BaseSettings):
         description="after a session's first reply, the model names it (a few words, "
         "decoded beside the conversation: its KV is untouched); false: the first line",
     )
+    overflow: Literal["compact", "drop"] = Field(
+        default="compact",
+        description="when a conversation outgrows the context: compact (offer a summary of "
+        "the messages leaving the window, made by the model, to read instead of them) or "
+        "drop (they leave the window unread; their text stays)",
+    )
     ram_cache_mib: int = Field(
         default=1024, ge=0, description="warm tier: RAM for recent sessions' KV"
     )
