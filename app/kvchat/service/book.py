@@ -129,6 +129,16 @@ class SessionBook:
             raise KvchatError("a session title cannot be empty")
         return self.store.update_session(session_id, title=title)
 
+    def pin(self, session_id: str, pinned: bool) -> Session:
+        """Pin the session (listed first) or unpin it."""
+        return self.store.set_pinned(session_id, pinned)
+
+    def tag(self, session_id: str, tags: str) -> Session:
+        """Set the session's tags from what the user typed (see kvchat.store.tags)."""
+        from kvchat.store.tags import parse_tags
+
+        return self.store.set_tags(session_id, parse_tags(tags))
+
     def configure(
         self,
         session_id: str,

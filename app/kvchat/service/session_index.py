@@ -57,15 +57,24 @@ class SessionReader:
         self.store = store
 
     def list_sessions_page(
-        self, limit: int, after: tuple[str, int] | None = None, *, title: str | None = None
+        self,
+        limit: int,
+        after: tuple[str, int] | None = None,
+        *,
+        title: str | None = None,
+        pinned: bool = False,
+        tag: str | None = None,
     ) -> SessionPage:
         """Up to ``limit`` sessions, most recently updated first, after the cursor ``after``
-        (the previous page's ``next``); only titles containing ``title`` when given."""
-        return self.store.list_sessions_page(limit, after, title=title)
+        (the previous page's ``next``); only titles containing ``title`` when given (and
+        pinned ones, those tagged ``tag``: see Store.list_sessions_page)."""
+        return self.store.list_sessions_page(limit, after, title=title, pinned=pinned, tag=tag)
 
-    def count_sessions(self, *, title: str | None = None) -> int:
-        """How many sessions there are (whose title contains ``title``, when given)."""
-        return self.store.count_sessions(title=title)
+    def count_sessions(
+        self, *, title: str | None = None, pinned: bool = False, tag: str | None = None
+    ) -> int:
+        """How many sessions there are (whose title contains ``title``, when given…)."""
+        return self.store.count_sessions(title=title, pinned=pinned, tag=tag)
 
     def change_stamp(self) -> int:
         """The session list's change stamp: it moves when any process makes, changes or

@@ -17,6 +17,8 @@ class Session:
     created: str
     updated: str
     parent_id: str | None = None  # the session a fork or an edit was made from
+    pinned: bool = False  # listed first (see migration m023)
+    tags: tuple[str, ...] = ()  # lowercase words without the "#" (see kvchat.store.tags)
 
 
 @dataclass(frozen=True)
@@ -27,17 +29,27 @@ class SessionSummary:
     snapshot_bytes: int
     snapshot_tokens: int
 
+    @property
+    def size(self) -> int:
+        """The session's size in tokens, the one figure the app's list and ``kvchat list``
+        show: what its saved KV holds (the template's tokens too), else its messages'
+        counts summed."""
+        return self.snapshot_tokens or self.tokens
+
     def to_json(self) -> dict[str, Any]:
         s = self.session
         return {
             "id": s.id,
             "title": s.title,
             "messages": self.messages,
-            "tokens": self.tokens,
+            "tokens": self.size,
+            "message_tokens": self.tokens,
             "created": s.created,
             "updated": s.updated,
             "snapshot_bytes": self.snapshot_bytes,
             "snapshot_tokens": self.snapshot_tokens,
+            "pinned": s.pinned,
+            "tags": list(s.tags),
         }
 
 

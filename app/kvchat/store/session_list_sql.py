@@ -49,6 +49,18 @@ class SessionListSql(SqlBase):
         ]
 
     @staticmethod
+    def _pin_tag_filter(pinned: bool, tag: str | None) -> tuple[str, list[Any]]:
+        """The WHERE part (and its parameters) keeping pinned sessions (when ``pinned``)
+        and those tagged ``tag`` (a parsed tag, when given)."""
+        where, params = "", []
+        if pinned:
+            where += " AND s.pinned = 1"
+        if tag:
+            where += " AND (' ' || s.tags || ' ') LIKE ? ESCAPE '\\'"
+            params.append(f"% {_like_pattern(tag).strip('%')} %")
+        return where, params
+
+    @staticmethod
     def _title_filter(title: str | None) -> tuple[str, list[Any]]:
         """The WHERE part (and its parameters) that keeps titles containing ``title``,
         case-insensitively; nothing for an empty filter."""
@@ -69,11 +81,16 @@ class SessionListSql(SqlBase):
         after: tuple[str, int] | None = None,
         *,
         title: str | None = None,
+        pinned: bool = False,
+        tag: str | None = None,
     ) -> SessionPage:
         """Up to ``limit`` sessions, most recently updated first, starting after the cursor
-        ``after`` (a previous page's ``next``); only titles containing ``title`` when given.
-        One range read of the ``updated`` index: the cost is the page's, not the list's."""
+        ``after`` (a previous page's ``next``); only titles containing ``title`` when given,
+        only pinned ones with ``pinned``, only those tagged ``tag`` when given. One range
+        read of the ``updated`` index: the cost is the page's, not the list's."""
         where, params = self._title_filter(title)
+        more_where, more_params = self._pin_tag_filter(pinned, tag)
+        where, params = where + more_where, params + more_params
         if after is not None:
             where += " AND (s.updated, s.rowid) < (?, ?)"
             params += [after[0], after[1]]
@@ -88,9 +105,14 @@ class SessionListSql(SqlBase):
         cursor = (rows[-1]["updated"], rows[-1]["_rowid"]) if more and rows else None
         return SessionPage(self._summaries(rows), cursor)
 
-    def count_sessions(self, *, title: str | None = None) -> int:
-        """How many sessions there are (whose title contains ``title``, when given)."""
+    def count_sessions(
+        self, *, title: str | None = None, pinned: bool = False, tag: str | None = None
+    ) -> int:
+        """How many sessions there are (whose title contains ``title``, when given; pinned,
+        with ``pinned``; tagged ``tag``, when given)."""
         where, params = self._title_filter(title)
+        more_where, more_params = self._pin_tag_filter(pinned, tag)
+        where, params = where + more_where, params + more_params
         rows = self._rows(
             f"SELECT COUNT(*) AS n FROM sessions s WHERE {LISTED}{where}", tuple(params)
         )

@@ -11,6 +11,7 @@ from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, _translate, now
 from kvchat.store.documents_sql import copy_session_documents
 from kvchat.store.rows import Session, SessionSummary
+from kvchat.store.tags import column_text, stored_tags
 
 
 def insert_session(
@@ -149,6 +150,8 @@ class SessionsSql(SqlBase):
             created=row["created"],
             updated=row["updated"],
             parent_id=row.get("parent_id"),
+            pinned=bool(row.get("pinned")),
+            tags=stored_tags(row.get("tags")),
         )
 
     def get_session(self, session_id: str) -> Session:
@@ -253,6 +256,19 @@ class SessionsSql(SqlBase):
             conn.execute(
                 f"UPDATE sessions SET {assignments} WHERE id=?", (*changes.values(), session_id)
             )
+        return self.get_session(session_id)
+
+    def set_pinned(self, session_id: str, pinned: bool) -> Session:
+        """Pin the session (listed first) or unpin it; its ``updated`` time stays."""
+        with self._tx() as conn:
+            conn.execute("UPDATE sessions SET pinned=? WHERE id=?", (int(pinned), session_id))
+        return self.get_session(session_id)
+
+    def set_tags(self, session_id: str, tags: tuple[str, ...]) -> Session:
+        """Replace the session's tags (parsed by :func:`kvchat.store.tags.parse_tags`);
+        its ``updated`` time stays."""
+        with self._tx() as conn:
+            conn.execute("UPDATE sessions SET tags=? WHERE id=?", (column_text(tags), session_id))
         return self.get_session(session_id)
 
     def copy_session(
