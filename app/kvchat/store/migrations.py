@@ -451,6 +451,40 @@ def m020_drafts(db: sqlite_utils.Database) -> None:
     )
 
 
+def m021_tool_messages(db: sqlite_utils.Database) -> None:
+    """Tool calls and their results (issue 43; see :mod:`kvchat.store.tools_sql`): the calls
+    an assistant message made (its text keeps them as the model wrote them), and for each
+    message of role "tool" the tool's qualified name, the call's id and arguments (JSON),
+    whether the tool said it failed or its result was cut, and the whole result (the
+    message's content is what the model read). Gone with the message."""
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS tool_calls (
+            message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            call_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            arguments TEXT NOT NULL,
+            PRIMARY KEY (message_id, position)
+        )
+        """
+    )
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS tool_messages (
+            message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
+            name TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            arguments TEXT NOT NULL,
+            is_error INTEGER NOT NULL DEFAULT 0,
+            truncated INTEGER NOT NULL DEFAULT 0,
+            full_text TEXT NOT NULL,
+            seconds REAL
+        )
+        """
+    )
+
+
 def m022_compaction(db: sqlite_utils.Database) -> None:
     """Compaction summaries (see :mod:`kvchat.store.summaries_sql`): a session's summary
     of its messages up to ``upto_message_id``, which the model reads instead of them. The
@@ -532,6 +566,7 @@ MIGRATIONS: list[Migration] = [
     m018_documents,
     m019_library_readings,
     m020_drafts,
+    m021_tool_messages,
     m022_compaction,
     m023_session_pins_tags,
     m024_message_figures,
