@@ -32,6 +32,7 @@ from kvchat.store.session_models import SessionModelsSql
 from kvchat.store.sessions_sql import SessionsSql
 from kvchat.store.snapshots_sql import SnapshotsSql
 from kvchat.store.summaries_sql import SummariesSql
+from kvchat.store.tools_sql import ToolsSql
 from kvchat.store.versions_sql import VersionsSql
 from kvchat.system import current as current_system
 
@@ -161,6 +162,7 @@ class Store(
     DocumentsSql,
     DraftsSql,
     SummariesSql,
+    ToolsSql,
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
