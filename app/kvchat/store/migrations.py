@@ -501,9 +501,7 @@ def m022_compaction(db: sqlite_utils.Database) -> None:
         )
         """
     )
-    db.execute(
-        "CREATE INDEX IF NOT EXISTS idx_summaries_session ON summaries(session_id, id)"
-    )
+    db.execute("CREATE INDEX IF NOT EXISTS idx_summaries_session ON summaries(session_id, id)")
 
 
 def m023_session_pins_tags(db: sqlite_utils.Database) -> None:

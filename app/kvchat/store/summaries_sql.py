@@ -51,9 +51,7 @@ class SummariesSql(SqlBase):
 
     def summaries(self, session_id: str) -> list[Summary]:
         """Every summary of ``session_id``, oldest first."""
-        rows = self._rows(
-            "SELECT * FROM summaries WHERE session_id=? ORDER BY id", (session_id,)
-        )
+        rows = self._rows("SELECT * FROM summaries WHERE session_id=? ORDER BY id", (session_id,))
         return [_summary(row) for row in rows]
 
     def current_summary(self, session_id: str) -> Summary | None:
