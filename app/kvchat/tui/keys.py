@@ -46,7 +46,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "ctrl+s", "Ctrl+S", "export", "Export the session (Markdown, JSON or HTML)", footer="Export"
     ),
-    Key("ctrl+g", "Ctrl+G", "settings", "Session settings: system prompt and sampling"),
+    Key("ctrl+g", "Ctrl+G", "settings", "Session settings: system prompt, sampling and tags"),
     Key("ctrl+r", "Ctrl+R", "regenerate", "Regenerate the last reply"),
     # Not F6/F7 (the input takes them), F10 (GNOME Terminal's menu), F11 (full screen).
     Key(
@@ -99,6 +99,28 @@ KEYS: tuple[Key, ...] = (
         "focus_sessions",
         "Go to the sessions list (Enter opens a session); in the list, hide it (it hides "
         "itself below 80 columns)",
+    ),
+    # Shift+F keys: every Ctrl+letter is taken, and the input takes F6/F7 (see above).
+    Key(
+        "f14,shift+f2",
+        "Shift+F2",
+        "filter_sessions",
+        "Find a session: filter the list by title or #tag as you type (/ in the list too; "
+        "Esc clears)",
+        footer="Find",
+    ),
+    Key(
+        "f15,shift+f3",
+        "Shift+F3",
+        "pin_session",
+        "Pin / unpin the session (pinned ones come first in the list): the one highlighted "
+        "when the sessions list has focus",
+    ),
+    Key(
+        "f17,shift+f5",
+        "Shift+F5",
+        "copy_conversation",
+        "Copy the whole conversation (as Markdown)",
     ),
     Key(
         "",
@@ -171,6 +193,8 @@ def bindings() -> list[Binding]:
                 priority=key.action == "app.quit",
                 id=key.action,
                 tooltip=key.description,
+                # Terminals send Shift+F2 as F14: the footer shows the key pressed.
+                key_display=key.label.replace("Shift+", "⇧") if "shift+" in key.keys else None,
             )
         )
     return out

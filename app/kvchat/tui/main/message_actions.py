@@ -92,6 +92,17 @@ class MessageActions:
         ]
         return texts + [(v.number, v.text) for v in streaming]
 
+    async def copy_conversation(self) -> None:
+        """Shift+F5: the whole open session as Markdown (its export), from the store."""
+        session_id = self.ctx.state.session_id
+        if session_id is None:
+            self.ctx.app.notify("No conversation to copy yet", severity="warning")
+            return
+        text: str = await self.ctx.backend.on_store(
+            self.ctx.backend.chat.sessions.export, session_id, "md"
+        )
+        self.copy(text, "conversation")
+
     def copy(self, text: str, what: str) -> None:
         # OSC 52 always (the terminal's clipboard, and the app's own for pasting in it);
         # the rest runs off the UI thread: it may ask tmux and run a clipboard command.

@@ -475,6 +475,22 @@ class MainScreen(Screen[None]):
             self._show_sidebar()
         sessions.focus()
 
+    def action_filter_sessions(self) -> None:
+        """Shift+F2: the sessions list (shown if hidden), filtering by title or #tag."""
+        if not self.sessions.display:
+            self.sidebar_wanted = True
+            self._show_sidebar()
+        self.sessions.focus()
+        self.sessions.action_filter()
+
+    @work(group="action", exit_on_error=False)
+    async def action_pin_session(self) -> None:
+        await self.session_actions.pin()
+
+    @work(group="action", exit_on_error=False)
+    async def action_copy_conversation(self) -> None:
+        await self.message_actions.copy_conversation()
+
     def action_help(self) -> None:
         from kvchat.tui.screens.help import HelpScreen
 

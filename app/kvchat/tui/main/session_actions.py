@@ -108,6 +108,28 @@ class SessionActions:
         if self.ctx.state.session_id is None and newest is not None:
             self.ctx.post(OpenRequested(newest))
 
+    async def pin(self) -> None:
+        """Shift+F3: pin the session (highlighted in the list when it has focus, else the
+        open one) so it comes first in the list, or unpin it."""
+        session_id = self._highlighted_session() or self._need_session("pin")
+        if session_id is None:
+            return
+        sessions = self.ctx.backend.chat.sessions
+        try:
+            session = await self.ctx.backend.on_store(sessions.resolve, session_id)
+            await self.ctx.backend.on_store(sessions.pin, session_id, not session.pinned)
+        except KvchatError as exc:
+            self.ctx.app.notify(str(exc), severity="error", markup=False)
+            return
+        await self.ctx.refresh()
+        title = shorten(self._title(session_id), 40)
+        if session.pinned:
+            self.ctx.app.notify(f"Unpinned “{title}”", markup=False, timeout=3)
+        else:
+            self.ctx.app.notify(
+                f"Pinned “{title}”: listed first (Shift+F3 unpins)", markup=False, timeout=3
+            )
+
     async def search(self) -> None:
         from kvchat.tui.screens.search import SearchScreen
 
