@@ -15,6 +15,7 @@ from kvchat.tools.api import (
     Transport,
     UnknownToolError,
 )
+from kvchat.tools.box import ToolBox
 
 __all__ = [
     "Approval",
@@ -23,6 +24,7 @@ __all__ = [
     "ServerStatus",
     "ToolError",
     "ToolResult",
+    "ToolBox",
     "ToolSpec",
     "ToolTimeoutError",
     "Transport",
