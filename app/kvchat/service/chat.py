@@ -13,7 +13,9 @@ own one concern:
 * :class:`~kvchat.service.model_choices.ModelChoices`: the model picker;
 * :class:`~kvchat.service.session_index.SessionReader`: the session list and a session's pages;
 * :class:`~kvchat.service.imports.ImportLedger`: what an import or a bundle asks of the store;
-* :class:`~kvchat.service.library.DocumentLibrary`: the documents kept and read ahead.
+* :class:`~kvchat.service.tools.ToolTurns`: turns whose replies call tools, and ``/tool``;
+* :class:`~kvchat.service.library.DocumentLibrary`: the documents kept and read ahead;
+* :class:`~kvchat.service.compaction.Compactor`: a summary read instead of old messages.
 
 Each is a public attribute (``service.sessions.fork(...)``, ``service.upkeep.pending``): a
 caller reaches the one it needs, not a forwarder. The service's own members are what it
@@ -38,6 +40,7 @@ from kvchat.kvcache.tiers import CacheGc, KVTiers, SnapshotWrite
 from kvchat.paths import data_dir
 from kvchat.service.book import SessionBook
 from kvchat.service.checks import open_store
+from kvchat.service.compaction import Compactor
 from kvchat.service.documents import DocumentShelf, ReadDocuments
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.imports import ImportLedger
@@ -55,6 +58,7 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.session_index import SessionReader
+from kvchat.service.tools import ToolTurns
 from kvchat.service.streaming import STREAM_SAVE_EVERY_S as STREAMING_SAVE_EVERY_S
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
@@ -133,6 +137,8 @@ class ChatService:
             self.documents,
         )
         self.turns.stream_save_every_s = STREAM_SAVE_EVERY_S
+        self.tools = ToolTurns(self.host, self.store, self.locks, self.turns, self.upkeep)
+        self.compaction = Compactor(self.turns, self.sessions)
         self.reader = SessionReader(self.store)
         self.imports = ImportLedger(self.store)
         self.library = DocumentLibrary(self.host, self.store, self.documents, self.turns.make_hot)
@@ -158,7 +164,8 @@ class ChatService:
 
     def close(self) -> None:
         """Save the hot session if it has unsaved KV, then release everything (an engine
-        given to the constructor is left open for its owner)."""
+        given to the constructor is left open for its owner); the tool servers stop."""
+        self.tools.close()
         self.upkeep.abandon()
         self.host.release()
         self.store.close()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from kvchat.engine import common_prefix
 from kvchat.errors import KvchatError
+from kvchat.store import Message
+from kvchat.store.summaries_sql import Summary
 
 ChatMessage = dict[str, str]
 Render = Callable[[Sequence[ChatMessage]], list[int]]
@@ -31,6 +33,30 @@ def reply_reserve(max_tokens: int, n_ctx: int) -> int:
 def system_head(system: str | None) -> list[ChatMessage]:
     """The system prompt as the first message of every window (none when empty)."""
     return [{"role": "system", "content": system}] if system else []
+
+
+# How a compaction's summary is introduced in the system message.
+SUMMARY_HEADER = "Summary of the earlier conversation:"
+
+
+def with_summary(head: list[ChatMessage], text: str) -> list[ChatMessage]:
+    """[system prompt, documents, summary]: the summary after the system message's text (a
+    system message of its own when the session has none)."""
+    block = f"{SUMMARY_HEADER}\n{text}"
+    if head:
+        first = dict(head[0])
+        first["content"] = f"{first['content']}\n\n{block}"
+        return [first, *head[1:]]
+    return [{"role": "system", "content": block}]
+
+
+def after_summary(history: Sequence[Message], summary: Summary | None) -> tuple[list[Message], int]:
+    """The messages a prompt renders after ``summary`` (all without one), and how many it
+    stands for."""
+    if summary is None:
+        return list(history), 0
+    kept = [m for m in history if m.id > summary.upto_message_id]
+    return kept, len(history) - len(kept)
 
 
 def fit_window(

@@ -26,7 +26,15 @@ from kvchat.errors import KvchatError
 from kvchat.kvcache import RestoreResult
 from kvchat.service.book import DEFAULT_TITLE, SessionBook
 from kvchat.service.checks import os_error_line
-from kvchat.service.context_window import fit_window, plan_shift, reply_reserve, system_head
+from kvchat.service.context_window import (
+    ChatMessage,
+    after_summary,
+    fit_window,
+    plan_shift,
+    reply_reserve,
+    system_head,
+    with_summary,
+)
 from kvchat.service.documents import (
     DocumentFit,
     DocumentShelf,
@@ -45,12 +53,14 @@ from kvchat.service.reasoning import (
     split_reasoning,
 )
 from kvchat.service.reports import (
+    NEXT_MESSAGE_ALLOWANCE,
     MessageRefused,
     TokenCallback,
     TokenCounts,
     TurnReport,
     UnansweredMessage,
     WindowShift,
+    WindowView,
     generation_params,
     session_think,
 )
@@ -123,6 +133,9 @@ class TurnPipeline:
         # saved (one line, after save_trouble_after_s of failed saves), or is again (None).
         self.save_trouble: SaveTrouble | None = None
         self.save_trouble_after_s = SAVE_TROUBLE_AFTER_S
+        # The tools a session's prompts offer the model, as its chat template takes them
+        # (kvchat.service.tools.ToolTurns.offered; None: no tools).
+        self.offer_tools: Callable[[str], list[dict[str, Any]] | None] | None = None
 
     # --- what a turn starts from ----------------------------------------------------------
 
@@ -132,6 +145,19 @@ class TurnPipeline:
         return self.documents.head(
             session, session.system_prompt or self.host.settings.system_prompt
         )
+
+    def window(
+        self, session: Session, history: list[Message], thinks: bool = False
+    ) -> tuple[list[ChatMessage], list[ChatMessage], list[Message], int]:
+        """What the session's prompts render: the head (with the compaction summary, when
+        there is one), the messages after the summary for a template and as stored, and
+        how many messages the summary stands for."""
+        summary = self.store.current_summary(session.id)
+        kept, summarized = after_summary(history, summary)
+        head = self.head(session)
+        if summary is not None and summarized:
+            head = with_summary(head, summary.text)
+        return head, self.documents.chat(session.id, kept, thinks), kept, summarized
 
     def check_documents(
         self, read: ReadDocuments, system_prompt: str | None, max_tokens: int
@@ -199,15 +225,13 @@ class TurnPipeline:
             return None
         session = self.store.get_session(session_id)
         thinks = self.host.reasoning_style.thinks
-        chat = self.documents.chat(session_id, history, thinks)
+        head, chat, _, _ = self.window(session, history, thinks)
         engine = self.host.token_engine()
         reserve = reply_reserve(
             generation_params(self.host.settings, session.settings, {}).max_tokens, engine.n_ctx
         )
         try:
-            tokens, _ = fit_window(
-                engine.chat_tokens, self.head(session), chat, engine.n_ctx, reserve
-            )
+            tokens, _ = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
         except KvchatError:
             return None
         return tokens
@@ -392,11 +416,11 @@ class TurnPipeline:
                     "with a larger --max-tokens instead"
                 )
             engine = self.host.token_engine()
-            self.host.use_template_options(session_think(session.settings))
+            self._template_options(session)
             style = self.host.reasoning_style
             self.book.remember(session_id)
-            earlier = self.documents.chat(session_id, history[:-1], style.thinks)
-            base = engine.chat_tokens(self.head(session) + earlier)
+            head, earlier, _, _ = self.window(session, history[:-1], style.thinks)
+            base = engine.chat_tokens(head + earlier)
             written = as_written(last.reasoning, last.content, style)
             prompt = base + engine.tokenize(written)
             if len(prompt) + 1 >= engine.n_ctx:
@@ -444,7 +468,7 @@ class TurnPipeline:
             raise KvchatError("the benchmark times kvchat's own engines, not a remote server")
         engine = self.host.token_engine()
         self.upkeep.abandon()
-        self.host.use_template_options(session_think(session.settings))
+        self._template_options(session)
         tiers = self.host.tiers
         tiers.spill()
         restore = self.make_hot(session_id, no_restore=no_restore)
@@ -474,16 +498,15 @@ class TurnPipeline:
         if self.host.load().capabilities.remote_chat:
             return self.run_remote(session_id, params, options, replaces)
         engine = self.host.token_engine()
-        self.host.use_template_options(session_think(session.settings))
+        self._template_options(session)
         style = self.host.reasoning_style
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
-        chat = self.documents.chat(session_id, history, style.thinks)
+        head, chat, kept, summarized = self.window(session, history, style.thinks)
         reserve = reply_reserve(params.max_tokens, engine.n_ctx)
-        head = self.head(session)
         prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
         shared = 0
-        if head and not dropped and self.documents.start_block(session_id):
+        if head and not dropped and not summarized and self.documents.start_block(session_id):
             shared = self.documents.shared_end(engine, head)
         read = self._hot_prompt(
             session_id,
@@ -512,6 +535,17 @@ class TurnPipeline:
             reasoning=reasoning,
         )
         report.documents = self.documents.attached(session_id, engine.count_tokens)
+        report.view = WindowView(
+            n_ctx=engine.n_ctx,
+            used=len(prompt) + stats.generated,
+            reserve=reserve,
+            first_message_id=kept[dropped].id if dropped or summarized else None,
+            left_out=summarized + dropped,
+            summarized=summarized,
+            next_drops=len(prompt) + stats.generated + NEXT_MESSAGE_ALLOWANCE + reserve
+            > engine.n_ctx,
+            overflow=self.host.settings.overflow,
+        )
         # From here on the reply exists: whatever fails is reported, never raised.
         self._store_reply(report, session_id, stats, replaces, saver)
         self._finish(report, session, prompt, dropped)
@@ -647,6 +681,14 @@ class TurnPipeline:
         tiers.mark_dirty()
         tiers.save_hot()
         tiers.mark_hot(session_id)
+
+    def _template_options(self, session: Session) -> None:
+        """Render the session's prompts with its thinking choice and the tools it offers."""
+        self.host.use_template_options(session_think(session.settings))
+        tools = self.offer_tools(session.id) if self.offer_tools is not None else None
+        if tools:
+            engine = self.host.token_engine()
+            engine.template_options = {**engine.template_options, "tools": tools}
 
     def _saver(self, session_id: str, style: ReasoningStyle) -> StreamSaver:
         """What keeps a new reply stored as it streams (see StreamSaver)."""

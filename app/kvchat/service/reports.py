@@ -149,6 +149,8 @@ class TurnReport:
     remote_note: str | None = None
     # The documents the session's prompt holds (attachments), with their tokens.
     documents: list[AttachedDocument] = field(default_factory=list)
+    # What the model sees of the conversation after this turn (gauge, divider, warning).
+    view: WindowView | None = None
 
     @classmethod
     def of_run(
@@ -206,6 +208,7 @@ class TurnReport:
                 "shifted_messages": self.shifted_messages,
                 "shifted_tokens": self.shifted_tokens,
                 "note": self.window_note,
+                **(self.view.to_json() if self.view is not None else {}),
             },
             "snapshot": {
                 "bytes": self.snapshot.bytes,
@@ -275,6 +278,72 @@ def reading_phrase(done: int, total: int, seconds: float) -> str:
         left = (total - done) * seconds / done
         text += f" · ~{left:,.0f} s left" if left < 120 else f" · ~{left / 60:,.0f} min left"
     return text
+
+
+# Tokens the warning allows for the next message: the next turn would leave messages out
+# of the window when the context holds more than n_ctx minus the reply reserve and this.
+NEXT_MESSAGE_ALLOWANCE = 64
+
+
+@dataclass
+class WindowView:
+    """What the model sees of a conversation: the context's use (the status bar's gauge),
+    where the window starts (the conversation's divider), and whether the next turn would
+    leave messages out (a warning)."""
+
+    n_ctx: int = 0
+    used: int = 0  # tokens the conversation takes in the context (prompt and reply)
+    reserve: int = 0  # kept free for a reply
+    # The first message inside the window, when earlier ones are not read (None: all are).
+    first_message_id: int | None = None
+    left_out: int = 0  # messages before it (kept in SQLite, not read)
+    summarized: int = 0  # of those, how many a compaction summary stands for
+    next_drops: bool = False  # the next turn would leave messages out of the window
+    overflow: str = "compact"  # the setting: what happens then
+
+    def gauge(self) -> str:
+        """The status bar's gauge, e.g. "ctx 1,234/2,048 (+512 reply)"."""
+        if not self.n_ctx:
+            return ""
+        mark = " !" if self.next_drops else ""
+        return f"ctx {self.used:,}/{self.n_ctx:,} (+{self.reserve:,} reply){mark}"
+
+    def divider(self) -> str | None:
+        """The line drawn above :attr:`first_message_id` (None when the model reads all)."""
+        if self.first_message_id is None:
+            return None
+        unread = self.left_out - self.summarized
+        if self.summarized and not unread:
+            return (
+                f"the model sees from here, with a summary of the {self.summarized} "
+                "earlier messages (kept, not read)"
+            )
+        line = f"the model sees from here; {self.left_out} earlier messages are kept but not read"
+        if self.summarized:
+            line += f" ({self.summarized} of them summarized)"
+        return line
+
+    def warning(self) -> str | None:
+        """Said before the next turn would leave messages out (None: it would not)."""
+        if not self.next_drops:
+            return None
+        if self.overflow == "compact":
+            return (
+                "the context is nearly full: the next turn leaves the oldest messages out "
+                "unless you compact them (/compact writes a summary to read instead)"
+            )
+        return "the context is nearly full: the next turn leaves the oldest messages out"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "n_ctx": self.n_ctx,
+            "used": self.used,
+            "reserve": self.reserve,
+            "first_message_id": self.first_message_id,
+            "left_out": self.left_out,
+            "summarized": self.summarized,
+            "next_drops": self.next_drops,
+        }
 
 
 @dataclass

@@ -12,7 +12,7 @@ from kvchat.config import Settings
 from kvchat.engine import common_prefix
 from kvchat.errors import KvchatError
 from kvchat.kvcache.tiers import SnapshotWrite
-from kvchat.service.context_window import settle_target
+from kvchat.service.context_window import after_summary, settle_target, with_summary
 from kvchat.service.documents import DocumentShelf
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.reports import Housekeeping, TurnReport
@@ -113,8 +113,12 @@ class Upkeep:
         """What the context should hold after the reply: exactly the next turn's prompt up
         to the user's words (see :func:`kvchat.service.context_window.settle_target`)."""
         engine = self.host.token_engine()
-        messages = self.store.messages(session.id)[dropped:]  # the window's messages
+        summary = self.store.current_summary(session.id)
+        messages, summarized = after_summary(self.store.messages(session.id), summary)
+        messages = messages[dropped:]  # the window's messages
         head = self.documents.head(session, session.system_prompt or self.settings.system_prompt)
+        if summary is not None and summarized:
+            head = with_summary(head, summary.text)
         thinks = self.host.reasoning_style.thinks
         chat = head + self.documents.chat(session.id, messages, thinks)
         return settle_target(engine.chat_tokens, chat, prompt, engine.tokens, engine.n_ctx)
