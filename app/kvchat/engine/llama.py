@@ -281,7 +281,10 @@ class LlamaEngine:
         try:
             # llama_cpp types the formatter's keywords as OpenAI's; templates take any.
             formatter: Any = self._formatter
-            return str(formatter(messages=list(messages), **self.template_options).prompt)
+            options = self.template_options
+            if options.get("tools"):  # a tool server's text: never a control token
+                options = {**options, "tools": self._chat.safe_tools(options["tools"])}
+            return str(formatter(messages=list(messages), **options).prompt)
         except Exception as exc:  # jinja2's errors, and the template's raise_exception
             raise KvchatError(f"the model's chat template refused these messages: {exc}") from exc
 

@@ -132,6 +132,18 @@ class ChatTokens:
         self._slot = f"\ue000{self._slot_id}:"
         self._slots = re.compile(re.escape(self._slot) + r"(\d+)\ue001")
 
+    def safe_tools(self, tools: Any) -> Any:
+        """Tools for a template's ``tools=`` (names, descriptions and schemas from a tool
+        server) with every special token's spelling in their strings broken: the template
+        writes them as its own text, so a ``<|im_end|>`` in a description must not be one."""
+        if isinstance(tools, str):
+            return self._markup.defang(tools)
+        if isinstance(tools, dict):
+            return {self.safe_tools(k): self.safe_tools(v) for k, v in tools.items()}
+        if isinstance(tools, list | tuple):
+            return [self.safe_tools(v) for v in tools]
+        return tools
+
     def _start(self, rendered: str) -> list[int]:
         bos = self._bos(rendered)
         return [] if bos is None else [bos]

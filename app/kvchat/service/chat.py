@@ -58,8 +58,8 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.session_index import SessionReader
-from kvchat.service.tools import ToolTurns
 from kvchat.service.streaming import STREAM_SAVE_EVERY_S as STREAMING_SAVE_EVERY_S
+from kvchat.service.tools import ToolTurns
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import (
     Message,
