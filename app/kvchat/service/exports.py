@@ -2,6 +2,8 @@
 
 Each carries the conversation's documents (attachments): their name, kind, size, sha256
 and the text the model read, at the start; a message a later document came with says so.
+A compaction summary (the model reads it instead of the messages up to one) follows the
+last message it stands for, marked as what it is; every message is exported all the same.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Literal
 from kvchat import __version__
 from kvchat.store import Message, Session
 from kvchat.store.documents_sql import SessionDocument
+from kvchat.store.summaries_sql import Summary
 
 ExportFormat = Literal["md", "json", "html"]
 FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")
@@ -111,11 +114,32 @@ def _later(documents: Sequence[SessionDocument]) -> dict[int, list[str]]:
     return out
 
 
+def _after(messages: Sequence[Message], summaries: Sequence[Summary]) -> dict[int, list[Summary]]:
+    """Message id → the summaries placed after it: each after the last exported message it
+    stands for."""
+    out: dict[int, list[Summary]] = {}
+    for summary in summaries:
+        covered = [m.id for m in messages if m.id <= summary.upto_message_id]
+        if covered:
+            out.setdefault(covered[-1], []).append(summary)
+    return out
+
+
+def _summary_about(summary: Summary, numbers: dict[int, int], messages: Sequence[Message]) -> str:
+    """Which messages a summary stands for, in words."""
+    last = max((numbers[m.id] for m in messages if m.id <= summary.upto_message_id), default=0)
+    return (
+        f"Compaction summary: the model reads this instead of messages 1-{last} "
+        f"({summary.replaced_tokens:,} tokens) · {summary.created}"
+    )
+
+
 def to_markdown(
     session: Session,
     messages: list[Message],
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
+    summaries: Sequence[Summary] = (),
 ) -> str:
     """The transcript; a reply's reasoning (``reasoning``: kept) is a quoted section headed
     "Reasoning" before its answer. ``documents`` come first, under "Documents", each with its
@@ -129,6 +153,7 @@ def to_markdown(
             lines += [f"### {_markdown_name(used.document.name)}", ""]
             lines += [f"_{_about(used, numbers)}_", "", fenced(used.document.text), ""]
     later = _later(documents)
+    placed = _after(messages, summaries)
     if session.system_prompt:
         lines += ["## System", "", markdown_block(session.system_prompt), ""]
     for m in messages:
@@ -140,6 +165,9 @@ def to_markdown(
         if reasoning and m.reasoning:
             lines += ["> **Reasoning**", ">", quoted(m.reasoning), ""]
         lines += [markdown_block(m.content), ""]
+        for summary in placed.get(m.id, []):
+            lines += ["## Summary", "", f"_{_summary_about(summary, numbers, messages)}_", ""]
+            lines += [quoted(summary.text), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -148,6 +176,7 @@ def to_json(
     messages: list[Message],
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
+    summaries: Sequence[Summary] = (),
 ) -> str:
     """OpenAI-style messages (a reply's reasoning as ``reasoning_content``) and kvchat's
     own fields; ``documents`` as a list of their metadata and text, each with ``message``:
@@ -188,6 +217,12 @@ def to_json(
             if used.message_id is None or used.message_id in index
         ],
         "messages": chat,
+        # Each summary after ``after``: the index in ``messages`` of the last one it stands for.
+        "summaries": [
+            {"after": index[placed[-1].id], **summary.to_json()}
+            for summary in summaries
+            if (placed := [m for m in messages if m.id <= summary.upto_message_id])
+        ],
         "message_meta": [
             {
                 "id": m.id,
@@ -207,6 +242,7 @@ line-height:1.5;color:#1d1d1f;background:#fafafa}
 .msg{border-radius:.6rem;padding:.6rem 1rem;margin:.8rem 0;overflow-wrap:anywhere}
 .user{background:#e3efff}.assistant{background:#fff;border:1px solid #ddd}
 .system{background:#f3f3f3;font-style:italic;white-space:pre-wrap}
+.summary{background:#fff8e1;border:1px dashed #c9a227}
 .role{font-weight:600;display:block}
 .partial{color:#a15c00;font-weight:400}footer{color:#888;font-size:.8rem}
 .body>:first-child{margin-top:.3rem}.body>:last-child{margin-bottom:0}
@@ -241,6 +277,7 @@ def to_html(
     messages: list[Message],
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
+    summaries: Sequence[Summary] = (),
 ) -> str:
     """One file, no scripts, no external resources; every piece of text is escaped and the
     messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script).
@@ -249,6 +286,7 @@ def to_html(
     esc = html.escape
     numbers = _numbers(messages)
     later = _later(documents)
+    placed = _after(messages, summaries)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -287,6 +325,12 @@ def to_html(
             f'<div class="msg {esc(m.role)}" dir="auto"><span class="role">{role}{flag}</span>'
             f'<div class="body">{body}</div></div>'
         )
+        for summary in placed.get(m.id, []):
+            parts.append(
+                f'<div class="msg summary" dir="auto"><span class="role">'
+                f"{esc(_summary_about(summary, numbers, messages))}</span>"
+                f'<div class="body">{markdown_html(summary.text)}</div></div>'
+            )
     parts.append(f"<footer>Exported by kvchat {esc(__version__)}</footer></body></html>")
     return "\n".join(parts) + "\n"
 
@@ -297,11 +341,12 @@ def export_session(
     fmt: ExportFormat,
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
+    summaries: Sequence[Summary] = (),
 ) -> str:
-    """The session in ``fmt`` with its ``documents``; ``reasoning`` False leaves thinking
-    models' reasoning out."""
+    """The session in ``fmt`` with its ``documents`` and compaction ``summaries``;
+    ``reasoning`` False leaves thinking models' reasoning out."""
     if fmt == "md":
-        return to_markdown(session, messages, reasoning, documents)
+        return to_markdown(session, messages, reasoning, documents, summaries)
     if fmt == "json":
-        return to_json(session, messages, reasoning, documents)
-    return to_html(session, messages, reasoning, documents)
+        return to_json(session, messages, reasoning, documents, summaries)
+    return to_html(session, messages, reasoning, documents, summaries)
