@@ -189,6 +189,7 @@ class SessionBook:
             fmt,
             reasoning,
             self.store.session_documents(session_id),
+            self.store.summaries(session_id),
         )
 
     def search(self, query: str) -> list[SearchHit]:
