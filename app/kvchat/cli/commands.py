@@ -862,6 +862,7 @@ def fork(ctx: click.Context, session_ref: str, at_number: int | None, as_json: b
 
 
 main.add_lazy("cache", "kvchat.cli.cache:cache")
+main.add_lazy("compact", "kvchat.cli.compact_command:compact")
 main.add_lazy("docs", "kvchat.cli.docs_commands:docs_group")
 main.add_lazy("doctor", "kvchat.cli.doctor:doctor")
 main.add_lazy("models", "kvchat.cli.model_commands:models_group")
