@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -60,7 +60,7 @@ class ToolRunner(Protocol):
     def tools(self) -> list[ToolSpec]: ...
 
     def call(
-        self, qualified: str, arguments: dict[str, Any], timeout_s: float | None = None
+        self, qualified: str, arguments: Mapping[str, Any], *, timeout_s: float | None = None
     ) -> ToolResult: ...
 
     def close(self) -> None: ...
@@ -351,7 +351,7 @@ class ToolTurns:
             return self._store_outcome(request, decision, None, DENIED, line, is_error=True)
         assert self.runner is not None
         try:
-            result = self.runner.call(spec.qualified, request.arguments, self.timeout_s)
+            result = self.runner.call(spec.qualified, request.arguments, timeout_s=self.timeout_s)
         except ToolError as exc:
             line = one_line(str(exc))
             text = f"The call failed: {line}"

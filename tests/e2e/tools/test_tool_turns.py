@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
-from typing import Any
 
 import llama_cpp._internals as internals
 import pytest
 
-from kvchat.config import load_settings
+from kvchat.config import McpServerConfig, load_settings
 from kvchat.engine import common_prefix
 from kvchat.service.chat import ChatService
-from kvchat.service.tools import CallRequest, Decision
-from kvchat.tools.api import ServerState, ToolResult, ToolSpec
+from kvchat.service.tools import DENIED, CallRequest, Decision
+from kvchat.tools.box import ToolBox
 from kvchat.tools.calls import CallFormat
+from tests.conftest import REPO
 
 # The reply the grammar allows: one Hermes call of demo.add with two small numbers.
 ADD_CALL = (
@@ -29,31 +30,10 @@ ADD_CALL = (
 )
 
 
-class PlainRunner:
-    """A runner whose one tool adds (stands for the MCP client until it is used here)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-
-    def servers(self) -> list[ServerState]:
-        return [ServerState("demo", "stdio", True, "ask", "running", None, 1, "plain")]
-
-    def tools(self) -> list[ToolSpec]:
-        schema = {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        }
-        return [ToolSpec("demo", "add", "Add two integers.", schema)]
-
-    def call(
-        self, qualified: str, arguments: dict[str, Any], timeout_s: float | None = None
-    ) -> ToolResult:
-        self.calls.append((qualified, arguments))
-        text = str(int(arguments["a"]) + int(arguments["b"]))
-        return ToolResult(text, text, False, False, 0.01)
-
-    def close(self) -> None:
-        pass
+def demo_box() -> ToolBox:
+    """The tools test server (tests/mcp_server.py) as server "demo", over stdio."""
+    config = McpServerConfig(command=sys.executable, args=[str(REPO / "tests" / "mcp_server.py")])
+    return ToolBox({"demo": config})
 
 
 @pytest.fixture
@@ -74,8 +54,8 @@ def test_a_model_made_call_is_approved_stored_and_read_alone(
 ) -> None:
     settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=80, n_threads=1)
     service = ChatService(settings, home=kvhome)
-    runner = PlainRunner()
-    service.tools.attach(runner)
+    box = demo_box()
+    service.tools.attach(box)
     service.tools.format = CallFormat.HERMES
     asked: list[CallRequest] = []
 
@@ -94,7 +74,6 @@ def test_a_model_made_call_is_approved_stored_and_read_alone(
         total = request.arguments["a"] + request.arguments["b"]
         [step] = turn.steps
         assert step.result is not None and step.result.text == str(total)
-        assert runner.calls == [("demo.add", request.arguments)]
         assert len(turn.reports) == 2 and turn.note is None
         messages = service.store.messages(session)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
@@ -142,3 +121,49 @@ def test_a_model_made_call_is_approved_stored_and_read_alone(
         finally:
             again.close()
     assert replies[0] == replies[1]
+
+
+def test_a_direct_call_goes_into_the_conversation_as_text(kvhome: Path) -> None:
+    """/tool's service call: approved, stored as a tool message, no model turn; a result that
+    spells control tokens is read by the next turn as text (one <|im_end|> per message)."""
+    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=16, n_threads=1)
+    service = ChatService(settings, home=kvhome)
+    service.tools.attach(demo_box())
+    asked: list[CallRequest] = []
+
+    def deny_then_allow(request: CallRequest) -> Decision:
+        asked.append(request)
+        return "deny" if len(asked) == 1 else "always"
+
+    try:
+        session = service.sessions.new_session().id
+        denied = service.tools.call_directly(
+            session, "demo.add", '{"a": 20, "b": 22}', deny_then_allow
+        )
+        assert denied.decision == "deny" and denied.result is None
+        step = service.tools.call_directly(
+            session, "demo.add", '{"a": 20, "b": 22}', deny_then_allow
+        )
+        assert step.result is not None and step.result.text == "42" and not step.request.by_model
+        again = service.tools.call_directly(session, "add", {"a": 1, "b": 1}, deny_then_allow)
+        assert again.result is not None and again.result.text == "2"
+        assert len(asked) == 2  # "always": the third call was not asked about
+        looks = service.tools.call_directly(session, "demo.tokens", "", deny_then_allow)
+        assert looks.result is not None and "<|im_end|>" in looks.result.text
+        messages = service.store.messages(session)
+        assert [m.role for m in messages] == ["tool"] * 4
+        assert [m.content for m in messages[:3]] == [DENIED, "42", "2"]
+        records = service.store.tool_records([m.id for m in messages])
+        assert records[messages[0].id].is_error and not records[messages[1].id].is_error
+
+        report = service.send(session, "Thanks.")
+        engine = service.engine.token_level()
+        assert engine is not None
+        prompt = engine.chat_tokens([m.as_chat() for m in service.store.messages(session)[:-1]])
+        im_end = engine.tokenize("<|im_end|>")
+        assert len(im_end) > 1  # as text; the special token is the template's alone
+        [end_id] = service.engine.llm.tokenize(b"<|im_end|>", add_bos=False, special=True)  # type: ignore[attr-defined]
+        assert prompt.count(end_id) == 6  # the template's system message, four tools, the user's
+        assert report.message_id is not None
+    finally:
+        service.close()
