@@ -354,11 +354,15 @@ _LIST_HEADER = f"{'ID':<9} {'TITLE':<32} {'MSGS':>5} {'TOKENS':>7} {'UPDATED':<1
 
 
 def _list_line(s: Any) -> str:
-    """One session's row; columns by display width (a wide CJK title takes two a character)."""
-    title = fit_width(one_line(s.session.title), 32)
+    """One session's row; columns by display width (a wide CJK title takes two a character).
+    A pinned session's title starts with ★; its tags follow the snapshot's size."""
+    from kvchat.store.tags import tags_text
+
+    title = fit_width(("★ " if s.session.pinned else "") + one_line(s.session.title), 32)
     snap = human_bytes(s.snapshot_bytes) if s.snapshot_bytes else "-"
     updated = s.session.updated[:16].replace("T", " ")
-    return f"{s.session.id:<9} {title} {s.messages:>5} {s.tokens:>7} {updated:<17} {snap:>10}"
+    line = f"{s.session.id:<9} {title} {s.messages:>5} {s.size:>7} {updated:<17} {snap:>10}"
+    return f"{line}  {tags_text(s.session.tags)}" if s.session.tags else line
 
 
 def _screen_rows() -> int:
@@ -379,15 +383,33 @@ def _screen_rows() -> int:
     help="Show the N most recently updated sessions (default: one screen on a terminal).",
 )
 @click.option("--all", "show_all", is_flag=True, help="Show every session.")
+@click.option("--pinned", is_flag=True, help="Only the pinned sessions (★).")
+@click.option("--tag", "tag_text", metavar="TAG", help="Only the sessions tagged TAG (#TAG too).")
 @click.pass_context
-def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all: bool) -> None:
+def list_sessions(
+    ctx: click.Context,
+    as_json: bool,
+    limit: int | None,
+    show_all: bool,
+    pinned: bool,
+    tag_text: str | None,
+) -> None:
     """Sessions, most recently updated first (reads only: no database is made).
 
     On a terminal one screen of them, and how many more there are; into a pipe, or with
-    --all, every one (read a page at a time).
+    --all, every one (read a page at a time). TOKENS is what the app's list shows: the
+    saved KV's tokens, else the messages' counts summed.
     """
     if show_all and limit is not None:
         raise KvchatError("use either --limit or --all, not both")
+    tag = None
+    if tag_text is not None:
+        from kvchat.store.tags import parse_tags
+
+        tags = parse_tags(tag_text)
+        if len(tags) != 1:
+            raise KvchatError("--tag takes one tag (a word of letters, digits, - or _)")
+        tag = tags[0]
     if limit is None and not show_all and not as_json and sys.stdout.isatty():
         limit = _screen_rows()
     if not _database_exists():
@@ -403,7 +425,7 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
         after = None
         while limit is None or shown_rows < limit:
             size = LIST_PAGE if limit is None else min(LIST_PAGE, limit - shown_rows)
-            page = chat.reader.list_sessions_page(size, after)
+            page = chat.reader.list_sessions_page(size, after, pinned=pinned, tag=tag)
             if as_json:
                 items.extend(s.to_json() for s in page.sessions)
             elif page.sessions:
@@ -413,9 +435,18 @@ def list_sessions(ctx: click.Context, as_json: bool, limit: int | None, show_all
             after = page.next
             if after is None:
                 break
-        more = chat.reader.count_sessions() - shown_rows if after is not None else 0
+        more = (
+            chat.reader.count_sessions(pinned=pinned, tag=tag) - shown_rows
+            if after is not None
+            else 0
+        )
     if as_json:
         _print(to_json(items, indent=2))
+    elif shown_rows == 0 and (pinned or tag):
+        what = " and ".join(
+            ([] if not pinned else ["pinned"]) + ([f"tagged #{tag}"] if tag else [])
+        )
+        _print(f"No sessions {what} (the app's Ctrl+G sets tags, F7 pins)")
     elif shown_rows == 0:
         _print('No sessions yet. Start one with: kvchat ask --new "Hello"')
     elif more > 0:

@@ -29,6 +29,7 @@ from kvchat.store import (
 )
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
+from kvchat.store.tags import parse_tags
 from kvchat.text import check_text
 
 DEFAULT_TITLE = "New chat"
@@ -135,9 +136,16 @@ class SessionBook:
 
     def tag(self, session_id: str, tags: str) -> Session:
         """Set the session's tags from what the user typed (see kvchat.store.tags)."""
-        from kvchat.store.tags import parse_tags
-
         return self.store.set_tags(session_id, parse_tags(tags))
+
+    @staticmethod
+    def tags_problem(tags: str) -> str | None:
+        """Why ``tags`` (as typed) are not tags, in one line; None when they are."""
+        try:
+            parse_tags(tags)
+        except KvchatError as exc:
+            return str(exc)
+        return None
 
     def configure(
         self,

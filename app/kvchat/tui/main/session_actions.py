@@ -203,6 +203,8 @@ class SessionActions:
                 presets=presets,
                 config_path=str(config_file()),
                 history_tokens=history,
+                tags=" ".join(f"#{t}" for t in session.tags),
+                check_tags=self.ctx.backend.chat.sessions.tags_problem,
             )
         )
         if result is None:
@@ -214,6 +216,10 @@ class SessionActions:
                 system_prompt=result.system_prompt,
                 settings={**kept, **result.settings},
             )
+            await self.ctx.backend.on_store(
+                self.ctx.backend.chat.sessions.tag, session_id, result.tags
+            )
+            await self.ctx.refresh()
         except KvchatError as exc:
             self.ctx.app.notify(str(exc), severity="error", markup=False)
             return

@@ -3,6 +3,7 @@ picker."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,7 @@ class ExportDialog(Dialog):
 class SessionSettings:
     system_prompt: str
     settings: dict[str, Any]
+    tags: str = ""  # as typed ("#work rust"); checked by the dialog's ``check_tags``
 
 
 def reread_note(before: str, after: str, history_tokens: int) -> str:
@@ -259,12 +261,18 @@ class SettingsDialog(Dialog):
         presets: dict[str, str] | None = None,
         config_path: str = "the config file",
         history_tokens: int = 0,
+        tags: str = "",
+        check_tags: Callable[[str], str | None] | None = None,
     ) -> None:
         """``defaults``: the app-wide value of every setting a session may override;
         ``n_ctx``: the context length (bounds max_tokens); ``presets``: name → prompt;
         ``config_path``: where presets are added; ``history_tokens``: the session's size in
-        tokens (what a new system prompt makes the next reply read again)."""
+        tokens (what a new system prompt makes the next reply read again); ``tags``: the
+        session's tags as shown (``#work #rust``); ``check_tags``: why typed tags are not
+        tags (None: they are)."""
         super().__init__(classes="dialog-screen")
+        self.tags = tags
+        self.check_tags = check_tags
         self.system_prompt, self.values, self.defaults = system_prompt, values, defaults
         self.keys = tuple(defaults)
         self.n_ctx = n_ctx
@@ -273,49 +281,74 @@ class SettingsDialog(Dialog):
         self.history_tokens = history_tokens
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(classes="dialog -wide", id="settings-dialog"):
+        # The fields scroll; the title, the hint and the buttons stay on screen (at 80×24
+        # the buttons fell off the bottom of a dialog that scrolled as a whole).
+        with Vertical(classes="dialog -wide", id="settings-dialog"):
             yield Label("Session settings", classes="dialog-title")
-            if self.presets:
-                current = next(
-                    (n for n, p in self.presets.items() if p == self.system_prompt.strip()),
-                    Select.NULL,
-                )
-                yield Select(
-                    [(name, name) for name in self.presets],
-                    prompt="Preset: pick a system prompt",
-                    value=current,
-                    id="preset",
+            with VerticalScroll(id="settings-fields"):
+                yield from self._fields()
+            yield Label("", id="settings-error", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Label("Ctrl+S saves · Esc cancels", classes="dialog-hint")
+                yield Button("Save", variant="primary", id="save", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+
+    def _fields(self) -> ComposeResult:
+        if self.presets:
+            current = next(
+                (n for n, p in self.presets.items() if p == self.system_prompt.strip()),
+                Select.NULL,
+            )
+            yield Select(
+                [(name, name) for name in self.presets],
+                prompt="Preset: pick a system prompt",
+                value=current,
+                id="preset",
+                compact=True,
+            )
+        yield Label(
+            "System prompt (empty: the app default; add presets under [presets] in "
+            f"{self.config_path})",
+            classes="dialog-detail",
+            markup=False,
+        )
+        yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+        yield Label(self._reread_note(), id="prompt-cost", markup=False)
+        yield Label(
+            "Tags (#work #ideas: the sessions list's filter, Shift+F2, finds them)",
+            classes="dialog-detail",
+        )
+        yield Input(self.tags, placeholder="#tag #another", id="tags", compact=True)
+        with Grid(id="sampling"):
+            for key in self.keys:
+                value = self.values.get(key)
+                default = self.defaults.get(key)
+                shown = "random" if default is None else default
+                yield Label(key.replace("_", " "))
+                yield Input(
+                    "" if value is None else str(value),
+                    placeholder=f"default {shown} · {RANGE_TEXT.get(key, '')}",
+                    id=f"set-{key}",
+                    type="integer" if key in INTEGER_SETTINGS else "number",
                     compact=True,
                 )
-            yield Label(
-                "System prompt (empty: the app default; add presets under [presets] in "
-                f"{self.config_path})",
-                classes="dialog-detail",
-                markup=False,
-            )
-            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
-            yield Label(self._reread_note(), id="prompt-cost", markup=False)
-            with Grid(id="sampling"):
-                for key in self.keys:
-                    value = self.values.get(key)
-                    default = self.defaults.get(key)
-                    shown = "random" if default is None else default
-                    yield Label(key.replace("_", " "))
-                    yield Input(
-                        "" if value is None else str(value),
-                        placeholder=f"default {shown} · {RANGE_TEXT.get(key, '')}",
-                        id=f"set-{key}",
-                        type="integer" if key in INTEGER_SETTINGS else "number",
-                        compact=True,
-                    )
-            yield Label("", id="settings-error", markup=False)
-            yield Label("Ctrl+S saves · Esc cancels", classes="dialog-hint")
-            with Horizontal(classes="dialog-buttons"):
-                yield Button("Save", variant="primary", id="save")
-                yield Button("Cancel", id="cancel")
+
+    # Rows of the dialog that are not its fields: border, padding, title, error line and
+    # the buttons' row with its margin.
+    FRAME_ROWS = 9
 
     def on_mount(self) -> None:
         self.query_one("#system-prompt", TextArea).focus()
+        self._fit_fields()
+
+    def on_resize(self) -> None:
+        self._fit_fields()
+
+    def _fit_fields(self) -> None:
+        """The fields take what the screen leaves the dialog (95% of it) once its title and
+        buttons are counted: they scroll, the buttons never leave the screen."""
+        room = max(3, int(self.app.size.height * 0.95) - self.FRAME_ROWS)
+        self.query_one("#settings-fields").styles.max_height = room
 
     def _reread_note(self) -> str:
         """What a changed system prompt costs, said before it is saved; "" when unchanged."""
@@ -343,7 +376,7 @@ class SettingsDialog(Dialog):
         error.update(problem)
         error.add_class("-shown")
         self.notify(problem, severity="error", markup=False)
-        self.query_one(f"#set-{key}", Input).focus()
+        self.query_one(f"#set-{key}" if key != "tags" else "#tags", Input).focus()
 
     def action_save(self) -> None:
         values: dict[str, Any] = {}
@@ -361,8 +394,13 @@ class SettingsDialog(Dialog):
                 self._refuse(key, problem)
                 return
             values[key] = value
+        tags = self.query_one("#tags", Input).value.strip()
+        problem = self.check_tags(tags) if self.check_tags is not None else None
+        if problem:
+            self._refuse("tags", problem)
+            return
         prompt = self.query_one("#system-prompt", TextArea).text.strip()
-        self.dismiss(SessionSettings(prompt, values))
+        self.dismiss(SessionSettings(prompt, values, tags))
 
     @on(Button.Pressed, "#save")
     def _save(self) -> None:

@@ -3,7 +3,8 @@
 A line-API widget: it draws only the lines on screen, whatever the number of sessions
 (no widget per session), and a change to one session redraws that row alone. Sessions
 are grouped by date (Today, Yesterday, Previous 7 days, then by month), each followed by
-its branches (Space folds or unfolds them); ``/`` filters the titles as you type (Esc
+its branches (Space folds or unfolds them); pinned sessions come first, under their own
+header. ``/`` (or Shift+F2 from anywhere) filters by title and ``#tag`` as you type (Esc
 clears the filter). Enter or a click opens the highlighted session. Any other printable
 key goes to the input, as typed.
 """
@@ -29,6 +30,9 @@ from kvchat.text import visible
 from kvchat.tui.phrases import KV_LABELS, ago
 from kvchat.tui.session_rows import SessionRow, branch_tree, date_group, local_offset
 
+# The header over the pinned sessions, listed before the dated groups.
+PINNED = "Pinned"
+
 
 @dataclass(frozen=True)
 class ListLine:
@@ -46,11 +50,44 @@ class ListLine:
 
 def row_lines(row: SessionRow) -> tuple[str, str, str]:
     """What a session's row says: its title line, its info line and its KV badge."""
-    title = row.marker + visible(row.summary.session.title)
-    # The figure first: a narrow sidebar cuts the time, not the number.
-    info = f"{row.tokens:,} tok · {ago(row.summary.session.updated)}"
+    session = row.summary.session
+    title = row.marker + ("★ " if session.pinned else "") + visible(session.title)
+    # The figure first: a narrow sidebar cuts the time (then the tags), not the number.
+    info = f"{row.tokens:,} tok · {ago(session.updated)}"
+    if session.tags:
+        info += " · " + " ".join(f"#{t}" for t in session.tags)
     badge = KV_LABELS.get(row.badge, row.badge)
     return title, info, badge
+
+
+def matches(row: SessionRow, words: list[str]) -> bool:
+    """Whether ``row`` is kept by a filter of ``words`` (casefolded): each ``#word`` must
+    begin one of its tags (``#`` alone: any tag), every other word must be in its title."""
+    session = row.summary.session
+    title: str | None = None
+    for word in words:
+        if word.startswith("#"):
+            if not any(t.startswith(word[1:]) for t in session.tags):
+                return False
+        else:
+            if title is None:
+                title = visible(session.title).casefold()
+            if word not in title:
+                return False
+    return True
+
+
+def pinned_first(rows: list[SessionRow]) -> list[SessionRow]:
+    """``rows`` as laid out (each root followed by its branches) with the pinned roots and
+    their branches moved first, in the same order; a pinned branch stays in its tree."""
+    pinned: list[SessionRow] = []
+    others: list[SessionRow] = []
+    into = others
+    for row in rows:
+        if row.depth == 0:
+            into = pinned if row.summary.session.pinned else others
+        into.append(row)
+    return pinned + others if pinned else rows
 
 
 def _fit(text: str, width: int) -> str:
@@ -172,10 +209,10 @@ class SessionList(ScrollView, can_focus=True):
     def _layout(self, highlighted: str | None) -> None:
         """Arrange the rows (tree, folds, filter, date groups); redraw only what changed."""
         if self.filter_text is None:
-            rows = branch_tree(self._all, self.folded, self._current)
+            rows = pinned_first(branch_tree(self._all, self.folded, self._current))
         else:
-            needle = self.filter_text.casefold()
-            rows = [r for r in self._all if needle in visible(r.summary.session.title).casefold()]
+            words = self.filter_text.casefold().split()
+            rows = pinned_first([r for r in self._all if matches(r, words)])
         lines: list[ListLine] = []
         if self.filter_text is not None:
             lines.append(ListLine("filter", self.filter_text))
@@ -183,7 +220,10 @@ class SessionList(ScrollView, can_focus=True):
         today = (datetime.now(UTC).replace(tzinfo=None) + offset).date()
         for row in rows:
             if row.depth == 0:
-                label = date_group(row.summary.session.updated, today, offset)
+                if row.summary.session.pinned:
+                    label = PINNED
+                else:
+                    label = date_group(row.summary.session.updated, today, offset)
                 if label != group:
                     group = label
                     lines.append(ListLine("header", label))
