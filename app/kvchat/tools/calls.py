@@ -167,13 +167,20 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return value
+
+
 def bounded_json(text: str, what: str = "the tool call") -> Any:
     """``text`` parsed as strict JSON (no NaN/Infinity), at most :data:`MAX_CALL_CHARS`
     characters and :data:`MAX_DEPTH` levels deep; else one line."""
     text = text.strip()
     _check_size(text, what)
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise ToolCallError(f"{what} is not valid JSON: {_short(str(exc))}") from None
 
@@ -183,7 +190,7 @@ def _json_values(text: str, what: str) -> Iterator[Any]:
     semicolons, as Llama 3 writes several calls), each bounded like :func:`bounded_json`."""
     text = text.strip()
     _check_size(text, what)
-    decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+    decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
     at = 0
     for _ in range(MAX_CALLS + 1):
         while at < len(text) and text[at] in " \t\r\n;,":
