@@ -149,6 +149,11 @@ def test_each_family(fmt: CallFormat, reply: str, text: str, calls: list[ToolCal
         ),
         (CallFormat.LFM2, "<|tool_call_start|>[add(a={1, 2})]<|tool_call_end|>", "set"),
         (CallFormat.LFM2, "<|tool_call_start|>[add(a=1e999)]<|tool_call_end|>", "finite"),
+        (  # found by the campaign: json.loads reads 1e999 as inf
+            CallFormat.HERMES,
+            '<tool_call>{"name": "a", "arguments": {"x": 1e999}}</tool_call>',
+            "not valid JSON",
+        ),
         (CallFormat.MISTRAL, "[TOOL_CALLS]add{}", "name[ARGS]"),
     ],
 )
