@@ -35,7 +35,7 @@ KEYS: tuple[Key, ...] = (
         footer="Stop",
     ),
     Key("ctrl+n", "Ctrl+N", "new_session", "New session", footer="New"),
-    Key("f2", "F2", "rename", "Rename the session", footer="Rename"),
+    Key("f2", "F2", "rename", "Rename the session"),
     Key(
         "f8",
         "F8",

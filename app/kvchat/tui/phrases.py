@@ -76,7 +76,9 @@ def snapshot_phrase(snap: SnapshotWrite) -> str:
         return f"wrote {human_bytes(snap.written)} to disk in {snap.ms:,.0f} ms"
     if snap.bytes:
         return "saved: nothing new to write to disk"
-    return "not saved yet"
+    # Written after the reply while no other work waits (kvchat.tui.main.idle_work): quick
+    # turns one after another put it off, so say when it comes.
+    return "saves when you pause"
 
 
 FINISH_PHRASES = {

@@ -34,6 +34,8 @@ class ActiveTurn:
     view: MessageView | None = None
     pieces: int = 0
     started: float = field(default_factory=time.perf_counter)
+    # When the first pieces were drawn and how many (the live tok/s counts from there).
+    first_drawn: tuple[float, int] | None = None
     before: str = ""  # a continued reply: its text before this turn
     asked: MessageView | None = None  # a send: the user's message, pending until stored
     # The prompt being read, from the engine thread: (read, to read, seconds so far).

@@ -309,6 +309,8 @@ class TurnRunner:
                 self.ctx.status.set_turn(f"{reading_phrase(*turn.progress)}  (Esc stops)", "busy")
             return
         turn.pieces += len(chunks)
+        if turn.first_drawn is None:
+            turn.first_drawn = (time.perf_counter(), turn.pieces)
         splitter = turn.splitter
         if splitter is None or not splitter.style.thinks:
             answer = "".join(chunks)
@@ -318,7 +320,7 @@ class TurnRunner:
             if _thinking(turn):
                 what = f"thinking… · {turn.thought_tokens:,} tokens"
             else:
-                what = f"generating · {turn.pieces:,} tokens"
+                what = f"generating · {turn.pieces:,} tokens{live_rate(turn)}"
             if turn.save_trouble is not None:  # the database refuses: said, the reply goes on
                 self.ctx.status.set_turn(f"{what} · {turn.save_trouble}", "warning")
             else:
@@ -500,3 +502,20 @@ def _refused(exc: BaseException) -> bool:
     from kvchat.service.reports import MessageRefused  # the service is loaded: no import cost
 
     return isinstance(exc, MessageRefused)
+
+
+# The live rate waits this long after the first piece (before it, one flush's pieces over
+# a few milliseconds would read as thousands of tokens a second).
+LIVE_RATE_AFTER_S = 0.5
+
+
+def live_rate(turn: ActiveTurn, now: float | None = None) -> str:
+    """`` · 31 tok/s``: the pieces drawn since the first over the time since then (what the
+    user sees the model do now); "" until :data:`LIVE_RATE_AFTER_S` has passed."""
+    if turn.first_drawn is None:
+        return ""
+    since, at_first = turn.first_drawn
+    seconds = (time.perf_counter() if now is None else now) - since
+    if seconds < LIVE_RATE_AFTER_S:
+        return ""
+    return f" · {(turn.pieces - at_first) / seconds:,.0f} tok/s"

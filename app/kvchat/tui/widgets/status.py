@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
@@ -10,6 +11,24 @@ from textual.widgets import Label
 from kvchat.tui.phrases import gauge, shorten
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+# Below this many columns the context gauge drops its bar and the model's name is cut
+# shorter: the memory part (the KV badge) keeps its room.
+COMPACT_COLUMNS = 100
+
+
+def fit_parts(text: str, cells: int) -> str:
+    """``text`` ("a · b · c · d") in ``cells``: its first part (what happened) and its last
+    (a hint: "F12 continues it") are kept, the parts before the last dropped from the end
+    until it fits, then an ellipsis if even that is too long."""
+    if cells <= 0 or cell_len(text) <= cells:
+        return text
+    parts = text.split(" · ")
+    while len(parts) > 2 and cell_len(" · ".join(parts)) > cells:
+        del parts[-2]
+    fitted = " · ".join(parts)
+    if cell_len(fitted) <= cells:
+        return fitted
+    return shorten(fitted, cells)
 
 
 class StatusBar(Vertical):
@@ -21,6 +40,7 @@ class StatusBar(Vertical):
         self.n_ctx = 0
         self.used = 0
         self._turn_text = ""
+        self._busy = False
         self._frame = 0
         self._spinner: Timer | None = None
 
@@ -34,9 +54,23 @@ class StatusBar(Vertical):
             yield Label("", id="status-memory", markup=False)
         yield Label("", id="status-turn", markup=False)
 
+    def on_resize(self) -> None:
+        if self.model_name:
+            self.query_one("#status-model", Label).update(shorten(self.model_name, self._name_room))
+        self._show_ctx()
+        self._show_turn(self._busy)
+
+    @property
+    def _compact(self) -> bool:
+        return 0 < self.app.size.width < COMPACT_COLUMNS
+
+    @property
+    def _name_room(self) -> int:
+        return 20 if self._compact else 28
+
     def set_model(self, name: str, n_ctx: int) -> None:
         self.model_name, self.n_ctx = name, n_ctx
-        self.query_one("#status-model", Label).update(shorten(name, 28))
+        self.query_one("#status-model", Label).update(shorten(name, self._name_room))
         self._show_ctx()
 
     def set_context(self, used: int) -> None:
@@ -48,7 +82,8 @@ class StatusBar(Vertical):
         if not self.n_ctx:
             label.update("")
             return
-        label.update(f"ctx {gauge(self.used, self.n_ctx)} {self.used:,}/{self.n_ctx:,}")
+        bar = "" if self._compact else f"{gauge(self.used, self.n_ctx)} "
+        label.update(f"ctx {bar}{self.used:,}/{self.n_ctx:,}")
         ratio = self.used / self.n_ctx
         label.set_class(ratio >= 0.9, "-full")
         label.set_class(0.7 <= ratio < 0.9, "-high")
@@ -67,6 +102,7 @@ class StatusBar(Vertical):
     def set_turn(self, text: str, kind: str = "") -> None:
         """The last turn's figures, or what the app is doing now (busy: with a spinner)."""
         self._turn_text = text
+        self._busy = kind == "busy"
         label = self.query_one("#status-turn", Label)
         for name in ("busy", "error", "warning"):
             label.set_class(kind == name, f"-{name}")
@@ -81,10 +117,14 @@ class StatusBar(Vertical):
         self._show_turn(busy=True)
 
     def _show_turn(self, busy: bool) -> None:
+        label = self.query_one("#status-turn", Label)
         text = f"{SPINNER[self._frame]} {self._turn_text}" if busy else self._turn_text
+        width, lines = label.content_size.width, max(1, label.content_size.height)
+        # Wrapped lines break between words: leave each line a word's slack.
+        text = fit_parts(text, width * lines - (lines - 1) * 12)
         # One line of a fixed width: no layout pass of the whole screen (it cost ~20 ms
         # at every update while a reply streams: a key typed then waited for it).
-        self.query_one("#status-turn", Label).update(text, layout=False)
+        label.update(text, layout=False)
 
     @property
     def turn_text(self) -> str:
