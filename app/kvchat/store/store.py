@@ -22,6 +22,7 @@ from kvchat.store.connection import (
 )
 from kvchat.store.documents_sql import DocumentsSql
 from kvchat.store.drafts_sql import DraftsSql
+from kvchat.store.figures_sql import FiguresSql
 from kvchat.store.imports_sql import ImportsSql
 from kvchat.store.locks import file_lock
 from kvchat.store.messages_sql import MessagesSql
@@ -163,6 +164,7 @@ class Store(
     DraftsSql,
     SummariesSql,
     ToolsSql,
+    FiguresSql,
 ):
     """Sessions, messages and the KV snapshot index in one SQLite file (WAL).
 
