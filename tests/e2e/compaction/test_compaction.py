@@ -66,12 +66,12 @@ def compacted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compacted]:
             plan = svc.compaction.plan(session.id)
             draft = svc.compaction.draft(plan)
             done = svc.compaction.accept(plan, draft.text)
-            held = list(svc.engine.tokens)
+            held = list(svc.host.token_engine().tokens)
             after = svc.send(session.id, NEXT)
             window = svc.turns.window(
                 svc.store.get_session(session.id), svc.store.messages(session.id)[:-1]
             )
-            after_prompt = svc.engine.chat_tokens(window[0] + window[1])
+            after_prompt = svc.host.token_engine().chat_tokens(window[0] + window[1])
             prefilled = svc.regenerate(session.id, no_restore=True)
             yield Compacted(
                 svc,
@@ -247,7 +247,7 @@ def test_a_summary_cut_by_esc_stores_nothing_and_the_conversation_goes_on_as_it_
     svc = compacted.service
     session_id = small_session(svc)
     svc.send(session_id, "Turn 4: one more fact?")  # the session's KV, hot and saved
-    held = list(svc.engine.tokens)
+    held = list(svc.host.token_engine().tokens)
     plan = svc.compaction.plan(session_id)
     pieces: list[str] = []
     draft = svc.compaction.draft(plan, cancel=lambda: len(pieces) >= 3, on_token=pieces.append)
