@@ -27,6 +27,7 @@ from kvchat.store import (
     SessionSummary,
     Store,
 )
+from kvchat.store.figures_sql import MessageFigures
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
 from kvchat.store.tags import parse_tags
@@ -137,6 +138,10 @@ class SessionBook:
     def tag(self, session_id: str, tags: str) -> Session:
         """Set the session's tags from what the user typed (see kvchat.store.tags)."""
         return self.store.set_tags(session_id, parse_tags(tags))
+
+    def figures(self, message_id: int) -> MessageFigures | None:
+        """The figures kept with a reply (None: none were, e.g. an imported one)."""
+        return self.store.message_figures(message_id)
 
     @staticmethod
     def tags_problem(tags: str) -> str | None:

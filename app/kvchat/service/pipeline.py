@@ -61,6 +61,7 @@ from kvchat.service.reports import (
     UnansweredMessage,
     WindowShift,
     WindowView,
+    figures_of,
     generation_params,
     session_think,
 )
@@ -768,9 +769,22 @@ class TurnPipeline:
     def _finish(
         self, report: TurnReport, session: Session, prompt: list[int], dropped: int = 0
     ) -> None:
-        """After any turn: the session remembers its model, then the settle and snapshot."""
+        """After any turn: the session remembers its model and the reply its figures, then
+        the settle and snapshot."""
         self.models.record(session.id)
+        self._keep_figures(report)
         self.upkeep.after_reply(report, session, prompt, dropped)
+
+    def _keep_figures(self, report: TurnReport) -> None:
+        """Store the reply's figures with it (a convenience: a failure loses only them)."""
+        if report.message_id is None:
+            return
+        loaded = self.host.loaded
+        model = report.remote or (loaded.config.model_path.stem if loaded is not None else "")
+        try:
+            self.store.record_figures(report.message_id, figures_of(report, model))
+        except KvchatError:
+            pass
 
     def _read_prompt(
         self, engine: TokenEngine, prompt: list[int], cancel: CancelCheck | None

@@ -17,6 +17,7 @@ from kvchat.kvcache import RestoreResult
 from kvchat.kvcache.tiers import SnapshotWrite
 from kvchat.limits import sampling_problem
 from kvchat.service.documents import AttachedDocument
+from kvchat.store.figures_sql import MessageFigures
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -367,3 +368,60 @@ class Housekeeping:
     note: str | None = None
     # The title the model gave the session after its first reply (None: none made).
     title: str | None = None
+
+
+# --- a reply's figures, kept with it (kvchat.store.figures_sql) ---------------------------
+
+
+def restore_words(restore: RestoreResult) -> str:
+    """How a turn's KV got into the context, in words."""
+    if restore.source == "hot":
+        return "hot context"
+    if restore.source in ("ram", "disk", "server"):
+        return f"restored {restore.tokens:,} tokens from {restore.source} in {restore.ms:,.0f} ms"
+    return f"full prefill: {restore.reason}" if restore.reason else "full prefill"
+
+
+def figures_of(report: TurnReport, model: str) -> MessageFigures:
+    """What is kept of ``report`` with its reply; ``model``: the model that wrote it, as the
+    user knows it. Seconds: to the first token, then the tokens at their rate."""
+    tokens = report.tokens
+    generated = tokens.value("generated")
+    seconds = None
+    if report.ttft_ms is not None and report.tokens_per_s and generated is not None:
+        seconds = report.ttft_ms / 1000 + generated / report.tokens_per_s
+    return MessageFigures(
+        model=model,
+        prompt_tokens=tokens.value("prompt"),
+        reused=tokens.value("reused"),
+        decoded=tokens.value("decoded"),
+        generated=generated,
+        ttft_ms=report.ttft_ms,
+        tokens_per_s=report.tokens_per_s,
+        seconds=seconds,
+        kv=report.remote or restore_words(report.restore),
+    )
+
+
+def figure_lines(figures: MessageFigures) -> list[str]:
+    """A kept reply's figures, one per line (the app's F3 after a restart)."""
+
+    def count(value: int | None) -> str:
+        return "not reported" if value is None else f"{value:,}"
+
+    lines = [f"Model: {figures.model or 'not recorded'}"]
+    made = f"Generated: {count(figures.generated)} tokens"
+    if figures.tokens_per_s:
+        made += f" at {figures.tokens_per_s:,.1f} tok/s"
+    if figures.seconds is not None:
+        made += f" in {figures.seconds:,.1f} s"
+    lines.append(made)
+    if figures.ttft_ms is not None:
+        lines.append(f"First token after: {figures.ttft_ms:,.0f} ms")
+    lines.append(
+        f"Prompt: {count(figures.prompt_tokens)} tokens ({count(figures.reused)} reused, "
+        f"{count(figures.decoded)} decoded)"
+    )
+    if figures.kv:
+        lines.append(f"KV: {figures.kv}")
+    return lines

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 from kvchat.tui.clipboard import CopyOutcome, choose_route, deliver
 from kvchat.tui.main.context import COPY, ScreenContext
 from kvchat.tui.main.opener import SessionOpener
-from kvchat.tui.phrases import code_blocks, local_time, turn_lines
+from kvchat.tui.phrases import FINISH_PHRASES, code_blocks, local_time, turn_lines
 from kvchat.tui.widgets.conversation import ROLE_NAMES, MessageView
 from kvchat.tui.widgets.message_view import STREAMING
 
 if TYPE_CHECKING:
     from kvchat.service.chat import Message
+    from kvchat.service.reports import MessageFigures
+    from kvchat.tui.backend import Backend
 
 
 class MessageActions:
@@ -126,6 +128,22 @@ class MessageActions:
 
     # --- details --------------------------------------------------------------------------
 
+    async def _figure_lines(self, stored: Message) -> list[str]:
+        """A reply's figures: this run's turn report (with what was saved), else those kept
+        with it in the database (after a restart), with the model that wrote it."""
+        from kvchat.service.reports import figure_lines
+
+        kept = await _figures(self.ctx.backend, stored.id)
+        report = self.ctx.state.turn_figures.get(stored.id)
+        if report is not None:
+            return ([f"Model: {kept.model}"] if kept is not None and kept.model else []) + (
+                turn_lines(report)
+            )
+        if kept is None:
+            return ["Figures: none kept (a reply imported, or stored before kvchat kept them)"]
+        ended = FINISH_PHRASES.get(stored.finish_reason or "", stored.finish_reason)
+        return figure_lines(kept) + ([f"Ended: {ended}"] if ended else [])
+
     async def details(self, view: MessageView | None = None) -> None:
         """F3: time, tokens and, for a reply of this run, its turn's figures."""
         view = view or self._selected_view()
@@ -151,14 +169,15 @@ class MessageActions:
             if stored.partial:
                 lines.append("Partial: the reply was stopped before its end")
         if view.role == "assistant" and stored is not None:
-            report = self.ctx.state.turn_figures.get(stored.id)
-            if report is not None:
-                lines += turn_lines(report)
-            else:
-                lines.append("Turn figures: kept for the replies generated since kvchat started")
+            lines += await self._figure_lines(stored)
         from kvchat.tui.screens.details import DetailsDialog
 
         await self.ctx.app.push_screen_wait(DetailsDialog(title, lines))
+
+
+async def _figures(backend: Backend, message_id: int) -> MessageFigures | None:
+    kept: MessageFigures | None = await backend.on_store(backend.chat.sessions.figures, message_id)
+    return kept
 
 
 def _route_and_deliver(text: str) -> CopyOutcome:
