@@ -156,9 +156,13 @@ class ToolTurns:
         self.format: CallFormat | None = None
         self.max_rounds = MAX_ROUNDS
         self.timeout_s: float | None = None
+        # A GBNF grammar the first reply of each turn follows (None: free text): a small
+        # model that never calls a tool on its own is made to (the tests' forced call).
+        self.grammar: str | None = None
         self._always: set[str] = set()  # tools the user allowed for this run of kvchat
         self._off: dict[str, set[str]] = {}  # per session: tools turned off
         self._specs: list[ToolSpec] | None = None
+        self._configured = False
         turns.offer_tools = self.offered
 
     # --- which tools -------------------------------------------------------------------------
@@ -167,6 +171,18 @@ class ToolTurns:
         """Call tools through ``runner`` from now on (None: no tools)."""
         self.runner = runner
         self._specs = None
+
+    def attach_configured(self) -> None:
+        """Call tools through the config's ``[mcp.servers]`` (the MCP client; a server
+        starts when its tools are first needed), unless a runner is attached already."""
+        if self.runner is not None or self._configured:
+            return
+        self._configured = True
+        mcp = self.host.settings.mcp
+        if mcp.servers or mcp.problems:
+            from kvchat.tools.box import ToolBox  # the SDK loads only where tools are set up
+
+            self.attach(ToolBox.from_settings(self.host.settings))
 
     def specs(self) -> list[ToolSpec]:
         """Every tool the runner's running servers offer (listed once, then kept)."""
@@ -225,6 +241,7 @@ class ToolTurns:
         :attr:`max_rounds`). ``overrides`` apply to the first reply (a ``grammar`` only
         there: the model's answer after a result is free)."""
         options = TurnOptions(on_token, cancel, no_restore)
+        overrides = self._first(overrides)
         first = self.turns.send(session_id, text, options, dict(overrides), None)
         return self.follow(session_id, first, approve, options, overrides)
 
@@ -240,8 +257,15 @@ class ToolTurns:
     ) -> ToolTurn:
         """``ChatService.answer`` (a message posted already), then its calls as :meth:`send`."""
         options = TurnOptions(on_token, cancel)
+        overrides = self._first(overrides)
         first = self.turns.answer(session_id, message_id, options, dict(overrides))
         return self.follow(session_id, first, approve, options, overrides)
+
+    def _first(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The first reply's overrides: :attr:`grammar` unless the caller gave one."""
+        if self.grammar is None or "grammar" in overrides:
+            return overrides
+        return {**overrides, "grammar": self.grammar}
 
     def follow(
         self,

@@ -20,7 +20,18 @@ from kvchat.service.chat import ChatService
 from kvchat.service.tools import DENIED, CallRequest, Decision
 from kvchat.tools.box import ToolBox
 from kvchat.tools.calls import CallFormat
+from kvchat.tui.screens.tool_call import ToolCallDialog
 from tests.conftest import REPO
+from tests.e2e.tui.test_tui import (  # noqa: F401
+    SIZE,
+    make_app,
+    no_background_failures,
+    open_id,
+    quit_app,
+    ready,
+    service_of,
+    wait_until,
+)
 
 # The reply the grammar allows: one Hermes call of demo.add with two small numbers.
 ADD_CALL = (
@@ -112,8 +123,8 @@ def test_a_model_made_call_is_approved_stored_and_read_alone(
     copy = kvhome.parent / "prefilled"
     shutil.copytree(kvhome, copy)
     replies = []
-    for home, no_restore in ((kvhome, False), (copy, True)):
-        again = ChatService(settings, home=home)
+    for where, no_restore in ((kvhome, False), (copy, True)):
+        again = ChatService(settings, home=where)
         try:
             report = again.send(session, "And 4 plus 4?", no_restore=no_restore)
             assert report.restore.source == ("none" if no_restore else "disk")
@@ -167,3 +178,40 @@ def test_a_direct_call_goes_into_the_conversation_as_text(kvhome: Path) -> None:
         assert report.message_id is not None
     finally:
         service.close()
+
+
+async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
+    """Through the app (Pilot): the model's forced call asks in the dialog (o: once), runs,
+    and the reply after it is stored; /tool asks (a: always) and adds its result."""
+    server = {"command": sys.executable, "args": [str(REPO / "tests" / "mcp_server.py")]}
+    app = make_app(mcp={"servers": {"demo": server}}, max_tokens=80)
+    async with app.run_test(size=SIZE) as pilot:
+        main = await ready(app)
+        service = service_of(app)
+        service.tools.format = CallFormat.HERMES
+        service.tools.grammar = ADD_CALL
+        main.prompt.focus()
+        main.prompt.insert("What is 2 plus 3? Use the add tool.")
+        await pilot.press("enter")
+        await wait_until(lambda: isinstance(app.screen, ToolCallDialog))
+        dialog = app.screen
+        assert isinstance(dialog, ToolCallDialog) and dialog.request.qualified == "demo.add"
+        await pilot.press("o")
+        await wait_until(lambda: main.turn is None and main.last_turn is not None)
+        await wait_until(lambda: main.housekeeping_idle)
+        session = open_id(main)
+        messages = service.store.messages(session)
+        assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert main.last_report is not None and main.last_report.message_id == messages[-1].id
+        await wait_until(lambda: [v.role for v in main.conversation.views].count("tool") == 1)
+
+        service.tools.grammar = None
+        main.prompt.insert('/tool demo.add {"a": 20, "b": 22}')
+        await pilot.press("enter")
+        await wait_until(lambda: isinstance(app.screen, ToolCallDialog))
+        await pilot.press("a")
+        await wait_until(lambda: len(service.store.messages(session)) == 5)
+        assert service.store.messages(session)[-1].content == "42"
+        await wait_until(lambda: [v.role for v in main.conversation.views].count("tool") == 2)
+        await quit_app(app)
+    assert app.return_code == 0

@@ -64,6 +64,7 @@ from kvchat.tui.main.signals import (
     TurnRequested,
 )
 from kvchat.tui.main.slash import SlashCommands
+from kvchat.tui.main.tools import ToolCalls
 from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
 from kvchat.tui.widgets.conversation import Conversation, MessageView
@@ -135,6 +136,8 @@ class MainScreen(Screen[None]):
         self.message_actions = MessageActions(ctx, opener=self.opener)
         self.model_switch = ModelSwitch(ctx, opener=self.opener)
         self.attachments = Attachments(ctx, opener=self.opener)
+        self.tool_calls = ToolCalls(ctx, opener=self.opener)
+        self.turns.tool_approver = self.tool_calls.approver()
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from textual.timer import Timer
 
     from kvchat.service.chat import TurnReport
+    from kvchat.service.tools import Approver
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
 FLUSH_HZ = 25
@@ -56,6 +57,10 @@ class TurnRunner:
         # Draws the buffered pieces FLUSH_HZ times a second while a reply streams (the
         # screen makes it, paused, when mounted).
         self.flusher: Timer | None = None
+        # Asks the user about each tool call a reply makes (ToolCalls.approver; None: the
+        # replies' calls are not run), and how many calls the last turn ran.
+        self.tool_approver: Approver | None = None
+        self.tool_steps = 0
 
     def submit(self, text: str) -> ActiveTurn | None:
         """Enter in the input: send ``text``, which left the input as Enter was pressed
@@ -285,6 +290,18 @@ class TurnRunner:
         assert turn.session_id is not None
         if turn.kind == "send":
             assert turn.message_id is not None
+            tools = service.tools
+            tools.attach_configured()
+            if self.tool_approver is not None and tools.runner is not None:
+                done = tools.answer(  # the reply's tool calls, approved, and the reply after
+                    turn.session_id,
+                    turn.message_id,
+                    self.tool_approver,
+                    on_token=on_token,
+                    cancel=cancel,
+                )
+                report, self.tool_steps = done.report, len(done.steps)
+                return report, service.context_tokens
             report = service.answer(
                 turn.session_id, turn.message_id, on_token=on_token, cancel=cancel
             )
@@ -421,6 +438,9 @@ class TurnRunner:
             self.ctx.status.set_memory(f"KV: hot · {saved_phrase(report)}", "hot")
         if report.snapshot.error:
             self.ctx.app.notify(report.snapshot.error, severity="warning", markup=False)
+        if self.tool_steps:  # the calls and their results are messages too: show them
+            self.tool_steps = 0
+            await self.opener.show_latest(lazy=True)
         self.ctx.post(SessionsChanged())
         self.ctx.post(TurnEnded())  # the settle and the snapshot write run, unless a message waits
 

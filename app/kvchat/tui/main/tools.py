@@ -1,0 +1,141 @@
+"""Tools in the app: ``/tool NAME {json}`` runs a tool and puts its result into the
+conversation; ``/tools`` lists the servers and tools and which are on for this session
+(``/tools on NAME`` / ``/tools off NAME``); every call waits for the user's answer in
+:class:`~kvchat.tui.screens.tool_call.ToolCallDialog` (a model's calls too: see
+:meth:`ToolCalls.approver`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from kvchat.errors import KvchatError
+from kvchat.text import one_line
+from kvchat.tui.main.context import Job
+from kvchat.tui.main.screen_state import ready_or_say
+from kvchat.tui.screens.tool_call import ToolCallDialog
+
+if TYPE_CHECKING:
+    from kvchat.service.tools import Approver, CallRequest, Decision, ToolStep, ToolTurns
+    from kvchat.tui.main.context import ScreenContext
+    from kvchat.tui.main.opener import SessionOpener
+
+TOOL_CALL = Job("tool_call", "tools")
+TOOL_LIST = Job("tool_list", "tools")
+
+
+class ToolCalls:
+    """The main screen's tool commands and the approval of calls (see the module)."""
+
+    def __init__(self, ctx: ScreenContext, *, opener: SessionOpener) -> None:
+        self.ctx = ctx
+        self.opener = opener
+        ctx.slash.register(
+            "tool",
+            "Run a tool and put its result into the conversation",
+            "/tool NAME {json}",
+            self._tool_typed,
+        )
+        ctx.slash.register(
+            "tools",
+            "List the tools, or turn one on or off for this session",
+            "/tools [on|off NAME]",
+            self._tools_typed,
+        )
+
+    def approver(self) -> Approver:
+        """An approval for the engine thread: shows the dialog on the UI thread and waits
+        for the answer there."""
+        app = self.ctx.app
+
+        def approve(request: CallRequest) -> Decision:
+            answer: Future[Decision] = Future()
+
+            def ask() -> None:
+                app.push_screen(ToolCallDialog(request), lambda d: answer.set_result(d or "deny"))
+
+            app.call_from_thread(ask)
+            return answer.result()
+
+        return approve
+
+    # --- /tool ------------------------------------------------------------------------------
+
+    def _tool_typed(self, text: str) -> None:
+        name, _, arguments = text.strip().partition(" ")
+        if not name:
+            self.ctx.app.notify(
+                "/tool NAME {json}: name a tool (/tools lists them)", severity="warning"
+            )
+            return
+        session_id = self.ctx.state.session_id
+        if session_id is None or not ready_or_say(self.ctx.app, self.ctx.state):
+            return
+        self.ctx.run(TOOL_CALL, self._call, session_id, name, arguments)
+
+    async def _call(self, session_id: str, name: str, arguments: str) -> None:
+        approve = self.approver()
+        self.ctx.status.set_turn(f"calling {one_line(name)[:60]}…", "busy")
+        try:
+            step: ToolStep = await self.ctx.backend.on_engine(
+                self._engine_call, session_id, name, arguments, approve
+            )
+        except KvchatError as exc:
+            self.ctx.status.set_turn("", "idle")
+            self.ctx.app.notify(one_line(str(exc)), severity="error", timeout=8)
+            return
+        self.ctx.status.set_turn(step.line, "warning" if step.result is None else "idle")
+        if self.ctx.state.session_id == session_id:
+            await self.opener.show_latest(lazy=True)
+
+    def _engine_call(
+        self, session_id: str, name: str, arguments: str, approve: Approver
+    ) -> ToolStep:
+        tools = self.ctx.backend.chat.tools
+        tools.attach_configured()
+        return tools.call_directly(session_id, name, arguments, approve)
+
+    # --- /tools -----------------------------------------------------------------------------
+
+    def _tools_typed(self, text: str) -> None:
+        self.ctx.run(TOOL_LIST, self._list, text.strip())
+
+    async def _list(self, text: str) -> None:
+        session_id = self.ctx.state.session_id
+        try:
+            lines = await self.ctx.backend.on_engine(self._engine_list, session_id, text)
+        except KvchatError as exc:
+            self.ctx.app.notify(one_line(str(exc)), severity="error", timeout=8)
+            return
+        self.ctx.app.notify("\n".join(lines), title="Tools", timeout=15, markup=False)
+
+    def _engine_list(self, session_id: str | None, text: str) -> list[str]:
+        tools = self.ctx.backend.chat.tools
+        tools.attach_configured()
+        switch, _, name = text.partition(" ")
+        if switch in ("on", "off"):
+            if session_id is None or not name.strip():
+                raise KvchatError("/tools on|off NAME: open a session and name a tool")
+            known = {s.qualified for s in tools.specs()}
+            if name.strip() not in known:
+                raise KvchatError(f"no tool named {one_line(name)[:80]}: /tools lists them")
+            tools.set_enabled(session_id, name.strip(), switch == "on")
+        elif text:
+            raise KvchatError("/tools [on|off NAME]")
+        return tool_lines(tools, session_id)
+
+
+def tool_lines(tools: ToolTurns, session_id: str | None) -> list[str]:
+    """Each server (its state) and its tools, marked on or off for the session."""
+    servers = tools.servers()
+    if not servers:
+        return ["No tool servers: add [mcp.servers.NAME] to the config"]
+    specs = tools.specs()
+    lines = []
+    for server in servers:
+        why = f" ({one_line(server.error)[:100]})" if server.error else ""
+        lines.append(f"{one_line(server.name)} · {server.status} · approve {server.approve}{why}")
+        for spec in (s for s in specs if s.server == server.name):
+            on = session_id is None or tools.enabled(session_id, spec.qualified)
+            lines.append(f"  {'[x]' if on else '[ ]'} {one_line(spec.qualified)}")
+    return lines
