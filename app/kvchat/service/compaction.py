@@ -39,7 +39,12 @@ from kvchat.service.context_window import (
     with_summary,
 )
 from kvchat.service.pipeline import TurnPipeline
-from kvchat.service.reports import TokenCallback, generation_params
+from kvchat.service.reports import (
+    NEXT_MESSAGE_ALLOWANCE,
+    TokenCallback,
+    WindowView,
+    generation_params,
+)
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import Message
 from kvchat.store.summaries_sql import Summary
@@ -155,6 +160,36 @@ class Compactor:
         probe = self.turns.host.probe
         threads = probe.best_threads("prefill") if probe is not None else None
         return probe.speed(threads, "prefill") if probe is not None and threads else None
+
+    def view(self, session_id: str) -> WindowView:
+        """What the model sees of the session now, before its next turn: the window its
+        next prompt holds (without a new message), where it starts, and whether a turn
+        would leave messages out."""
+        store = self.turns.store
+        session = store.get_session(session_id)
+        engine = self._engine()
+        history = store.messages(session_id)
+        thinks = self.turns.host.reasoning_style.thinks
+        head, chat, kept, summarized = self.turns.window(session, history, thinks)
+        params = generation_params(self.turns.host.settings, session.settings, {})
+        reserve = reply_reserve(params.max_tokens, engine.n_ctx)
+        overflow = self.turns.host.settings.overflow
+        if not chat:
+            return WindowView(engine.n_ctx, 0, reserve, overflow=overflow)
+        try:
+            prompt, dropped = fit_window(engine.chat_tokens, head, chat, engine.n_ctx, reserve)
+        except KvchatError:
+            prompt, dropped = [], len(chat) - 1
+        return WindowView(
+            n_ctx=engine.n_ctx,
+            used=len(prompt),
+            reserve=reserve,
+            first_message_id=kept[dropped].id if dropped or summarized else None,
+            left_out=summarized + dropped,
+            summarized=summarized,
+            next_drops=len(prompt) + NEXT_MESSAGE_ALLOWANCE + reserve > engine.n_ctx,
+            overflow=overflow,
+        )
 
     def plan(self, session_id: str) -> CompactionPlan:
         """Which messages a summary would stand for now: all but the newest that fit half

@@ -174,6 +174,19 @@ def test_the_turn_after_compaction_decodes_only_its_own_message(compacted: Compa
     )
 
 
+def test_the_view_of_an_open_session_says_what_the_turns_say(compacted: Compacted) -> None:
+    view = compacted.service.compaction.view(compacted.session_id)
+    after = compacted.after.view
+    assert after is not None
+    assert (view.first_message_id, view.left_out, view.summarized, view.next_drops) == (
+        after.first_message_id,
+        after.left_out,
+        after.summarized,
+        False,
+    )
+    assert view.divider() == after.divider()
+
+
 def test_greedy_after_compaction_equals_a_full_prefill_of_the_compacted_prompt(
     compacted: Compacted,
 ) -> None:
