@@ -76,11 +76,14 @@ def _typed_line_breaks(state: StateCore) -> None:
                 child.type, child.tag = "hardbreak", "br"
 
 
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
 # A message of yours longer than this many lines (a long paste) shows folded to its first
 # FOLD_LINES; Enter on it (or a click on the note) shows it all.
 FOLD_LINES = 20
 FOLD_AFTER = 24
+# A tool's result longer than this many lines shows folded to its first TOOL_FOLD_LINES.
+TOOL_FOLD_LINES = 4
+TOOL_FOLD_AFTER = 6
 # A message longer than BIG_CHARS (yours or a reply: a pasted log, an imported answer)
 # shows its first FOLD_CHARS characters until unfolded, so opening its session never waits
 # for its Markdown to be built.
@@ -149,7 +152,7 @@ class MessageView(MessageBody, can_focus=True):
         classes = f"message -{role}" + (" -partial" if partial else "")
         super().__init__(
             classes=classes + (" -pending" if pending else ""),
-            parser_factory=user_parser if role == "user" else message_parser,
+            parser_factory=user_parser if role in ("user", "tool") else message_parser,
         )
         self.role = role
         self.text = text
@@ -204,7 +207,15 @@ class MessageView(MessageBody, can_focus=True):
     @property
     def foldable(self) -> bool:
         """A message of yours long enough to fold (a long paste), or any very long one."""
-        return self.big or (self.role == "user" and self.text.count("\n") >= FOLD_AFTER)
+        lines = self.text.count("\n")
+        if self.role == "tool":
+            return self.big or lines >= TOOL_FOLD_AFTER
+        return self.big or (self.role == "user" and lines >= FOLD_AFTER)
+
+    @property
+    def fold_lines(self) -> int:
+        """The lines a folded message shows."""
+        return TOOL_FOLD_LINES if self.role == "tool" else FOLD_LINES
 
     def _shown(self, text: str) -> str:
         """The Markdown source shown for ``text``: as written, without control codes (while
@@ -213,7 +224,7 @@ class MessageView(MessageBody, can_focus=True):
             return visible(text[:FOLD_CHARS])
         text = visible(text)
         if self.folded:
-            text = "\n".join(text.split("\n")[:FOLD_LINES])
+            text = "\n".join(text.split("\n")[: self.fold_lines])
         return text
 
     @property
@@ -225,7 +236,7 @@ class MessageView(MessageBody, can_focus=True):
             more = len(self.text) - FOLD_CHARS
             return f"⋯ {more:,} more characters · Enter shows them all"
         if self.folded:
-            more = self.text.count("\n") + 1 - FOLD_LINES
+            more = self.text.count("\n") + 1 - self.fold_lines
             return f"⋯ {more:,} more lines · Enter shows them all"
         return "Enter folds this message again"
 
