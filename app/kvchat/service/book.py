@@ -139,6 +139,22 @@ class SessionBook:
         """Set the session's tags from what the user typed (see kvchat.store.tags)."""
         return self.store.set_tags(session_id, parse_tags(tags))
 
+    def count_tokens(self, session_id: str, limit: int = 2000) -> int:
+        """Count (with the loaded model) and store the tokens of up to ``limit`` of the
+        session's messages that came without a count (imported); returns how many were
+        counted. Nothing is counted before a model is loaded, nor by an engine that takes
+        whole messages."""
+        loaded = self.host.loaded
+        engine = loaded.token_level() if loaded is not None else None
+        if engine is None:
+            return 0
+        uncounted = self.store.uncounted_messages(session_id, limit)
+        if not uncounted:
+            return 0
+        counts = {message_id: len(engine.tokenize(text)) for message_id, text in uncounted}
+        self.store.keep_token_counts(session_id, counts)
+        return len(counts)
+
     def figures(self, message_id: int) -> MessageFigures | None:
         """The figures kept with a reply (None: none were, e.g. an imported one)."""
         return self.store.message_figures(message_id)

@@ -1,6 +1,9 @@
 """Each reply's figures, kept with it (migration m024_message_figures): which model wrote
 it, its prompt's counts, tokens generated, time to the first token, tok/s, seconds taken and
-how its KV got into the context. A message's figures go with it (ON DELETE CASCADE)."""
+how its KV got into the context. A message's figures go with it (ON DELETE CASCADE).
+
+And the token counts of messages that came without one (imported): counted once a model
+is loaded, and stored in the message's own ``token_count``."""
 
 from __future__ import annotations
 
@@ -47,7 +50,31 @@ def _text(value: Any, limit: int = 300) -> str:
 
 
 class FiguresSql(SqlBase):
-    """Record a reply's figures; read them back."""
+    """Record a reply's figures; read them back; messages without a token count."""
+
+    def uncounted_messages(self, session_id: str, limit: int) -> list[tuple[int, str]]:
+        """Up to ``limit`` of the session's messages with text and no token count (imported
+        ones), oldest first: (id, text)."""
+        rows = self._rows(
+            "SELECT id, content FROM messages WHERE session_id = ? AND token_count = 0"
+            " AND content != '' ORDER BY id LIMIT ?",
+            (session_id, max(0, limit)),
+        )
+        return [(r["id"], r["content"]) for r in rows if isinstance(r["content"], str)]
+
+    def keep_token_counts(self, session_id: str, counts: dict[int, int]) -> None:
+        """Store ``counts`` (message id → tokens) for messages that still have none; the
+        session's token sum follows (its triggers) and its change stamp moves, so every list
+        shows the new figure; its ``updated`` time stays."""
+        if not counts:
+            return
+        with self._tx() as conn:
+            conn.executemany(
+                "UPDATE messages SET token_count = ? WHERE id = ? AND session_id = ?"
+                " AND token_count = 0",
+                [(n, message_id, session_id) for message_id, n in counts.items() if n > 0],
+            )
+            conn.execute("UPDATE sessions SET updated = updated WHERE id = ?", (session_id,))
 
     def record_figures(self, message_id: int, figures: MessageFigures) -> None:
         """Keep ``figures`` for message ``message_id`` (replacing any it had: a regenerated

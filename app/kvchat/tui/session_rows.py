@@ -32,10 +32,11 @@ class SessionRow:
     @property
     def tokens(self) -> int:
         """The session's size in tokens, the figure the context gauge shows for it: the live
-        context when it is open, else its saved KV, else its messages' count."""
+        context when it is open, else ``SessionSummary.size`` (its saved KV, else its
+        messages' counts), the figure ``kvchat list`` shows."""
         if self.context is not None:
             return self.context
-        return self.summary.snapshot_tokens or self.summary.tokens
+        return self.summary.size
 
     @property
     def badge(self) -> str:

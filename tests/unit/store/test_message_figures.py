@@ -85,3 +85,25 @@ def test_figures_not_written_by_kvchat_read_as_unknown(store):
     kept = store.message_figures(reply.id)
     assert kept == MessageFigures(model="", recorded=kept.recorded)  # type: ignore[union-attr]
     assert figure_lines(kept)[1] == "Generated: not reported tokens"  # type: ignore[arg-type]
+
+
+def test_counts_of_uncounted_messages_are_kept_and_every_list_sees_them(store):
+    session = store.create_session("Imported")
+    a = store.add_message(session.id, "user", "Hello there", token_count=0)
+    b = store.add_message(session.id, "assistant", "General Kenobi", token_count=0)
+    store.add_message(session.id, "user", "", token_count=0)  # nothing to count
+    c = store.add_message(session.id, "user", "counted", token_count=2)
+    assert store.uncounted_messages(session.id, 10) == [
+        (a.id, "Hello there"),
+        (b.id, "General Kenobi"),
+    ]
+    assert store.uncounted_messages(session.id, 1) == [(a.id, "Hello there")]
+    before = store.get_session(session.id)
+    stamp = store.change_stamp()
+    store.keep_token_counts(session.id, {a.id: 3, b.id: 4, c.id: 99})  # c keeps its own
+    assert store.uncounted_messages(session.id, 10) == []
+    [summary] = store.list_sessions_page(5).sessions
+    assert summary.tokens == 3 + 4 + 2 == summary.size
+    assert store.get_session(session.id).updated == before.updated
+    assert [s.session.id for s in store.sessions_changed_since(stamp).changed] == [session.id]
+    store.check_session(session.id)  # the row's sum agrees with its messages

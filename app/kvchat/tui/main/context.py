@@ -60,6 +60,7 @@ ATTACH_OFFER = Job("offer_attachments", "attach", exclusive=True)
 DOCUMENTS = Job("show_documents", "documents", exclusive=True)
 SAVE_DRAFTS = Job("save_drafts", "drafts")
 RESTORE_DRAFT = Job("restore_draft", "draft-restore", exclusive=True)
+COUNT_TOKENS = Job("count_tokens", "count-tokens", exclusive=True)
 
 
 class RunJob(Protocol):

@@ -34,6 +34,7 @@ from kvchat.tui.keys import bindings
 from kvchat.tui.main.attachments import Attachments
 from kvchat.tui.main.branching import Branching
 from kvchat.tui.main.context import (
+    COUNT_TOKENS,
     DOCUMENTS,
     LATEST,
     MORE_SESSIONS,
@@ -296,6 +297,7 @@ class MainScreen(Screen[None]):
     @on(SessionHot)
     def _session_hot(self, event: SessionHot) -> None:
         self.run_job(SESSION_MODEL, self.model_switch.note_session_model, event.session_id)
+        self.run_job(COUNT_TOKENS, self.session_actions.count_tokens, event.session_id)
         self.run_job(DOCUMENTS, self.attachments.show_session)
 
     @on(TurnRequested)

@@ -130,6 +130,15 @@ class SessionActions:
                 f"Pinned “{title}”: listed first (Shift+F3 unpins)", markup=False, timeout=3
             )
 
+    async def count_tokens(self, session_id: str) -> None:
+        """Once a session is hot: the model counts the tokens of its messages that came
+        without a count (imported), and the list shows the session's size from then on
+        (stored: ``kvchat list`` says the same)."""
+        backend = self.ctx.backend
+        counted = await backend.on_engine(backend.chat.sessions.count_tokens, session_id)
+        if counted:
+            await self.ctx.refresh()
+
     async def search(self) -> None:
         from kvchat.tui.screens.search import SearchScreen
 
