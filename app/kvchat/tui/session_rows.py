@@ -34,7 +34,7 @@ class SessionRow:
         """The session's size in tokens, the figure the context gauge shows for it: the live
         context when it is open, else ``SessionSummary.size`` (its saved KV, else its
         messages' counts), the figure ``kvchat list`` shows."""
-        if self.context is not None:
+        if self.context:  # an empty context (nothing read yet) says nothing of the size
             return self.context
         return self.summary.size
 
