@@ -15,7 +15,7 @@ from typing import Any
 
 from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
-from kvchat.service.exports import ExportFormat, export_session
+from kvchat.service.exports import ExportFormat, export_session, tool_parts
 from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
 from kvchat.service.session_index import LAST_SESSION_KEY, OPEN_SESSION_KEY
 from kvchat.service.turn_lock import turn_lock
@@ -212,13 +212,15 @@ class SessionBook:
     def export(self, session_id: str, fmt: ExportFormat, reasoning: bool = True) -> str:
         """The session as ``fmt`` with its documents (``reasoning`` False: without thinking
         models' reasoning)."""
+        messages = self.store.messages(session_id)
         return export_session(
             self.store.get_session(session_id),
-            self.store.messages(session_id),
+            messages,
             fmt,
             reasoning,
             self.store.session_documents(session_id),
             self.store.summaries(session_id),
+            tool_parts(self.store, messages),
         )
 
     def search(self, query: str) -> list[SearchHit]:

@@ -4,6 +4,8 @@ Each carries the conversation's documents (attachments): their name, kind, size,
 and the text the model read, at the start; a message a later document came with says so.
 A compaction summary (the model reads it instead of the messages up to one) follows the
 last message it stands for, marked as what it is; every message is exported all the same.
+Tool calls go with the reply that made them, and a tool's result (role ``tool``) says which
+tool, which call and its arguments; where the model read a cut result, the whole one follows.
 """
 
 from __future__ import annotations
@@ -11,17 +13,44 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvchat import __version__
-from kvchat.store import Message, Session
+from kvchat.store import Message, Session, Store
 from kvchat.store.documents_sql import SessionDocument
 from kvchat.store.summaries_sql import Summary
+from kvchat.store.tools_sql import StoredCall, ToolRecord
 
 ExportFormat = Literal["md", "json", "html"]
 FORMATS: tuple[ExportFormat, ...] = ("md", "json", "html")
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
+
+
+@dataclass(frozen=True)
+class ToolParts:
+    """A session's tool calls (by the reply that made them) and its tool messages' records."""
+
+    calls: Mapping[int, Sequence[StoredCall]] = field(default_factory=dict)
+    records: Mapping[int, ToolRecord] = field(default_factory=dict)
+
+
+NO_TOOLS = ToolParts()
+
+
+def _tool_about(record: ToolRecord) -> str:
+    """A tool message's tool, call and outcome, on one line (plain text)."""
+    about = [f"{record.name}({record.arguments})", f"call {record.call_id}"]
+    if record.is_error:
+        about.append("the tool reported an error")
+    if record.truncated:
+        about.append(f"the model read a cut result; whole: {len(record.full_text):,} characters")
+    return " · ".join(about)
+
+
+def _calls_line(calls: Sequence[StoredCall]) -> str:
+    return "; ".join(f"{c.name}({c.arguments}) [{c.call_id}]" for c in calls)
 
 
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
@@ -140,6 +169,7 @@ def to_markdown(
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
     summaries: Sequence[Summary] = (),
+    tools: ToolParts = NO_TOOLS,
 ) -> str:
     """The transcript; a reply's reasoning (``reasoning``: kept) is a quoted section headed
     "Reasoning" before its answer. ``documents`` come first, under "Documents", each with its
@@ -164,7 +194,15 @@ def to_markdown(
             lines += [f"_Attached: {names} (see Documents)_", ""]
         if reasoning and m.reasoning:
             lines += ["> **Reasoning**", ">", quoted(m.reasoning), ""]
-        lines += [markdown_block(m.content), ""]
+        record = tools.records.get(m.id)
+        if m.role == "tool" and record is not None:
+            lines += [f"_{_markdown_name(_tool_about(record))}_", "", fenced(m.content), ""]
+            if record.truncated:
+                lines += ["_The whole result:_", "", fenced(record.full_text), ""]
+        else:
+            lines += [markdown_block(m.content), ""]
+        if m.id in tools.calls:
+            lines += [f"_Tool calls: {_markdown_name(_calls_line(tools.calls[m.id]))}_", ""]
         for summary in placed.get(m.id, []):
             lines += ["## Summary", "", f"_{_summary_about(summary, numbers, messages)}_", ""]
             lines += [quoted(summary.text), ""]
@@ -177,6 +215,7 @@ def to_json(
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
     summaries: Sequence[Summary] = (),
+    tools: ToolParts = NO_TOOLS,
 ) -> str:
     """OpenAI-style messages (a reply's reasoning as ``reasoning_content``) and kvchat's
     own fields; ``documents`` as a list of their metadata and text, each with ``message``:
@@ -191,6 +230,26 @@ def to_json(
             item["reasoning_content"] = m.reasoning
         if m.partial:
             item["partial"] = True
+        if m.id in tools.calls:
+            item["tool_calls"] = [
+                {
+                    "id": c.call_id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in tools.calls[m.id]
+            ]
+        record = tools.records.get(m.id)
+        if m.role == "tool" and record is not None:
+            item["tool_call_id"] = record.call_id
+            item["name"] = record.name
+            item["kvchat_tool"] = {
+                "arguments": record.arguments,
+                "is_error": record.is_error,
+                "truncated": record.truncated,
+                "full_text": record.full_text,
+                "seconds": record.seconds,
+            }
         chat.append(item)
     document = {
         "format": "kvchat.session/1",
@@ -257,6 +316,8 @@ details.reasoning summary{cursor:pointer;font-style:italic}
 .documents details{border:1px solid #ddd;border-radius:.4rem;padding:.3rem .8rem;margin:.4rem 0}
 .documents summary{cursor:pointer;font-weight:600}.doc-meta,.attached{color:#555;font-size:.85rem}
 .documents pre{white-space:pre-wrap}
+.tool{background:#f1f8f1;border:1px solid #cfe3cf}.tool-meta{color:#555;font-size:.85rem}
+.tool pre{white-space:pre-wrap}
 """
 
 
@@ -278,6 +339,7 @@ def to_html(
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
     summaries: Sequence[Summary] = (),
+    tools: ToolParts = NO_TOOLS,
 ) -> str:
     """One file, no scripts, no external resources; every piece of text is escaped and the
     messages' Markdown rendered (code blocks in monospace; ``dir="auto"`` for any script).
@@ -313,6 +375,16 @@ def to_html(
         flag = f' <span class="partial">({_flag(m)})</span>' if _flag(m) else ""
         role = esc(ROLE_NAMES.get(m.role, m.role))
         body = markdown_html(m.content, typed=m.role == "user")
+        record = tools.records.get(m.id)
+        if m.role == "tool" and record is not None:
+            body = f'<p class="tool-meta">{esc(_tool_about(record))}</p><pre>{esc(m.content)}</pre>'
+            if record.truncated:
+                body += (
+                    '<details class="tool-full"><summary>The whole result</summary>'
+                    f"<pre>{esc(record.full_text)}</pre></details>"
+                )
+        if m.id in tools.calls:
+            body += f'<p class="tool-meta">Tool calls: {esc(_calls_line(tools.calls[m.id]))}</p>'
         if m.id in later:
             names = ", ".join(esc(name) for name in later[m.id])
             body = f'<p class="attached" dir="auto">Attached: {names}</p>' + body
@@ -342,11 +414,21 @@ def export_session(
     reasoning: bool = True,
     documents: Sequence[SessionDocument] = (),
     summaries: Sequence[Summary] = (),
+    tools: ToolParts = NO_TOOLS,
 ) -> str:
-    """The session in ``fmt`` with its ``documents`` and compaction ``summaries``;
-    ``reasoning`` False leaves thinking models' reasoning out."""
+    """The session in ``fmt`` with its ``documents``, compaction ``summaries`` and tool
+    calls and results; ``reasoning`` False leaves thinking models' reasoning out."""
     if fmt == "md":
-        return to_markdown(session, messages, reasoning, documents, summaries)
+        return to_markdown(session, messages, reasoning, documents, summaries, tools)
     if fmt == "json":
-        return to_json(session, messages, reasoning, documents, summaries)
-    return to_html(session, messages, reasoning, documents, summaries)
+        return to_json(session, messages, reasoning, documents, summaries, tools)
+    return to_html(session, messages, reasoning, documents, summaries, tools)
+
+
+def tool_parts(store: Store, messages: Sequence[Message]) -> ToolParts:
+    """The tool calls and records of ``messages`` (what the exports need of them)."""
+    replies = [m.id for m in messages if m.role == "assistant"]
+    results = [m.id for m in messages if m.role == "tool"]
+    if not results and not replies:
+        return NO_TOOLS
+    return ToolParts(store.tool_calls(replies), store.tool_records(results))

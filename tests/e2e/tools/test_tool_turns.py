@@ -115,6 +115,17 @@ def test_a_model_made_call_is_approved_stored_and_read_alone(
             f"after the result: reused {after.reused}, decoded {after.decoded} "
             f"(result {engine.count_tokens(str(total))} + template {template})"
         )
+        # Exported with the call and its result.
+        exported = json.loads(service.sessions.export(session, "json"))
+        reply, result = exported["messages"][1], exported["messages"][2]
+        assert reply["tool_calls"][0]["function"]["name"] == "demo.add"
+        assert (result["role"], result["tool_call_id"], result["content"]) == (
+            "tool",
+            call.call_id,
+            str(total),
+        )
+        assert "## Tool result" in service.sessions.export(session, "md")
+        assert '<div class="msg tool"' in service.sessions.export(session, "html")
     finally:
         service.close()
 
