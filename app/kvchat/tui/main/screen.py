@@ -33,6 +33,7 @@ from kvchat.tui.backend import Backend
 from kvchat.tui.keys import bindings
 from kvchat.tui.main.attachments import Attachments
 from kvchat.tui.main.branching import Branching
+from kvchat.tui.main.compaction import Compacting
 from kvchat.tui.main.context import (
     COUNT_TOKENS,
     DOCUMENTS,
@@ -139,6 +140,8 @@ class MainScreen(Screen[None]):
         self.attachments = Attachments(ctx, opener=self.opener)
         self.tool_calls = ToolCalls(ctx, opener=self.opener)
         self.turns.tool_approver = self.tool_calls.approver()
+        self.compacting = Compacting(ctx, opener=self.opener)
+        self.turns.on_view = self.compacting.show_view
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -299,6 +302,7 @@ class MainScreen(Screen[None]):
         self.run_job(SESSION_MODEL, self.model_switch.note_session_model, event.session_id)
         self.run_job(COUNT_TOKENS, self.session_actions.count_tokens, event.session_id)
         self.run_job(DOCUMENTS, self.attachments.show_session)
+        self.compacting.refresh_view(event.session_id)
 
     @on(TurnRequested)
     def _turn_requested(self, event: TurnRequested) -> None:

@@ -19,7 +19,7 @@ batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import KvchatError
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from textual.timer import Timer
 
     from kvchat.service.chat import TurnReport
+    from kvchat.service.reports import WindowView
     from kvchat.service.tools import Approver
 
 # Streamed tokens are buffered by the engine thread and drawn this often.
@@ -61,6 +62,9 @@ class TurnRunner:
         # replies' calls are not run), and how many calls the last turn ran.
         self.tool_approver: Approver | None = None
         self.tool_steps = 0
+        # Shows what the model sees after a turn (Compacting.show_view: the divider, the
+        # gauge, the warning); None: nothing shown.
+        self.on_view: Callable[[str, WindowView | None], Awaitable[None]] | None = None
 
     def submit(self, text: str) -> ActiveTurn | None:
         """Enter in the input: send ``text``, which left the input as Enter was pressed
@@ -427,6 +431,8 @@ class TurnRunner:
         summary = report.summary() + (f" · {CONTINUE_HINT}" if cut else "")
         self.ctx.status.set_turn(summary, "warning" if report.partial or cut else "")
         self.ctx.status.set_context(used)
+        if self.on_view is not None and turn.session_id is not None:
+            await self.on_view(turn.session_id, report.view)
         # The memory part says what happened to the KV last: this turn's restore, else
         # what was saved (the snapshot write after the reply updates it), never an earlier
         # turn's or the opening's figure.

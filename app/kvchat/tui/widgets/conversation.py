@@ -127,6 +127,9 @@ class Conversation(VerticalScroll, can_focus=False):
         # (a reply's versions share its id; the store keeps the reasoning, not these):
         # their folded line says it when shown again.
         self.thought_figures: dict[tuple[int, str], ThoughtFigures] = {}
+        # Where the model's window starts: the divider's message id and its line (None: the
+        # model reads every message).
+        self.window_start: tuple[int, str] | None = None
 
     async def show(
         self,
@@ -205,6 +208,29 @@ class Conversation(VerticalScroll, can_focus=False):
             self.anchor()
         if old is not None:
             self.call_after_refresh(old.remove)
+        await self.place_divider()
+
+    # --- what the model sees --------------------------------------------------------------
+
+    async def set_window(self, message_id: int | None, line: str | None) -> None:
+        """Draw the divider above message ``message_id`` (where the model's window starts,
+        ``line`` saying so), or none; kept across shows of the session."""
+        self.window_start = (message_id, line) if message_id is not None and line else None
+        await self.place_divider()
+
+    async def place_divider(self) -> None:
+        """Put the divider above its message when that message is mounted (again)."""
+        page = self._page
+        if page is None:
+            return
+        for old in page.query("#window-divider"):
+            await old.remove()
+        start = self.window_start
+        view = self.find(start[0]) if start is not None else None
+        if start is None or view is None or view.parent is not page:
+            return
+        divider = Label(f"── {start[1]} ──", id="window-divider", classes="not-shown", markup=False)
+        await page.mount(divider, before=view)
 
     # --- the pages before and after the window ------------------------------------------------
 
@@ -240,6 +266,8 @@ class Conversation(VerticalScroll, can_focus=False):
             before_y = anchor.virtual_region.y
             self.anchor(False)
             await page.mount_all(batch, before=anchor)
+            if self.window_start is not None and self.find(self.window_start[0]) in batch:
+                await self.place_divider()
             if shows != self._shows:
                 return
             self.first = start
@@ -406,6 +434,8 @@ class Conversation(VerticalScroll, can_focus=False):
                 batch = self.pending[-FILL_BATCH:]
                 del self.pending[-FILL_BATCH:]
                 await page.mount_all(batch, before=views[0])
+            if self.window_start is not None and self.find(self.window_start[0]) in batch:
+                await self.place_divider()
             await asyncio.sleep(0)
 
     async def add(self, view: MessageView) -> MessageView:

@@ -39,6 +39,8 @@ class StatusBar(Vertical):
         self.model_name = ""
         self.n_ctx = 0
         self.used = 0
+        self.reserve = 0  # kept free for the reply (0: not known yet)
+        self.warn = False  # the next turn would leave messages out of the window
         self._turn_text = ""
         self._busy = False
         self._frame = 0
@@ -77,16 +79,25 @@ class StatusBar(Vertical):
         self.used = used
         self._show_ctx()
 
+    def set_window(self, used: int, reserve: int, warn: bool) -> None:
+        """The gauge from a turn's (or an opened session's) window: the tokens the
+        conversation takes, those kept for the reply, and whether the next turn would leave
+        messages out (the gauge then shows full)."""
+        self.used, self.reserve, self.warn = used, reserve, warn
+        self._show_ctx()
+
     def _show_ctx(self) -> None:
         label = self.query_one("#status-ctx", Label)
         if not self.n_ctx:
             label.update("")
             return
         bar = "" if self._compact else f"{gauge(self.used, self.n_ctx)} "
-        label.update(f"ctx {bar}{self.used:,}/{self.n_ctx:,}")
-        ratio = self.used / self.n_ctx
-        label.set_class(ratio >= 0.9, "-full")
-        label.set_class(0.7 <= ratio < 0.9, "-high")
+        reserve = f" +{self.reserve:,} reply" if self.reserve and not self._compact else ""
+        mark = " !" if self.warn else ""
+        label.update(f"ctx {bar}{self.used:,}/{self.n_ctx:,}{reserve}{mark}")
+        ratio = (self.used + self.reserve) / self.n_ctx
+        label.set_class(ratio >= 0.9 or self.warn, "-full")
+        label.set_class(0.7 <= ratio < 0.9 and not self.warn, "-high")
 
     def set_memory(self, text: str, kind: str = "") -> None:
         """How the open session's KV got into the context (restore figures)."""
