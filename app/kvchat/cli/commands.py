@@ -446,7 +446,7 @@ def list_sessions(
         what = " and ".join(
             ([] if not pinned else ["pinned"]) + ([f"tagged #{tag}"] if tag else [])
         )
-        _print(f"No sessions {what} (the app's Ctrl+G sets tags, F7 pins)")
+        _print(f"No sessions {what} (the app's Ctrl+G sets tags, Shift+F3 pins)")
     elif shown_rows == 0:
         _print('No sessions yet. Start one with: kvchat ask --new "Hello"')
     elif more > 0:
@@ -509,10 +509,7 @@ def export(
         except BrokenPipeError:  # `kvchat export S | head`: the reader has what it wanted
             _drop_stdout()
         return
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise KvchatError(f"cannot write {output}: {exc.strerror}") from exc
+    _write_private(output, text)  # 0600, as the app's exports and --all's
     click.echo(f"wrote {output}", err=True)
 
 
