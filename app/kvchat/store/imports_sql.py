@@ -11,6 +11,7 @@ from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, now
 from kvchat.store.documents_sql import insert_imported_documents
 from kvchat.store.sessions_sql import new_session_id
+from kvchat.store.tools_sql import insert_imported_tools
 
 
 class ImportsSql(SqlBase):
@@ -103,14 +104,18 @@ class ImportsSql(SqlBase):
                     ],
                 )
                 documents = item.get("documents")
-                if documents:
+                tools = item.get("tools")
+                if documents or tools:
                     ids = [
                         row[0]
                         for row in conn.execute(
                             "SELECT id FROM messages WHERE session_id=? ORDER BY id", (session_id,)
                         )
                     ]
-                    insert_imported_documents(conn, session_id, documents, ids, stamp)
+                    if documents:
+                        insert_imported_documents(conn, session_id, documents, ids, stamp)
+                    if tools:
+                        insert_imported_tools(conn, tools, ids)
                 if key:
                     conn.execute(
                         "INSERT INTO meta (key, value) VALUES (?, ?)"

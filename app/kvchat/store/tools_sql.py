@@ -9,6 +9,8 @@ deleted with their message (ON DELETE CASCADE).
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,38 @@ def _record(row: dict[str, Any]) -> ToolRecord:
         full_text=str(row["full_text"]),
         seconds=float(seconds) if isinstance(seconds, int | float) else None,
     )
+
+
+def insert_imported_tools(
+    conn: sqlite3.Connection, tools: Iterable[Sequence[Any]], ids: Sequence[int]
+) -> None:
+    """An import's tool rows, in its transaction: per (message index, tool or None, calls),
+    the tool message's record (tool: name, call id, arguments, is_error, truncated, whole
+    text or None for the message's own) and the reply's calls ((call id, name, arguments))."""
+    for index, tool, calls in tools:
+        message_id = ids[index]
+        if tool is not None:
+            name, call_id, arguments, is_error, truncated, full_text = tool
+            conn.execute(
+                "INSERT INTO tool_messages (message_id, name, call_id, arguments, is_error,"
+                " truncated, full_text, seconds) VALUES (?, ?, ?, ?, ?, ?,"
+                " COALESCE(?, (SELECT content FROM messages WHERE id=?)), NULL)",
+                (
+                    message_id,
+                    name,
+                    call_id,
+                    arguments,
+                    int(is_error),
+                    int(truncated),
+                    full_text,
+                    message_id,
+                ),
+            )
+        conn.executemany(
+            "INSERT INTO tool_calls (message_id, position, call_id, name, arguments)"
+            " VALUES (?, ?, ?, ?, ?)",
+            [(message_id, i, cid, name, args) for i, (cid, name, args) in enumerate(calls)],
+        )
 
 
 class ToolsSql(SqlBase):

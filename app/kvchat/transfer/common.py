@@ -36,8 +36,24 @@ _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if chr(c) not in "[]{}")
 
 
+class ImportedTool(NamedTuple):
+    """What a tool message (role ``tool``) is about: the tool, the call, the whole result."""
+
+    name: str
+    call_id: str
+    arguments: str = "{}"  # a JSON object
+    is_error: bool = False
+    truncated: bool = False
+    full_text: str | None = None  # None: the message's content is the whole result
+
+
+# The calls a reply made: (call id, tool name, arguments as a JSON object).
+ImportedCall = tuple[str, str, str]
+
+
 class ImportedMessage(NamedTuple):
-    """One message as kvchat stores it: user or assistant (a system prompt is the session's)."""
+    """One message as kvchat stores it: user, assistant or tool (a system prompt is the
+    session's)."""
 
     role: str
     content: str
@@ -45,6 +61,48 @@ class ImportedMessage(NamedTuple):
     created: str | None = None  # ISO 8601, UTC, as the store writes it; None: the session's
     token_count: int = 0
     reasoning: str = ""  # a thinking model's reasoning before the answer
+    tool: ImportedTool | None = None  # a tool message's tool and call
+    calls: tuple[ImportedCall, ...] = ()  # a reply's tool calls
+
+
+# A tool's name, a call's id and its arguments as an import keeps them, at most.
+TOOL_NAME_CHARS = 200
+CALL_ID_CHARS = 200
+ARGUMENTS_CHARS = 1 << 20
+
+
+def imported_call(
+    path: Path, name: object, call_id: object, arguments: object, where: str
+) -> ImportedCall:
+    """A tool call read from a file: its id (``""`` when none), the tool's name and the
+    arguments (a JSON object, or a string holding one), each bounded; else one line."""
+    if not isinstance(name, str) or not name.strip() or len(name) > TOOL_NAME_CHARS:
+        raise BadFile(
+            path, f"{where} has no tool name (a string of 1-{TOOL_NAME_CHARS} characters)"
+        )
+    name = check_text(path, " ".join(name.split()), f"{where}.name") or ""
+    if call_id is None:
+        call_id = ""
+    if not isinstance(call_id, str) or len(call_id) > CALL_ID_CHARS:
+        raise BadFile(
+            path, f"{where}'s call id is not a string of at most {CALL_ID_CHARS} characters"
+        )
+    call_id = check_text(path, call_id, f"{where}.id") or ""
+    if isinstance(arguments, str):
+        if len(arguments) > ARGUMENTS_CHARS:
+            raise BadFile(path, f"{where}'s arguments are over {ARGUMENTS_CHARS:,} characters")
+        arguments = parse_json(path, arguments, f"{where}'s arguments") if arguments.strip() else {}
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise BadFile(path, f"{where}'s arguments are not a JSON object")
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        raise BadFile(path, f"{where}'s arguments are not plain JSON") from None
+    if len(text) > ARGUMENTS_CHARS:
+        raise BadFile(path, f"{where}'s arguments are over {ARGUMENTS_CHARS:,} characters")
+    return call_id, name, check_text(path, text, f"{where}.arguments") or "{}"
 
 
 class ImportedDocument(NamedTuple):

@@ -206,6 +206,12 @@ def _store_sessions(
                     for m in s.messages
                 ],
                 "documents": [tuple(d) for d in s.documents],
+                # (message index, tool, calls) of its tool messages and replies that called
+                "tools": [
+                    (i, None if m.tool is None else tuple(m.tool), m.calls)
+                    for i, m in enumerate(s.messages)
+                    if m.tool is not None or m.calls
+                ],
                 "key": _session_key(result.format, s),
             }
             kept.append((s.title, len(s.messages), s.skipped, len(s.documents)))

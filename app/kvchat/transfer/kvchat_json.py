@@ -15,10 +15,13 @@ from typing import Any
 from kvchat.transfer.common import (
     MAX_MESSAGES,
     BadFile,
+    ImportedCall,
     ImportedMessage,
     ImportedSession,
+    ImportedTool,
     check_settings,
     check_text,
+    imported_call,
     iso_time,
     reply_parts,
     require,
@@ -27,6 +30,40 @@ from kvchat.transfer.imported_documents import read_documents
 
 FORMAT = "kvchat.session/1"
 NAME = "kvchat JSON"
+
+
+def _tool_parts(
+    path: Path, item: dict[str, Any], role: str, where: str
+) -> tuple[ImportedTool | None, tuple[ImportedCall, ...]]:
+    """A tool message's tool (``tool_call_id``, ``name``, ``kvchat_tool``) or a reply's
+    calls (``tool_calls``, OpenAI's shape), as kvchat's JSON export writes them."""
+    if role == "tool":
+        extra = item.get("kvchat_tool") or {}
+        if not isinstance(extra, dict):
+            raise BadFile(path, f"{where}.kvchat_tool is not an object")
+        call_id, name, arguments = imported_call(
+            path, item.get("name"), item.get("tool_call_id"), extra.get("arguments"), where
+        )
+        flags = [extra.get(key, False) for key in ("is_error", "truncated")]
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise BadFile(path, f"{where}.kvchat_tool's is_error and truncated are true or false")
+        full = check_text(path, extra.get("full_text"), f"{where}.full_text", optional=True)
+        return ImportedTool(name, call_id, arguments, flags[0], flags[1], full), ()
+    calls = item.get("tool_calls")
+    if role != "assistant" or calls is None:
+        return None, ()
+    if not isinstance(calls, list) or len(calls) > 64:
+        raise BadFile(path, f"{where}.tool_calls is not a list of at most 64 calls")
+    found = []
+    for number, call in enumerate(calls, 1):
+        at = f"{where} call {number}"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise BadFile(path, f"{at} has no function")
+        found.append(
+            imported_call(path, function.get("name"), call.get("id"), function.get("arguments"), at)
+        )
+    return None, tuple(found)
 
 
 def matches(document: object) -> bool:
@@ -59,8 +96,9 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
                 path,
                 f"{where} is a system message after the start (kvchat keeps one system prompt)",
             )
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "tool"):
             raise BadFile(path, f"{where} has an unknown role {role!r}")
+        tool, calls = _tool_parts(path, item, role, where)
         partial = item.get("partial", False)
         if not isinstance(partial, bool):
             raise BadFile(path, f"{where}.partial is not true or false")
@@ -73,7 +111,9 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
                 tokens = count
         answer, reasoning = reply_parts(path, role, content, item.get("reasoning_content"), where)
         kept[index] = len(messages)
-        messages.append(ImportedMessage(role, answer, partial, created, tokens, reasoning))
+        messages.append(
+            ImportedMessage(role, answer, partial, created, tokens, reasoning, tool, calls)
+        )
     source_id = session.get("id")
     return [
         ImportedSession(
