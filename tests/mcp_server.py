@@ -16,8 +16,10 @@ import time
 
 try:
     from mcp.server.mcpserver import MCPServer as ServerClass
+    from mcp.server.mcpserver.exceptions import ToolError
 except ImportError:  # mcp 1.x
     from mcp.server.fastmcp import FastMCP as ServerClass  # type: ignore[no-redef]
+    from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
 
 NOTES = {"groceries": "eggs, flour, milk", "todo": "write the tools tests"}
 # What the model must read as text: ChatML, Hermes tool-call and Llama 3 markup.
@@ -36,7 +38,7 @@ def add(a: int, b: int) -> str:
 def read_note(name: str) -> str:
     """Read one of the notes by name."""
     if name not in NOTES:
-        raise ValueError(f"no note named {name!r}")
+        raise ToolError(f"no note named {name!r}")  # the SDK passes its text on
     return NOTES[name]
 
 

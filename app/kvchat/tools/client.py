@@ -9,6 +9,7 @@ time cap. Nothing here blocks a thread but the loop's own.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import shlex
 import threading
@@ -22,6 +23,9 @@ from kvchat.tools.parse import quoted
 
 # Bytes kept of what a stdio server writes to stderr: its last line explains a failure.
 STDERR_TAIL_BYTES = 4096
+# One streamed HTTP event (a result) read at most: the SDK's own default is 1 MiB, under the
+# results kvchat keeps (a 10 MB page); past this the call fails with one line.
+MAX_HTTP_EVENT_BYTES = 64 * 1024 * 1024
 # Pages of tools/list read at most (a server whose cursor never ends).
 MAX_LIST_PAGES = 64
 
@@ -118,9 +122,12 @@ async def _http(config: McpServerConfig) -> AsyncIterator[tuple[Any, ...]]:
         async with streamablehttp_client(url, headers=dict(config.headers) or None) as streams:
             yield tuple(streams)
         return
+    options: dict[str, Any] = {}
+    if "max_sse_event_size" in inspect.signature(streamable_http_client).parameters:
+        options["max_sse_event_size"] = MAX_HTTP_EVENT_BYTES
     async with (
         create_mcp_http_client(headers=dict(config.headers) or None) as client,
-        streamable_http_client(url, http_client=client) as streams,
+        streamable_http_client(url, http_client=client, **options) as streams,
     ):
         yield tuple(streams)
 
