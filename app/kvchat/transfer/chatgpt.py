@@ -2,10 +2,12 @@
 
 Each conversation's ``mapping`` holds nodes ``{id, message, parent, children}``; the branch
 the user last saw is the path from ``current_node`` up the ``parent`` links. On it, nodes
-without a message, hidden ones (``metadata.is_visually_hidden_from_conversation``), tool
-results, tool calls (``recipient`` other than ``all``), non-text content (code, browsing,
-reasoning summaries) and empty messages are left out; a system message before the first
-user or assistant message becomes the system prompt.
+without a message, hidden ones (``metadata.is_visually_hidden_from_conversation``),
+non-text content (images, browsing displays, reasoning summaries) and empty messages are
+left out; a system message before the first user or assistant message becomes the system
+prompt. A tool call (an assistant message whose ``recipient`` is a tool, its text or code
+the input) is a reply with that call; a tool's message (role ``tool``, its text or
+execution output) is a tool message answering the call before it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ from kvchat.transfer.common import (
     MAX_MESSAGES,
     MAX_SESSIONS,
     BadFile,
+    ImportedCall,
     ImportedMessage,
     ImportedSession,
+    ImportedTool,
     check_text,
     default_title,
+    imported_call,
     iso_time,
 )
 
 NAME = "ChatGPT export"
 NO_CONVERSATION = "no conversation in it has a message to import"
 _TEXT_TYPES = ("text", "multimodal_text")
+# Content whose ``text`` field is a tool's input (code) or output.
+_TOOL_TEXT_TYPES = ("code", "execution_output", "text", "multimodal_text")
 _ROLES = ("user", "assistant", "system", "tool")
 
 
@@ -98,6 +105,23 @@ def _message_text(path: Path, message: dict[str, Any], where: str) -> tuple[str 
     return text, dropped
 
 
+def _tool_text(path: Path, message: dict[str, Any], where: str) -> str | None:
+    """A tool call's input or a tool's output: its text parts, or its ``text`` (code,
+    execution output); None when it has neither (a browsing display, an image)."""
+    content = message.get("content")
+    if not isinstance(content, dict) or content.get("content_type") not in _TOOL_TEXT_TYPES:
+        return None
+    text = content.get("text")
+    if isinstance(text, str):
+        return check_text(path, text, f"{where}.content.text")
+    parts = content.get("parts")
+    if not isinstance(parts, list):
+        return None
+    texts = [check_text(path, p, f"{where} part") or "" for p in parts if isinstance(p, str)]
+    joined = "\n".join(t for t in texts if t)
+    return joined if joined.strip() else None
+
+
 def _thoughts(path: Path, message: dict[str, Any], where: str) -> str | None:
     """A reasoning model's thoughts ("thoughts" content: each a summary and its text) as
     one text; "" for its recap ("Thought for 5 seconds"); None for any other message."""
@@ -131,6 +155,7 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
     messages: list[ImportedMessage] = []
     skipped = 0
     thoughts: list[str] = []  # a reasoning model's, for the reply that follows them
+    last_call: ImportedCall | None = None  # what the next tool message answers
     for node in nodes:
         message = node.get("message")
         if message is None:
@@ -149,7 +174,37 @@ def _conversation(path: Path, conversation: Any, number: int) -> ImportedSession
             if thought is not None:
                 thoughts += [thought] if thought else []
                 continue
-        text, dropped = (None, 0) if role == "tool" else _message_text(path, message, node_where)
+        recipient = message.get("recipient")
+        if role == "assistant" and isinstance(recipient, str) and recipient not in ("all", ""):
+            code = _tool_text(path, message, node_where)
+            if code is None:
+                skipped += 1
+                continue
+            arguments = {"input": code}
+            call = imported_call(
+                path, recipient, f"chatgpt-{node.get('id')!s:.40}", arguments, node_where
+            )
+            last_call = call
+            created = iso_time(message.get("create_time"))
+            messages.append(ImportedMessage("assistant", code, created=created, calls=(call,)))
+            continue
+        if role == "tool":
+            output = _tool_text(path, message, node_where)
+            if not output:
+                skipped += 1
+                continue
+            author_name = author.get("name") if isinstance(author, dict) else None
+            call_id, name, arguments = last_call or ("", author_name or "tool", "{}")
+            if isinstance(author_name, str) and author_name.strip():
+                call_id, name, arguments = imported_call(
+                    path, author_name, call_id, arguments, node_where
+                )
+            tool = ImportedTool(name, call_id, arguments)
+            created = iso_time(message.get("create_time"))
+            messages.append(ImportedMessage("tool", output, created=created, tool=tool))
+            last_call = None
+            continue
+        text, dropped = _message_text(path, message, node_where)
         skipped += dropped  # images and other parts that are not text
         if not text:
             skipped += text is None  # a tool's, hidden or non-text message; empty ones aren't

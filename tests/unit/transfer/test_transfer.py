@@ -177,10 +177,25 @@ def test_chatgpt_export_follows_each_conversations_current_branch(service, tmp_p
     assert texts(service, first.session) == [
         ("user", "Plan a trip to Kyoto", False),
         ("assistant", "Day 1: temples.", False),
+        ("assistant", "search('kyoto')", False),  # a call to the browser tool (issue 43)
+        ("tool", "results…", False),
         ("user", "And day 2?", False),
         ("assistant", "Day 2: \nmarkets.", False),
     ]
-    assert first.skipped == 3  # the tool call, its output and the picture (issue 22.17)
+    assert first.skipped == 1  # the picture (issue 22.17)
+    stored = service.sessions.messages(first.session)
+    [call] = service.store.tool_calls([stored[2].id])[stored[2].id]
+    assert (call.call_id, call.name, call.arguments) == (
+        "chatgpt-call",
+        "browser",
+        '{"input": "search(\'kyoto\')"}',
+    )
+    record = service.store.tool_records([stored[3].id])[stored[3].id]
+    assert (record.name, record.call_id, record.full_text) == (
+        "browser",
+        "chatgpt-call",
+        "results…",
+    )
     assert texts(service, second.session) == [
         ("user", "Plan a trip to Kyoto", False),
         ("assistant", "An older answer", False),
