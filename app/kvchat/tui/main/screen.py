@@ -16,6 +16,7 @@ call, each one collaborator's job.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar
@@ -86,6 +87,9 @@ T = TypeVar("T")
 
 # Below this many columns the sessions sidebar hides itself (Ctrl+L shows it).
 NARROW_COLUMNS = 80
+# An Esc this soon after a dialog closed was meant for the dialog (a user pressing Esc
+# through a few of them): it does not stop the reply.
+ESC_AFTER_DIALOG_S = 1.0
 
 
 class MainScreen(Screen[None]):
@@ -99,6 +103,8 @@ class MainScreen(Screen[None]):
         self.state = ScreenState()
         # The sidebar as the user set it with Ctrl+L; None: by the width (see NARROW_COLUMNS).
         self.sidebar_wanted: bool | None = None
+        self._resumed_at = 0.0  # when a dialog on top of this screen last closed
+        self._esc_said = False  # the Esc after it was told it stops nothing
         self.sessions = SessionList(id="sessions")
         self.conversation = Conversation(id="conversation")
         self.prompt = PromptInput(
@@ -404,8 +410,18 @@ class MainScreen(Screen[None]):
 
     # --- the key table's actions ----------------------------------------------------------
 
+    def on_screen_resume(self) -> None:
+        self._resumed_at = time.monotonic()  # a dialog on top just closed
+        self._esc_said = False
+
     def action_cancel(self) -> None:
-        """Esc: stop the reply; else back to the input."""
+        """Esc: stop the reply; else back to the input. Within ESC_AFTER_DIALOG_S of a
+        dialog closing, an Esc is one more meant for dialogs: it stops nothing (said once)."""
+        if self.turn is not None and time.monotonic() - self._resumed_at < ESC_AFTER_DIALOG_S:
+            if not self._esc_said:
+                self._esc_said = True
+                self.notify("The dialog is closed; Esc in a moment stops the reply", timeout=3)
+            return
         if not self.turns.cancel() and self.focused is not self.prompt:
             self.prompt.focus()
 

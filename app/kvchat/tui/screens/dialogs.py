@@ -151,7 +151,14 @@ def free_path(path: Path) -> Path:
 
 class ExportDialog(Dialog):
     """Choose a format and a path. The default is a free name in ``default_dir`` that follows
-    the format; an existing file is replaced only after asking."""
+    the format; an existing file is replaced only after asking. From the path, ↑/↓ move the
+    format (Down then Enter exports the second one); on the formats, Enter picks the
+    highlighted one and goes back to the path."""
+
+    BINDINGS = [
+        Binding("down", "format(1)", "Next format", show=False),
+        Binding("up", "format(-1)", "Previous format", show=False),
+    ]
 
     def __init__(self, default_dir: Path, stem: str) -> None:
         super().__init__(classes="dialog-screen")
@@ -180,6 +187,17 @@ class ExportDialog(Dialog):
     def fmt(self) -> str:
         pressed = self.query_one(RadioSet).pressed_button
         return pressed.name if pressed is not None and pressed.name else "md"
+
+    def action_format(self, step: int) -> None:
+        """↑/↓ from the path: the previous / next format, pressed (so Enter exports it)."""
+        buttons = list(self.query(RadioButton))
+        at = next((i for i, b in enumerate(buttons) if b.value), 0)
+        buttons[(at + step) % len(buttons)].value = True
+
+    @on(RadioSet.Changed)
+    def _radio_changed(self, event: RadioSet.Changed) -> None:
+        if self.focused is event.radio_set:  # picked on the formats: back to the path
+            self.query_one("#path", Input).focus()
 
     @on(RadioSet.Changed)
     def _format_changed(self) -> None:
