@@ -7,8 +7,9 @@ Two generations of tables, both read:
   conversation's responses in ``datetime_utc``, then ``id``, order.
 * ``threads`` + ``messages`` + ``parts`` (llm 0.36's content-addressed store): a thread's
   history is the chain from its ``tip_message_hash`` up the ``parent_hash`` links; text
-  parts are kept (text borrowed from ``fragments`` resolved), tool calls and results,
-  reasoning and attachments are left out and counted.
+  parts are kept (text borrowed from ``fragments`` resolved), a reply's tool calls with it
+  and each tool result as a tool message; reasoning and attachments are left out and
+  counted.
 
 A thread made from a conversation keeps its id, so a conversation that is also a thread
 is read once, from the thread.
@@ -28,10 +29,13 @@ from kvchat.transfer.common import (
     MAX_SESSIONS,
     MAX_TEXT_CHARS,
     BadFile,
+    ImportedCall,
     ImportedMessage,
     ImportedSession,
+    ImportedTool,
     check_text,
     default_title,
+    imported_call,
     iso_time,
     parse_json,
 )
@@ -173,6 +177,34 @@ def _part_text(
     return _text(path, "".join(out), where)
 
 
+def _tool_call(path: Path, payload: str, where: str) -> ImportedCall:
+    """A ``tool_call`` part: ``{"name", "arguments", "tool_call_id"}``."""
+    data = parse_json(path, payload, f"{where}'s payload")
+    if not isinstance(data, dict):
+        raise BadFile(path, f"{where}'s payload is not an object")
+    return imported_call(
+        path, data.get("name"), data.get("tool_call_id"), data.get("arguments"), where
+    )
+
+
+def _tool_result(
+    path: Path, payload: str, called: dict[str, ImportedCall], where: str
+) -> ImportedMessage:
+    """A ``tool_result`` part (``{"name", "output", "tool_call_id", "exception"?}``) as a
+    tool message, with the arguments of the call it answers where the thread has it."""
+    data = parse_json(path, payload, f"{where}'s payload")
+    if not isinstance(data, dict):
+        raise BadFile(path, f"{where}'s payload is not an object")
+    call_id, name, _ = imported_call(path, data.get("name"), data.get("tool_call_id"), {}, where)
+    arguments = called[call_id][2] if call_id in called else "{}"
+    output = _text(path, data.get("output"), f"{where} output")
+    failed = data.get("exception")
+    if isinstance(failed, str) and failed:
+        output = output or _text(path, failed, f"{where} exception")
+    tool = ImportedTool(name, call_id, arguments, is_error=bool(failed))
+    return ImportedMessage("tool", output, tool=tool)
+
+
 def _threads(conn: sqlite3.Connection, path: Path) -> list[ImportedSession]:
     """Sessions from ``threads`` + ``messages`` + ``parts`` (llm 0.36 and later)."""
     _limited(
@@ -200,21 +232,34 @@ def _threads(conn: sqlite3.Connection, path: Path) -> list[ImportedSession]:
         system: str | None = None
         messages: list[ImportedMessage] = []
         skipped = 0
+        called: dict[str, ImportedCall] = {}  # the thread's calls, by id, for their results
         for message_hash, role in chain:
             parts = conn.execute(
-                "SELECT type, text, CASE WHEN type = 'text' THEN payload END FROM parts"
+                "SELECT type, text, CASE WHEN type IN ('text', 'tool_call', 'tool_result')"
+                " AND length(payload) <= ? THEN payload END FROM parts"
                 " WHERE message_hash = ? ORDER BY position",
-                (message_hash,),
+                (MAX_TEXT_CHARS, message_hash),
             ).fetchall()
             texts = []
+            calls: list[ImportedCall] = []
+            results: list[ImportedMessage] = []
             for kind, text, payload in parts:
                 if kind == "text":
                     texts.append(_part_text(conn, path, text, payload, f"{where} message text"))
+                elif kind == "tool_call" and isinstance(payload, str):
+                    calls.append(_tool_call(path, payload, f"{where} tool call"))
+                    called[calls[-1][0]] = calls[-1]
+                elif kind == "tool_result" and isinstance(payload, str):
+                    results.append(_tool_result(path, payload, called, f"{where} tool result"))
                 else:
                     skipped += kind != "reasoning"
+            messages += results
             content = "\n".join(t for t in texts if t)
-            if role == "tool" or not content.strip():
-                skipped += role == "tool"
+            if role == "tool" or not (content.strip() or calls):
+                skipped += role == "tool" and not results
+                continue
+            if role == "assistant" and calls:
+                messages.append(ImportedMessage(role, content, calls=tuple(calls)))
                 continue
             if role == "system":
                 if not messages and system is None:

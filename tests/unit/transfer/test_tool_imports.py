@@ -100,3 +100,51 @@ def test_bad_tool_calls_are_one_line(service: ChatService, tmp_path: Path) -> No
         path.write_text(json.dumps(document), encoding="utf-8")
         with pytest.raises(BadFile, match=says):
             import_file(service, path)
+
+
+def llm_tool_db(path: Path) -> Path:
+    """A logs.db that llm itself wrote for a chain with one tool call (add) and its result."""
+    import llm
+    import sqlite_utils
+    from llm.migrations import migrate
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    class Caller(llm.Model):
+        model_id = "caller"
+        can_stream = False
+        supports_tools = True
+
+        def execute(self, prompt, stream, response, conversation):  # noqa: ANN001, ANN202
+            if prompt.tool_results:
+                yield f"the sum is {prompt.tool_results[0].output}"
+                return
+            call = llm.ToolCall(name="add", arguments={"a": 2, "b": 3}, tool_call_id="call_1")
+            response.add_tool_call(call)
+            yield "Let me add."
+
+    db = sqlite_utils.Database(path)
+    migrate(db)
+    chain = Caller().conversation(tools=[add]).chain("What is 2 plus 3?")
+    chain.text()
+    for response in chain.responses():
+        response.log_to_db(db)
+    db.close()
+    return path
+
+
+def test_llm_logs_keep_a_reply_s_calls_and_the_results(
+    service: ChatService, tmp_path: Path
+) -> None:
+    [item] = import_file(service, llm_tool_db(tmp_path / "logs.db")).sessions
+    messages, calls, records = tool_rows(service, item.session)
+    assert messages[:3] == [
+        ("user", "What is 2 plus 3?"),
+        ("assistant", "Let me add."),
+        ("tool", "5"),
+    ]
+    assert calls == [("call_1", "add", {"a": 2, "b": 3})]
+    assert records == [("add", "call_1", {"a": 2, "b": 3}, False, False, "5")]
+    assert item.skipped == 0
