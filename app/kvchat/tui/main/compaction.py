@@ -42,10 +42,13 @@ class Compacting:
 
     # --- what the model sees -----------------------------------------------------------------
 
-    async def show_view(self, session_id: str, view: WindowView | None) -> None:
+    async def show_view(
+        self, session_id: str, view: WindowView | None, *, offer: bool = True
+    ) -> None:
         """Show a turn's (or an opened session's) window: the divider, the gauge, and the
-        warning before the next turn would leave messages out (under ``overflow =
-        "compact"``, the compaction is offered, once per session and run)."""
+        warning before the next turn would leave messages out (after a turn, under
+        ``overflow = "compact"``, the compaction is offered instead: once per session and
+        run, until a turn no longer warns)."""
         if view is None or self.ctx.state.session_id != session_id:
             return
         await self.ctx.conversation.set_window(view.first_message_id, view.divider())
@@ -54,7 +57,7 @@ class Compacting:
         if warning is None:
             self.offered.discard(session_id)
             return
-        if view.overflow == "compact" and session_id not in self.offered:
+        if offer and view.overflow == "compact" and session_id not in self.offered:
             self.offered.add(session_id)
             self.ctx.run(COMPACT, self._compact, session_id)
         else:
@@ -70,8 +73,7 @@ class Compacting:
             view = await self.ctx.backend.on_engine(compaction.view, session_id)
         except KvchatError:
             return  # the view is a courtesy: the next turn reports its own
-        self.offered.add(session_id)  # opening a session offers nothing by itself
-        await self.show_view(session_id, view)
+        await self.show_view(session_id, view, offer=False)  # opening offers nothing
 
     # --- /compact ------------------------------------------------------------------------------
 
