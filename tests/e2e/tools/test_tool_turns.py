@@ -226,3 +226,45 @@ async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
         await wait_until(lambda: [v.role for v in main.conversation.views].count("tool") == 2)
         await quit_app(app)
     assert app.return_code == 0
+
+
+def test_each_limit_is_one_line_and_nothing_is_lost(kvhome: Path) -> None:
+    """A tool that hangs (timeout), dies mid-call, returns 10 MiB (cut for the model, whole
+    in the store) or fails: one line each, the call's tool message stored, the next call
+    and the next turn go on."""
+    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=8, n_threads=1)
+    service = ChatService(settings, home=kvhome)
+    service.tools.attach(demo_box())
+    service.tools.timeout_s = 2.0
+
+    def allow(request: CallRequest) -> Decision:
+        return "once"
+
+    try:
+        session = service.sessions.new_session().id
+        hang = service.tools.call_directly(session, "demo.hang", "", allow)
+        assert hang.result is None and "\n" not in hang.line
+        assert hang.line == "demo.hang gave no result within 2 s"
+        service.tools.timeout_s = None  # the server's own cap (60 s) from here on
+        die = service.tools.call_directly(session, "demo.die", "", allow)
+        assert die.result is None and "\n" not in die.line and die.line
+        huge = service.tools.call_directly(session, "demo.huge", '{"mib": 10}', allow)
+        assert huge.result is not None and huge.result.truncated
+        assert len(huge.result.full_text) == 10 * 1024 * 1024
+        fail = service.tools.call_directly(session, "demo.fail", "", allow)
+        assert fail.result is not None and fail.result.is_error
+        after = service.tools.call_directly(session, "demo.add", '{"a": 1, "b": 2}', allow)
+        assert after.result is not None and after.result.text == "3"  # the server came back
+
+        messages = service.store.messages(session)
+        assert [m.role for m in messages] == ["tool"] * 5
+        records = service.store.tool_records([m.id for m in messages])
+        kept = [records[m.id] for m in messages]
+        assert [r.is_error for r in kept] == [True, True, False, True, False]
+        assert kept[2].truncated and len(kept[2].full_text) == 10 * 1024 * 1024
+        assert len(messages[2].content) < 20_000  # what the model reads is the cut text
+        print(f"\nlimits: hang -> {hang.line!r}; die -> {die.line!r}; huge -> {huge.line!r}")
+        report = service.send(session, "Go on.")
+        assert report.message_id is not None
+    finally:
+        service.close()
