@@ -896,6 +896,7 @@ main.add_lazy("doctor", "kvchat.cli.doctor:doctor")
 main.add_lazy("models", "kvchat.cli.model_commands:models_group")
 main.add_lazy("import", "kvchat.cli.transfer_commands:import_cmd")
 main.add_lazy("server", "kvchat.cli.server_commands:server")
+main.add_lazy("tools", "kvchat.cli.tools_commands:tools_group")
 
 
 def _probe_rows(settings: Settings, path: Path, rows: dict[str, dict[str, Any]]) -> Any:
