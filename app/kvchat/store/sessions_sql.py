@@ -314,6 +314,18 @@ class SessionsSql(SqlBase):
                 )
             ]
             copy_session_documents(conn, source_id, session_id, dict(zip(copied, made)))
+            # A branch keeps its parent's tags (not its pin) and its replies' figures.
+            if source.tags:
+                conn.execute(
+                    "UPDATE sessions SET tags=? WHERE id=?", (column_text(source.tags), session_id)
+                )
+            conn.executemany(
+                "INSERT INTO message_figures (message_id, model, prompt_tokens, reused, decoded,"
+                " generated, ttft_ms, tokens_per_s, seconds, kv, recorded) SELECT ?, model,"
+                " prompt_tokens, reused, decoded, generated, ttft_ms, tokens_per_s, seconds, kv,"
+                " recorded FROM message_figures WHERE message_id = ?",
+                list(zip(made, copied)),
+            )
             if then is not None:
                 role, content, token_count = then
                 conn.execute(

@@ -74,3 +74,19 @@ def test_a_tags_column_not_written_by_kvchat_reads_as_no_tags(store):
     store.conn.execute("UPDATE sessions SET tags=? WHERE id=?", ("ok \x1b[2J", made.id))
     store.conn.commit()
     assert store.get_session(made.id).tags == ()
+
+
+def test_a_branch_keeps_the_tags_and_the_replies_figures_not_the_pin(store):
+    from kvchat.store.figures_sql import MessageFigures
+
+    source = store.create_session("Source")
+    store.add_message(source.id, "user", "Hi", token_count=2)
+    reply = store.add_message(source.id, "assistant", "Hello", token_count=3)
+    store.record_figures(reply.id, MessageFigures(model="m", generated=3, tokens_per_s=9.0))
+    store.set_tags(source.id, ("work",))
+    store.set_pinned(source.id, True)
+    branch = store.copy_session(source.id, "Branch")
+    assert branch.tags == ("work",) and not branch.pinned
+    copied = store.messages(branch.id)[-1]
+    kept = store.message_figures(copied.id)
+    assert kept is not None and (kept.model, kept.generated, kept.tokens_per_s) == ("m", 3, 9.0)
