@@ -48,7 +48,7 @@ def filled_home(home: Path, exchanges: int = 16) -> str:
 def counts(home: Path) -> tuple[int, int, int]:
     """Sessions, messages and summaries in the home's database."""
     with sqlite3.connect(home / "kvchat.db") as db:
-        return tuple(  # type: ignore[return-value]
+        return tuple(
             db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
             for table in ("sessions", "messages", "summaries")
         )
