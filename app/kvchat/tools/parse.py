@@ -29,6 +29,7 @@ MAX_ARGUMENT_BYTES = 1024 * 1024
 RESULT_CAP_CHARS = 16_000
 FULL_CAP_CHARS = 32 * 1024 * 1024
 MAX_CONTENT_PARTS = 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # How much of a server's name, tool name or error text a message quotes.
 QUOTE_CHARS = 80
 
@@ -41,7 +42,7 @@ def quoted(value: object) -> str:
 
 def valid_text(text: str) -> str:
     """``text`` storable as UTF-8: a lone surrogate (JSON allows them) becomes U+FFFD."""
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _depth(value: Any, limit: int) -> int:
