@@ -55,7 +55,7 @@ class CompactionDialog(Dialog):
         kept as it is, e.g. empty)."""
         self.writing = False
         area = self.query_one("#summary-text", TextArea)
-        area.text = text
+        area.text = visible(text)  # what is kept is what is shown: no raw escapes
         area.read_only = False
         area.focus()
         self.query_one("#keep", Button).disabled = False
