@@ -6,9 +6,11 @@ from __future__ import annotations
 import compileall
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,38 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     process here: CI's environment sets PYTHONDONTWRITEBYTECODE=1, so Python never writes
     it itself; an installed wheel has it from pip)."""
     compileall.compile_dir(REPO / "app" / "kvchat", quiet=2)
+
+
+# KVCHAT_TEST_CPU=DIR: each worker writes, per test, the CPU seconds this process and the
+# processes it waited for spent (``resource.getrusage``), as JSON lines in DIR. The suite's
+# cost, read on a busy machine where wall times say little (tests/README.md, "Time").
+CPU_LOG_ENV = "KVCHAT_TEST_CPU"
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Writes ``item``'s CPU seconds (setup, call and teardown) when KVCHAT_TEST_CPU is set."""
+    where = os.environ.get(CPU_LOG_ENV)
+    if not where:
+        return (yield)
+    started, cpu = time.monotonic(), _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        line = {
+            "test": item.nodeid,
+            "cpu_s": round(_cpu_seconds() - cpu, 3),
+            "wall_s": round(time.monotonic() - started, 3),
+        }
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(Path(where) / f"{worker}.jsonl", "a", encoding="utf-8") as log:
+            log.write(json.dumps(line) + "\n")
 
 
 # Short, deterministic turns: greedy decoding, few tokens, a small context.
