@@ -140,7 +140,18 @@ class Settings(BaseSettings):
 
     model: str | None = Field(
         default=None,
-        description="GGUF path or catalog name (kvchat models list); default: the bundled SmolLM2-135M",
+        description="GGUF path, catalog name or store name (ollama:NAME; kvchat models list "
+        "--local); default: the bundled SmolLM2-135M (F9's Ctrl+D saves one here)",
+    )
+    open_with_session_model: bool = Field(
+        default=True,
+        description="opening a session made with another model that is here loads that "
+        "model (the app says so); false: keep the loaded model, the status line names it",
+    )
+    theme: str | None = Field(
+        default=None,
+        description="the app's colour theme (Ctrl+P, 'Change theme' saves it here); "
+        "default: Textual's dark theme",
     )
     engine: str = Field(
         default="llama.cpp",
