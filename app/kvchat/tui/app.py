@@ -6,6 +6,7 @@ Nothing heavy is imported before the first frame: the settings (pydantic), the s
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from importlib import resources
@@ -25,6 +26,8 @@ from kvchat.tui.palette import KvchatCommands
 from kvchat.tui.threads import SerialThread
 
 if TYPE_CHECKING:
+    from textual.theme import Theme
+
     from kvchat.config import Settings
     from kvchat.service.chat import ChatService
 
@@ -66,6 +69,13 @@ class KvchatApp(App[None]):
         super().__init__()
         self.created_at = time.perf_counter()
         self.backend = Backend(settings, service)
+        # The settings given (the CLI's): the theme saved in the config file is applied at
+        # mount without reading the settings (pydantic) before the first frame.
+        self._given_settings = settings if settings is not None else None
+        if self._given_settings is None and service is not None:
+            self._given_settings = service.host.settings
+        # The theme the config file holds (or the default): a change to another is saved.
+        self._saved_theme: str | None = None
         self.cursor_blink = cursor_blink
         self._closed = False
         self._shut_down = False
@@ -133,7 +143,36 @@ class KvchatApp(App[None]):
     # --- while nobody waits: garbage collection (see kvchat.tui.collector), no blinking ---
 
     def on_mount(self) -> None:
+        self._apply_saved_theme()
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.set_interval(COLLECT_CHECK_S, self._idle_tick)
+
+    # --- the theme: the config file's, and the one picked saved there -----------------------
+
+    def _apply_saved_theme(self) -> None:
+        settings = self._given_settings
+        name = getattr(settings, "theme", None)
+        if isinstance(name, str) and name in self.available_themes:
+            self.theme = name
+        self._saved_theme = self.theme
+
+    def _theme_changed(self, theme: Theme) -> None:
+        """A theme picked (Ctrl+P, 'Change theme'): saved to the config file, off the UI
+        thread, and said where."""
+        if theme.name == self._saved_theme:
+            return
+        self._saved_theme = theme.name
+        self.run_worker(self._save_theme(theme.name), group="save-theme", exclusive=True)
+
+    async def _save_theme(self, name: str) -> None:
+        from kvchat.config_file import save_config_values
+
+        try:
+            path = await asyncio.to_thread(save_config_values, {"theme": name})
+        except KvchatError as exc:
+            self.notify(f"Theme not saved: {exc}", severity="warning", markup=False)
+            return
+        self.notify(f"Theme {name} saved to {path}", markup=False)
 
     def _busy(self) -> bool:
         main = self.screen_stack[0] if self.screen_stack else None
