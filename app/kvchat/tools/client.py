@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import shlex
 import threading
@@ -132,10 +133,22 @@ async def _http(config: McpServerConfig) -> AsyncIterator[tuple[Any, ...]]:
         yield tuple(streams)
 
 
+def quiet_sdk_logs() -> None:
+    """The SDK logs a server's faults through ``logging``, tracebacks and all (which, with no
+    handler set, Python writes to stderr: over the app's screen). kvchat says each in one
+    line instead, so the SDK's loggers are kept quiet."""
+    for name in ("mcp", "httpx", "httpx2"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+            logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+
+
 class Connection:
     """A started server: its session, its listed tools (wire shape), how it ended."""
 
     def __init__(self, name: str, config: McpServerConfig) -> None:
+        quiet_sdk_logs()
         self.name = name
         self.config = config
         self.session: Any = None

@@ -234,3 +234,23 @@ def test_import_of_a_file_that_is_not_an_mcp_config_is_one_line_and_writes_nothi
     refused = one_line_failure(run_cli(home, "tools", "import", str(good), check=False))
     assert refused.startswith("the config would not read back")
     assert (home / "config.toml").read_text() == "[mcp]\nservers = { a = { command = 'x' } }\n"
+
+
+def test_a_server_sending_bad_json_leaves_stderr_quiet(tmp_path: Path):
+    """The SDK logs such faults with tracebacks; kvchat shows its one line, nothing else."""
+    from tests.e2e.tools.test_mcp_client import BadJsonAfterStart
+    from tests.faults.hostile_http import LocalServer
+
+    server = LocalServer(BadJsonAfterStart)
+    try:
+        home = tmp_path / "home"
+        write_config(home, f'[mcp.servers.bad]\nurl = "{server.url}/mcp"\ntimeout_s = 5\n')
+        listed = run_cli(home, "tools", "list")
+        assert listed.stderr == "" and "bad  http  running  1 tools" in listed.stdout
+        line = one_line_failure(run_cli(home, "tools", "call", "bad.echo", "{}", check=False))
+        assert line.startswith("bad.echo failed: ")
+        write_config(home, f'[mcp.servers.worse]\nurl = "{server.url}/broken-start"\n')
+        listed = run_cli(home, "tools", "list")
+        assert listed.stderr == "" and "could not start" in listed.stdout
+    finally:
+        server.close()
