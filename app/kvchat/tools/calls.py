@@ -113,7 +113,7 @@ def call_format(template: str | None, model: str = "this model") -> CallFormat:
         known = ", ".join(f.value for f in CallFormat)
         raise ToolCallError(
             f"{model}'s chat template shows no tool-call format kvchat reads ({known}): "
-            "set tool_format for it, or use a model trained for tools"
+            "its replies are not read for tool calls (/tool still runs one)"
         )
     return found
 

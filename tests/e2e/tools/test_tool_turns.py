@@ -224,6 +224,17 @@ async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
         await wait_until(lambda: len(service.store.messages(session)) == 5)
         assert service.store.messages(session)[-1].content == "42"
         await wait_until(lambda: [v.role for v in main.conversation.views].count("tool") == 2)
+
+        main.prompt.insert("/tools off demo.add")
+        await pilot.press("enter")
+
+        def listed() -> str:
+            return "\n".join(n.message for n in app._notifications if n.title == "Tools")
+
+        await wait_until(lambda: "[ ] demo.add" in listed())
+        assert "demo · running · approve ask" in listed()
+        assert "Replies are read for calls as hermes" in listed()
+        assert not service.tools.enabled(session, "demo.add")
         await quit_app(app)
     assert app.return_code == 0
 

@@ -122,7 +122,12 @@ class ToolCalls:
             tools.set_enabled(session_id, name.strip(), switch == "on")
         elif text:
             raise KvchatError("/tools [on|off NAME]")
-        return tool_lines(tools, session_id)
+        lines = tool_lines(tools, session_id)
+        try:
+            lines.append(f"Replies are read for calls as {tools.call_format().value}")
+        except KvchatError as exc:
+            lines.append(one_line(str(exc)))
+        return lines
 
 
 def tool_lines(tools: ToolTurns, session_id: str | None) -> list[str]:
