@@ -214,6 +214,19 @@ async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
         messages = service.store.messages(session)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert main.last_report is not None and main.last_report.message_id == messages[-1].id
+        # The app defers the settle; the reply after the result still reads only the result
+        # and the template's tokens (the settle runs before it).
+        engine = service.engine.token_level()
+        assert engine is not None
+        chat = [m.as_chat() for m in messages[:2]]
+        first = engine.chat_tokens(chat + [{"role": "user", "content": "A"}])
+        held = first[
+            : common_prefix(first, engine.chat_tokens(chat + [{"role": "user", "content": "B"}]))
+        ]
+        prompt = engine.chat_tokens(chat + [messages[2].as_chat()])
+        after = main.last_report.tokens
+        assert (after.prompt, after.reused) == (len(prompt), common_prefix(prompt, held))
+        assert after.decoded == len(prompt) - after.reused == 9
         await wait_until(lambda: [v.role for v in main.conversation.views].count("tool") == 1)
 
         service.tools.grammar = None
