@@ -194,6 +194,7 @@ def _bundled() -> Path:
     return path
 
 
+@pytest.mark.stress  # two probes and a crash; e2e/engine/test_probe.py's repack crash test runs by default
 @pytest.mark.e2e
 def test_a_forged_repack_verdict_that_crashes_is_withdrawn_and_probed_again(
     tmp_path: Path, kvhome: Path

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvchat.bench.peers import DISK_CACHE, KVCHAT_DISK, KVCHAT_RAM, PEERS, RE_READ, SERVER
 from kvchat.engine.server_build import find_binary
 
 
+@pytest.mark.stress  # every peer (llama-server, LlamaDiskCache) at a small size: ~1 CPU-min; unit/bench checks its report
 def test_e2e_bench_peers_rows_ratios_and_verified_restores(kvhome: Path, cli) -> None:
     result = cli(
         kvhome,

@@ -30,7 +30,7 @@ from kvchat.config import Settings
 from kvchat.service.chat import ChatService
 from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli
 
-DEFAULT_CASES = 40
+DEFAULT_CASES = 16
 GREEDY = dict(temperature=0.0, max_tokens=8, n_ctx=1024)
 GREEDY_FLAGS = [*FAST, "--max-tokens", "8"]  # the same, for the CLI (the last flag wins)
 
@@ -178,8 +178,9 @@ def _kill_campaign(
 
 
 def test_kills_during_turns_forks_and_gc(tmp_path: Path):
-    outcomes = _kill_campaign(tmp_path, n_turns=14, n_forks=4, n_gcs=4, seed=9)
-    assert len(outcomes) == 22
+    # A sample (tests/stress/test_kill_and_damage_campaigns.py kills by the hundred).
+    outcomes = _kill_campaign(tmp_path, n_turns=8, n_forks=2, n_gcs=2, seed=9)
+    assert len(outcomes) == 12
     # Kill points scale with a measured turn; under heavy load more runs end first.
     assert sum(o.exited is None for o in outcomes) >= len(outcomes) // 4
 
@@ -375,7 +376,7 @@ def _damage_case(
 
 
 def test_damaged_snapshots_and_rows_resume_exactly_or_fall_back(pristine, tmp_path: Path):
-    # 40 cases (each a greedy turn, ~0.5 s) try every kind of damage and both outcomes;
+    # 16 cases (each a greedy turn, ~0.5 s) try every kind of damage and both outcomes;
     # `pytest -m stress` runs STRESS_CASES of them.
     tally = _damage_cases(pristine, tmp_path, n=DEFAULT_CASES, seed=1)
     assert tally["cases"] == DEFAULT_CASES and tally["resumed"] and tally["fallbacks"]

@@ -225,6 +225,7 @@ def _busy_loops(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
+@pytest.mark.stress  # it loads every core on purpose (the other worker's tests with it)
 def test_the_thread_choice_follows_a_measurement_made_under_load():
     config = EngineConfig(bundled_model_path(), n_ctx=1024, n_threads=os.cpu_count() or 2)
     physical = min(os.cpu_count() or 2, 4)

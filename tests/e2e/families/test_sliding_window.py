@@ -337,6 +337,7 @@ HISTORY = (
 )
 
 
+@pytest.mark.stress  # 2,000 tokens on Gemma; test_families' Gemma resume past its window runs by default
 def test_gemma3_270m_keeps_windows_and_resumes_2000_tokens_exactly(
     gemma3_270m: Path, kvhome: Path, tmp_path: Path
 ) -> None:
