@@ -326,6 +326,9 @@ class SessionsSql(SqlBase):
                 " recorded FROM message_figures WHERE message_id = ?",
                 list(zip(made, copied)),
             )
+            from kvchat.store.tools_sql import copy_tool_rows  # it imports this module
+
+            copy_tool_rows(conn, list(zip(made, copied)))  # its calls and tool messages
             if then is not None:
                 role, content, token_count = then
                 conn.execute(

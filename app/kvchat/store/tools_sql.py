@@ -106,6 +106,22 @@ def insert_imported_tools(
         )
 
 
+def copy_tool_rows(conn: sqlite3.Connection, pairs: Sequence[tuple[int, int]]) -> None:
+    """A copied session's tool rows (a fork, an edit): per (new message id, source id),
+    the calls the source reply made and the source tool message's record."""
+    conn.executemany(
+        "INSERT INTO tool_calls (message_id, position, call_id, name, arguments)"
+        " SELECT ?, position, call_id, name, arguments FROM tool_calls WHERE message_id = ?",
+        pairs,
+    )
+    conn.executemany(
+        "INSERT INTO tool_messages (message_id, name, call_id, arguments, is_error, truncated,"
+        " full_text, seconds) SELECT ?, name, call_id, arguments, is_error, truncated, full_text,"
+        " seconds FROM tool_messages WHERE message_id = ?",
+        pairs,
+    )
+
+
 class ToolsSql(SqlBase):
     """The tool_calls and tool_messages tables."""
 

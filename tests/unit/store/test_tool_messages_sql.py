@@ -63,3 +63,20 @@ def test_calls_recorded_again_replace_the_earlier_ones(tmp_path: Path):
     store.set_tool_calls(asked.id, [("c", "s.three", "{}")])
     assert [c.name for c in store.tool_calls([asked.id])[asked.id]] == ["s.three"]
     store.close()
+
+
+def test_a_copy_keeps_the_calls_and_tool_messages(tmp_path: Path):
+    store = Store(tmp_path / "kv.db")
+    session = store.create_session("tools")
+    asked = store.add_message(session.id, "assistant", "calls")
+    store.set_tool_calls(asked.id, [("c", "s.x", "{}")])
+    result = store.add_tool_message(session.id, "42", record("42"))
+    copy = store.copy_session(session.id, "branch")
+    made = store.messages(copy.id)
+    assert [c.name for c in store.tool_calls([made[0].id])[made[0].id]] == ["s.x"]
+    assert store.tool_records([made[1].id])[made[1].id].full_text == "42"
+    cut = store.copy_session(session.id, "shorter", upto_message=asked.id)
+    assert len(store.messages(cut.id)) == 1 and result.id not in [
+        m.id for m in store.messages(cut.id)
+    ]
+    store.close()
