@@ -5,6 +5,13 @@ and store with the snapshot tests' stand-in for the model."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvchat.config import Settings
 from kvchat.kvcache import RestoreResult
 from kvchat.service.reports import TokenCounts, TurnReport, figures_of
 from kvchat.tui.main.screen_state import ActiveTurn
@@ -89,3 +96,45 @@ def test_the_live_rate_counts_from_the_first_piece_drawn() -> None:
     assert live_rate(turn, now=100.0 + LIVE_RATE_AFTER_S / 2) == ""  # too soon to say
     turn.pieces = 65
     assert live_rate(turn, now=102.0) == " · 30 tok/s"
+
+
+class StreamingService(StandInService):
+    """The stand-in whose reply streams 60 pieces over about 1.5 s before its fixed end."""
+
+    def answer(self, session_id: str, message_id: int, **kwargs: Any) -> Any:
+        on_token = kwargs.get("on_token")
+        for _ in range(60):
+            if on_token is not None:
+                on_token("word ")
+            time.sleep(0.025)
+        return super().answer(session_id, message_id, **kwargs)
+
+
+@pytest.fixture
+def streaming(kvhome: Path) -> StreamingService:
+    return StreamingService(Settings(n_ctx=8192, n_threads=1))
+
+
+async def test_the_status_line_counts_tok_s_while_a_reply_streams(
+    streaming: StreamingService,
+) -> None:
+    _seed(streaming, figures=False)
+    app, run = start(streaming)
+    async with run as pilot:
+        await _settled(pilot)
+        main = app.main
+        main.prompt.insert("Go on")
+        await pilot.press("enter")
+        seen: list[str] = []
+
+        def rate_shown() -> bool:
+            seen.append(main.status.turn_text)
+            return "tok/s" in main.status.turn_text and main.turn is not None
+
+        await _wait(rate_shown, timeout=20)
+        text = main.status.turn_text
+        assert text.startswith("generating · ") and text.endswith("tok/s  (Esc stops)"), text
+        assert text.split(" · ")[2].split()[0].replace(",", "").isdigit(), (
+            text
+        )  # no timing asserted
+        await _wait(lambda: main.turn is None)
