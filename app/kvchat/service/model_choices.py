@@ -10,6 +10,7 @@ loads the previous one again, so the service stays usable.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from kvchat.planner.gguf_info import read_gguf
 from kvchat.planner.kv_bytes import fmt_bytes
 from kvchat.planner.model_info import model_marks
 from kvchat.planner.model_lookup import model_path
+from kvchat.planner.model_names import model_name
 from kvchat.planner.stores import discover
 from kvchat.service.checks import same_file
 from kvchat.service.engine_host import EngineHost
@@ -93,9 +95,10 @@ class SessionModel:
     loaded: bool  # it is the model loaded now
 
 
-def model_label(path: Path) -> str:
-    """How a model file is named to the user: its file name without ``.gguf``."""
-    return path.stem
+def model_label(path: Path, model_dirs: Sequence[str] = ()) -> str:
+    """How a model file is named to the user: its store name when it is in another app's
+    store (``ollama:gemma3:270m``), else its file name without ``.gguf``."""
+    return model_name(path, model_dirs)
 
 
 def fit_line(choice: DefaultsChoice, info: ModelInfo | None = None) -> str:
@@ -214,6 +217,17 @@ class ModelChoices:
         """The model file the engine has open (None before it loads)."""
         return self.host.loaded_model_path
 
+    @property
+    def loaded_name(self) -> str:
+        """How the loaded model is named to the user (see :func:`model_label`; "" before it
+        loads)."""
+        path = self.loaded_model_path
+        return self.name_of(path) if path is not None else ""
+
+    def name_of(self, path: Path) -> str:
+        """How the model file ``path`` is named to the user."""
+        return model_label(path, self.settings.model_dirs)
+
     # --- switching --------------------------------------------------------------------------
 
     def switch_model(self, spec: str | Path) -> Path:
@@ -256,13 +270,17 @@ class ModelChoices:
                     f"again either: {one_line(str(again))}"
                 ) from None
             raise KvchatError(
-                f"cannot load {path.name}: {why} (still on {model_label(back)})"
+                f"cannot load {path.name}: {why} (still on {self.name_of(back)})"
             ) from None
         return path
 
     def _release(self) -> None:
-        """Drop the last turn's housekeeping, save the hot session, close the engine."""
-        self.upkeep.abandon()
+        """Finish the last turn's housekeeping (the settle and the snapshot write: a switch
+        right after a reply must not leave the reply out of the session's KV, or coming back
+        re-reads it), save the hot session, close the engine."""
+        if self.host.loaded is not None:
+            self.upkeep.run_pending()
+        self.upkeep.abandon()  # what did not run (another process's turn): dropped
         self.host.release()
 
     # --- what each session ran with -----------------------------------------------------------
@@ -274,12 +292,31 @@ class ModelChoices:
             return None
         path = Path(row.model_path)
         loaded = self.loaded_model_path
+        present = path.is_file()
         return SessionModel(
             path=path,
-            name=row.model_name,
-            present=path.is_file(),
+            # Named as now (a row from before store names held the blob's file name).
+            name=self.name_of(path) if present else row.model_name,
+            present=present,
             loaded=loaded is not None and same_file(path, loaded),
         )
+
+    def other_model(self, session_id: str) -> SessionModel | None:
+        """The model ``session_id`` was made with when it is here and is neither the loaded
+        model nor, before any is loaded, the one the settings name (None otherwise)."""
+        remembered = self.session_model(session_id)
+        if remembered is None or not remembered.present or remembered.loaded:
+            return None
+        if self.settings.engine != LOCAL_ENGINE:
+            return None
+        if self.loaded_model_path is None:
+            try:
+                configured = model_path(self.settings)
+            except KvchatError:
+                return remembered
+            if same_file(configured, remembered.path):
+                return None
+        return remembered
 
     def record(self, session_id: str) -> None:
         """Note the model a turn of ``session_id`` ran with (a convenience: a full disk is
@@ -288,7 +325,7 @@ class ModelChoices:
         if path is None or self.settings.engine != LOCAL_ENGINE:
             return
         try:
-            self.store.set_session_model(session_id, str(path.resolve()), model_label(path))
+            self.store.set_session_model(session_id, str(path.resolve()), self.loaded_name)
         except StoreFull:
             pass
 

@@ -779,8 +779,7 @@ class TurnPipeline:
         """Store the reply's figures with it (a convenience: a failure loses only them)."""
         if report.message_id is None:
             return
-        loaded = self.host.loaded
-        model = report.remote or (loaded.config.model_path.stem if loaded is not None else "")
+        model = report.remote or self.models.loaded_name
         try:
             self.store.record_figures(report.message_id, figures_of(report, model))
         except KvchatError:

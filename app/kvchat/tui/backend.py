@@ -129,7 +129,9 @@ class Backend:
         # write while idle, and a new message makes them yield (see IdleWork).
         service.upkeep.deferred = True
         engine = service.load_engine()
-        return engine.config.model_path.stem, engine.n_ctx, service.host.plan_note
+        # Named as the user found it: a store's model by its store name, not its blob's.
+        name = service.models.loaded_name or engine.config.model_path.stem
+        return name, engine.n_ctx, service.host.plan_note
 
     def switch_model(self, path: str) -> tuple[str, int, str | None]:
         """On the engine thread: switch to the model file ``path``, then as :meth:`load_model`."""

@@ -59,6 +59,7 @@ PICK_MODEL = Job("pick_model", "models", exclusive=True)
 ATTACH_OFFER = Job("offer_attachments", "attach", exclusive=True)
 DOCUMENTS = Job("show_documents", "documents", exclusive=True)
 SAVE_DRAFTS = Job("save_drafts", "drafts")
+SAVE_DEFAULT_MODEL = Job("save_default_model", "default-model")
 RESTORE_DRAFT = Job("restore_draft", "draft-restore", exclusive=True)
 COUNT_TOKENS = Job("count_tokens", "count-tokens", exclusive=True)
 

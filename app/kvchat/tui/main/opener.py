@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from kvchat.errors import KvchatError
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from kvchat.service.chat import Message, MessageWindow, RestoreResult
 
 READY_PLACEHOLDER = "Message (Enter sends · Ctrl+J new line · F1 keys)"
+# The setting that makes opening a session load the model it was made with.
+FOLLOW_SETTING = "open_with_session_model"
 LOADING_PLACEHOLDER = "Loading the model… (you can type already)"
 
 
@@ -64,6 +67,9 @@ class SessionOpener:
     def __init__(self, ctx: ScreenContext) -> None:
         self.ctx = ctx
         self.drafts = Drafts(ctx)  # the input's text, kept per session
+        # Set by the model switch: loads the model a session being opened was made with
+        # (True: it did, and made the session hot); None: the loaded model stays.
+        self.follow_model: Callable[[str], Awaitable[bool]] | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -115,13 +121,16 @@ class SessionOpener:
         if state.session_id is not None:  # its draft, kept from the last run
             self.ctx.run(RESTORE_DRAFT, self.drafts.restore, state.session_id)
         service = backend.chat
-        loading = backend.on_engine(backend.load_model)
+        loading = backend.on_engine(self._engine_load, state.session_id)
         await self.ctx.conversation.fill()  # the earlier messages, while the model loads
         try:
-            name, n_ctx, note = await loading
+            name, n_ctx, note, followed = await loading
         except KvchatError as exc:
             self.ctx.post(Fatal("The model could not be loaded", str(exc)))
             return
+        if followed is not None:
+            self.ctx.app.notify(followed, markup=False, timeout=10)
+            note = f"{note} · {followed}" if note else followed
         # The last run's crash, the engine probe's choice: said once.
         for notice in await backend.on_store(service.host.startup_notices):
             self.ctx.app.notify(notice, severity="warning", timeout=20, markup=False)
@@ -135,6 +144,23 @@ class SessionOpener:
             # Resume before Enter: the reopened session's KV comes back before the first
             # message, so that message decodes only itself.
             await self.make_hot(state.session_id, note=note)
+
+    def _engine_load(self, session_id: str | None) -> tuple[str, int, str | None, str | None]:
+        """On the engine thread: load the model the reopened session was made with when it
+        is here and ``open_with_session_model`` is on, else the settings' model; what the
+        status bar shows of it, and the line that says the session's model was loaded (or
+        why it was not)."""
+        backend = self.ctx.backend
+        wanted = None
+        if session_id is not None and backend.settings.open_with_session_model:
+            wanted = backend.chat.models.other_model(session_id)
+        if wanted is None:
+            return (*backend.load_model(), None)
+        try:
+            name, n_ctx, note = backend.switch_model(str(wanted.path))
+        except KvchatError as exc:  # the settings' model is loaded instead
+            return (*backend.load_model(), f"{wanted.name} not loaded: {exc}")
+        return name, n_ctx, note, followed_line(name)
 
     async def new_session_id(self) -> str:
         """Make an empty session (remembered as open); dropped at quit if it stays empty."""
@@ -268,7 +294,9 @@ class SessionOpener:
         # together with the drawing: both would share the interpreter's lock).
         await self._painted()
         self.ctx.run(RESTORE_DRAFT, self.drafts.restore, session_id)
-        await self.make_hot(session_id, started=started)
+        follow = self.follow_model
+        if follow is None or not await follow(session_id):  # else the switch made it hot
+            await self.make_hot(session_id, started=started)
         if remembered is not None:
             await remembered
         await self.ctx.conversation.fill()
@@ -329,3 +357,8 @@ class SessionOpener:
             return None
         view.message_id = message.id
         return view.message_id
+
+
+def followed_line(name: str) -> str:
+    """What is said when a session's own model was loaded for it."""
+    return f"Loaded {name}, the model this session was made with ({FOLLOW_SETTING} = false keeps the loaded one)"

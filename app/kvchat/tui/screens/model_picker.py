@@ -1,12 +1,14 @@
 """The model picker: the catalog's models and the local GGUF files, each with its fit.
 
-Enter on a model that is here loads it (the screen dismisses with that choice); a catalog
+Enter on a model that is here loads it (the screen dismisses with that choice); Ctrl+D makes
+the highlighted one the default model (the screen's owner saves it); a catalog
 model that is not downloaded is listed, greyed, with the command that fetches it (nothing
 downloads from the app). Esc cancels. Names and paths are shown as plain text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +26,10 @@ from kvchat.tui.phrases import shorten
 if TYPE_CHECKING:
     from kvchat.service.model_choices import ModelChoice
 
-HINT = "Enter loads the model · Esc cancels · get another: kvchat models pull NAME"
+HINT = (
+    "Enter loads the model · Ctrl+D makes it the default · Esc cancels · "
+    "get another: kvchat models pull NAME"
+)
 
 
 def choice_content(choice: ModelChoice) -> Content:
@@ -43,7 +48,10 @@ def choice_content(choice: ModelChoice) -> Content:
 class ModelScreen(ModalScreen["ModelChoice | None"]):
     """The choices as a list; ``selected`` (a model file) starts highlighted."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel", show=False),
+        Binding("ctrl+d", "make_default", "Make this the default model", show=False),
+    ]
     DEFAULT_CSS = """
     ModelScreen #model-list {
         height: 1fr;
@@ -54,12 +62,19 @@ class ModelScreen(ModalScreen["ModelChoice | None"]):
     """
 
     def __init__(
-        self, choices: list[ModelChoice], selected: Path | None = None, note: str | None = None
+        self,
+        choices: list[ModelChoice],
+        selected: Path | None = None,
+        note: str | None = None,
+        *,
+        on_default: Callable[[ModelChoice], None] | None = None,
     ) -> None:
         super().__init__(classes="dialog-screen")
         self.choices = choices
         self.selected = selected
         self.note = note
+        # Ctrl+D: the highlighted model becomes the default (its owner saves it).
+        self.on_default = on_default
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog -wide -tall", id="models"):
@@ -108,6 +123,15 @@ class ModelScreen(ModalScreen["ModelChoice | None"]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+    def action_make_default(self) -> None:
+        """Ctrl+D: the highlighted model (one that is here) is the one kvchat starts with."""
+        choice = self.highlighted_choice
+        if choice is None or not choice.present:
+            self.notify("Pick a model that is here to make it the default", severity="warning")
+            return
+        if self.on_default is not None:
+            self.on_default(choice)
 
 
 def _same(a: Path, b: Path) -> bool:
