@@ -56,6 +56,8 @@ async def test_shift_f2_filters_by_title_and_tag_from_the_input(service: StandIn
         await pilot.press("f14")  # what a terminal sends for Shift+F2
         await _wait(lambda: app.focused is main.sessions)
         assert main.sessions.filter_text == ""
+        line = "".join(seg.text for seg in main.sessions.render_line(0))
+        assert line.rstrip() == " / ▏title or #tag · Esc"  # what the filter takes
         await _type(pilot, "rust")
         await pilot.pause()
         assert sorted(_titles(app)) == ["Rust borrow checker", "Rust macros"]
@@ -98,6 +100,11 @@ async def test_the_filter_key_is_in_the_footer_and_the_help(service: StandInServ
         assert "filter the list by title or #tag" in text
         labels = [str(label.content) for label in app.screen.query(".key-label")]
         assert "Shift+F2" in labels and "Shift+F3" in labels
+        # And each is in the command palette.
+        from kvchat.tui.palette import KvchatCommands
+
+        actions = {action for _t, action, _l in KvchatCommands._entries(None)}  # type: ignore[arg-type]
+        assert {"filter_sessions", "pin_session", "copy_conversation"} <= actions
 
 
 async def test_pinned_sessions_come_first_by_key_and_by_palette(service: StandInService) -> None:

@@ -397,6 +397,9 @@ class SessionList(ScrollView, can_focus=True):
             return self._strip([(f" {item.text}", style)], width, base)
         if item.kind == "filter":
             style = base + self._part("session-list--filter")
+            if not item.text:  # what it takes, until something is typed
+                hint = base + self._part("session-list--info")
+                return self._strip([(" / ▏", style), ("title or #tag · Esc", hint)], width, base)
             return self._strip([(f" / {item.text}▏", style)], width, base)
         assert item.row is not None
         if entry == self._cursor:
