@@ -122,7 +122,12 @@ async def test_pick_another_model_in_the_app_and_sessions_remember_theirs(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    app = KvchatApp(settings(model=str(tiny), max_tokens=16, n_ctx=2048), cursor_blink=False)
+    # The session's model is named, not loaded, when it is opened (the setting off; the
+    # setting on: test_session_opens_with_its_model.py).
+    app = KvchatApp(
+        settings(model=str(tiny), max_tokens=16, n_ctx=2048, open_with_session_model=False),
+        cursor_blink=False,
+    )
     async with app.run_test(size=(100, 30)) as pilot:
         main = app.main
         await wait_until(lambda: main.ready)
