@@ -135,7 +135,9 @@ class SessionActions:
         without a count (imported), and the list shows the session's size from then on
         (stored: ``kvchat list`` says the same)."""
         backend = self.ctx.backend
-        counted = await backend.on_engine(backend.chat.sessions.count_tokens, session_id)
+        # Not on_engine: that is a user's action, and makes the housekeeping after a reply
+        # (the settle, the snapshot write) yield to it.
+        counted = await backend.engine_thread.run(backend.chat.sessions.count_tokens, session_id)
         if counted:
             await self.ctx.refresh()
 
