@@ -13,6 +13,7 @@ from pathlib import Path
 
 import llama_cpp._internals as internals
 import pytest
+from textual.widgets import SelectionList
 
 from kvchat.config import McpServerConfig, load_settings
 from kvchat.engine import common_prefix
@@ -20,7 +21,7 @@ from kvchat.service.chat import ChatService
 from kvchat.service.tools import DENIED, CallRequest, Decision
 from kvchat.tools.box import ToolBox
 from kvchat.tools.calls import CallFormat
-from kvchat.tui.screens.tool_call import ToolCallDialog
+from kvchat.tui.screens.tool_call import ToolCallDialog, ToolsDialog
 from tests.conftest import REPO
 from tests.e2e.tui.test_tui import (  # noqa: F401
     SIZE,
@@ -248,6 +249,17 @@ async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
         assert "demo · running · approve ask" in listed()
         assert "Replies are read for calls as hermes" in listed()
         assert not service.tools.enabled(session, "demo.add")
+
+        main.prompt.insert("/tools")  # the dialog: Space turns demo.add back on, Ctrl+S keeps it
+        await pilot.press("enter")
+        await wait_until(lambda: isinstance(app.screen, ToolsDialog))
+        choices = app.screen.query_one("#tool-list", SelectionList)
+        names = [choices.get_option_at_index(i).value for i in range(choices.option_count)]
+        assert "demo.add" in names and "demo.add" not in choices.selected
+        choices.highlighted = names.index("demo.add")
+        await pilot.press("space")
+        await pilot.press("ctrl+s")
+        await wait_until(lambda: service.tools.enabled(session, "demo.add"))
         await quit_app(app)
     assert app.return_code == 0
 

@@ -7,7 +7,7 @@ from textual.app import App
 from textual.widgets import Static
 
 from kvchat.service.tools import CallRequest
-from kvchat.tui.screens.tool_call import SHOWN_ARGUMENT_CHARS, ToolCallDialog
+from kvchat.tui.screens.tool_call import SHOWN_ARGUMENT_CHARS, ToolCallDialog, ToolsDialog
 from kvchat.tui.widgets.message_view import TOOL_FOLD_LINES, MessageView
 
 
@@ -58,3 +58,23 @@ async def test_escape_denies() -> None:
         await pilot.press("escape")
         await pilot.pause()
     assert answers == ["deny"]
+
+
+async def test_the_tools_dialog_saves_the_tools_left_on_and_esc_changes_nothing() -> None:
+    answers: list[object] = []
+    tools = [("demo.add", True), ("demo.[b]bold[/b]", False)]
+
+    class Host(App[None]):
+        def on_mount(self) -> None:
+            self.push_screen(ToolsDialog(["demo · running · approve ask"], tools), answers.append)
+
+    app = Host()
+    async with app.run_test() as pilot:
+        await pilot.press("space")  # the first tool, highlighted: off
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        app.push_screen(ToolsDialog([], tools), answers.append)
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+    assert answers == [set(), None]

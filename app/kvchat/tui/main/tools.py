@@ -13,7 +13,7 @@ from kvchat.errors import KvchatError
 from kvchat.text import one_line
 from kvchat.tui.main.context import Job
 from kvchat.tui.main.screen_state import ready_or_say
-from kvchat.tui.screens.tool_call import ToolCallDialog
+from kvchat.tui.screens.tool_call import ToolCallDialog, ToolsDialog
 
 if TYPE_CHECKING:
     from kvchat.service.tools import Approver, CallRequest, Decision, ToolStep, ToolTurns
@@ -38,7 +38,7 @@ class ToolCalls:
         )
         ctx.slash.register(
             "tools",
-            "List the tools, or turn one on or off for this session",
+            "The tools, and which are on for this session (on|off NAME: switch one)",
             "/tools [on|off NAME]",
             self._tools_typed,
         )
@@ -98,7 +98,50 @@ class ToolCalls:
     # --- /tools -----------------------------------------------------------------------------
 
     def _tools_typed(self, text: str) -> None:
-        self.ctx.run(TOOL_LIST, self._list, text.strip())
+        if text.strip():
+            self.ctx.run(TOOL_LIST, self._list, text.strip())
+        else:
+            self.ctx.run(TOOL_LIST, self._dialog)
+
+    async def _dialog(self) -> None:
+        """``/tools``: the dialog of servers and tools; the tools checked are on."""
+        session_id = self.ctx.state.session_id
+        try:
+            servers, tools, note = await self.ctx.backend.on_engine(self._engine_state, session_id)
+        except KvchatError as exc:
+            self.ctx.app.notify(one_line(str(exc)), severity="error", timeout=8)
+            return
+        on = await self.ctx.app.push_screen_wait(ToolsDialog(servers, tools, note))
+        if on is None or session_id is None:
+            return
+        changes = [(name, name in on) for name, was in tools if (name in on) != was]
+        if changes:
+            await self.ctx.backend.on_engine(self._engine_switch, session_id, changes)
+            self.ctx.app.notify(
+                ", ".join(f"{name} {'on' if now else 'off'}" for name, now in changes),
+                title="Tools",
+                markup=False,
+            )
+
+    def _engine_state(
+        self, session_id: str | None
+    ) -> tuple[list[str], list[tuple[str, bool]], str]:
+        tools = self.ctx.backend.chat.tools
+        tools.attach_configured()
+        servers = [line for line in tool_lines(tools, session_id) if not line.startswith("  ")]
+        listed = [
+            (spec.qualified, session_id is None or tools.enabled(session_id, spec.qualified))
+            for spec in tools.specs()
+        ]
+        try:
+            note = f"Replies are read for calls as {tools.call_format().value}"
+        except KvchatError as exc:
+            note = one_line(str(exc))
+        return servers, listed, note
+
+    def _engine_switch(self, session_id: str, changes: list[tuple[str, bool]]) -> None:
+        for name, on in changes:
+            self.ctx.backend.chat.tools.set_enabled(session_id, name, on)
 
     async def _list(self, text: str) -> None:
         session_id = self.ctx.state.session_id

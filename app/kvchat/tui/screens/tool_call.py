@@ -9,7 +9,9 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Button, Label, Static
+from textual.content import Content
+from textual.widgets import Button, Label, SelectionList, Static
+from textual.widgets.selection_list import Selection
 
 from kvchat.text import one_line, visible
 from kvchat.tui.screens.dialogs import Dialog
@@ -72,3 +74,51 @@ class ToolCallDialog(Dialog):
         if event.button.id in ("always", "deny"):
             answer = "always" if event.button.id == "always" else "deny"
         self.dismiss(answer)
+
+
+class ToolsDialog(Dialog):
+    """The tool servers (one line each) and their tools, checked where on for this session:
+    Space turns one on or off, Ctrl+S or Save keeps the choice, Esc leaves it as it was.
+    Dismisses with the qualified names that are on (None: cancelled)."""
+
+    BINDINGS = [Binding("ctrl+s", "save", "Save", show=False)]
+
+    def __init__(self, servers: list[str], tools: list[tuple[str, bool]], note: str = "") -> None:
+        super().__init__(classes="dialog-screen")
+        self.servers, self.tools, self.note = servers, tools, note
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="tools"):
+            yield Label("Tools for this session", classes="dialog-title")
+            for line in self.servers:
+                yield Label(one_line(line), classes="dialog-detail", markup=False)
+            if self.tools:
+                yield SelectionList[str](
+                    *(Selection(Content(one_line(name)), name, on) for name, on in self.tools),
+                    id="tool-list",
+                )
+            if self.note:
+                yield Label(one_line(self.note), classes="dialog-hint", markup=False)
+            yield Label(
+                "Space turns a tool on or off · Ctrl+S saves · Esc cancels", classes="dialog-hint"
+            )
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        if self.tools:
+            self.query_one("#tool-list", SelectionList).focus()
+
+    def action_save(self) -> None:
+        chosen = self.query("#tool-list")
+        on = set(chosen.first(SelectionList).selected) if chosen else set()
+        self.dismiss(on)
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
