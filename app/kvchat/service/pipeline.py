@@ -77,6 +77,7 @@ from kvchat.service.upkeep import Upkeep
 from kvchat.store import Message, Session, Store
 from kvchat.store.locks import SessionBusy, SessionLocks
 from kvchat.store.store import StoreFull
+from kvchat.store.tools_sql import ToolRecord
 from kvchat.text import check_text, one_line, short_title
 
 # How long post() waits for the session's turn lock by default (as a turn does).
@@ -573,7 +574,13 @@ class TurnPipeline:
         session = self.store.get_session(session_id)
         self.book.remember(session_id)
         history = [m for m in self.store.messages(session_id) if m.id != replaces]
-        chat = self.head(session) + self.documents.chat(session_id, history)
+        said = self.documents.chat(session_id, history)
+        records = self.store.tool_records([m.id for m in history if m.role == "tool"])
+        said = [
+            remote_tool_result(entry, records.get(m.id)) if m.role == "tool" else entry
+            for entry, m in zip(said, history, strict=True)
+        ]
+        chat = self.head(session) + said
         restore = self.host.tiers.make_hot(session_id)
         saver = self._saver(session_id, self.host.reasoning_style) if replaces is None else None
         reasoning: list[str] = []
@@ -837,6 +844,14 @@ class TurnPipeline:
                 f"re-read the kept window ({len(prompt):,} tokens)"
             )
         return WindowShift(tokens=n_discard, messages=plan.messages)
+
+
+def remote_tool_result(entry: dict[str, str], record: ToolRecord | None) -> dict[str, str]:
+    """A tool message as an OpenAI-compatible server is sent it: only roles and contents
+    go, and a ``tool`` role needs its call's id and the reply's ``tool_calls``, so it goes
+    as the user's turn, labelled with the tool."""
+    name = record.name if record is not None else "a tool"
+    return {"role": "user", "content": f"Tool result ({name}):\n{entry['content']}"}
 
 
 def remote_note(broke_off: str | None, doubts: list[str]) -> str | None:
