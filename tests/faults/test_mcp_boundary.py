@@ -345,6 +345,7 @@ def run_case(server: LocalServer, key: str, case: Case) -> str:
                     except ToolError as exc:
                         assert is_one_clean_line(str(exc)), str(exc)
                         outcome = "refused"
+        assert box.unhandled == [], box.unhandled  # no error left for nobody
     finally:
         del CASES[key]
     took = time.monotonic() - began

@@ -83,6 +83,9 @@ class ToolBox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # What the loop's default handler would have written to stderr (an error no task
+        # took up), one line each: kept for a test to assert there are none, never shown.
+        self.unhandled: list[str] = []
 
     @classmethod
     def from_settings(cls, settings: Settings, **options: Any) -> ToolBox:
@@ -90,6 +93,11 @@ class ToolBox:
         return cls(settings.mcp.servers, problems=settings.mcp.problems, **options)
 
     # -- the loop -------------------------------------------------------------------------
+
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        line = f"{context.get('message', '')}: {error!r}" if error else context.get("message", "")
+        self.unhandled.append(quoted(str(line)))
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Run ``coro`` on the private loop (started on first use) and wait for it."""
@@ -99,6 +107,7 @@ class ToolBox:
                 raise ToolError("the tool box is closed")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
+                loop.set_exception_handler(self._unhandled)
                 thread = threading.Thread(target=loop.run_forever, name="kvchat-tools", daemon=True)
                 thread.start()
                 self._loop, self._thread = loop, thread

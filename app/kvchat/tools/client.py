@@ -166,6 +166,7 @@ class Connection:
     async def start(self, timeout_s: float) -> list[Any]:
         """Start the server and list its tools (every page), within ``timeout_s``."""
         ready: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        ready.add_done_callback(_taken)  # an outcome that comes after a timeout is dropped
         self._task = asyncio.create_task(self._serve(ready), name=f"mcp {self.name}")
         try:
             return await asyncio.wait_for(asyncio.shield(ready), timeout_s)
@@ -237,6 +238,8 @@ class Connection:
         since = self._stderr.written if self._stderr is not None else 0
         call = asyncio.ensure_future(self.session.call_tool(tool, arguments))
         ended = asyncio.ensure_future(asyncio.shield(self._task))
+        ended.add_done_callback(_taken)
+        call.add_done_callback(_taken)  # a call given up on (its time cap) may end later
         try:
             done, _ = await asyncio.wait(
                 {call, ended}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
@@ -276,6 +279,12 @@ class Connection:
                 await asyncio.wait_for(task, 5.0)
             except BaseException:  # noqa: BLE001 - a server that will not stop is let go
                 pass
+
+
+def _taken(future: asyncio.Future[Any]) -> None:
+    """Take up a future's outcome, so one nobody waits for any more is not reported."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _connection_closed(exc: BaseException) -> bool:
