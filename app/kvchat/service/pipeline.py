@@ -536,6 +536,7 @@ class TurnPipeline:
             window_note=read.shift.note,
             reasoning=reasoning,
         )
+        report.written = written
         report.documents = self.documents.attached(session_id, engine.count_tokens)
         report.view = WindowView(
             n_ctx=engine.n_ctx,

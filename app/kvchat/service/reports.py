@@ -152,6 +152,9 @@ class TurnReport:
     documents: list[AttachedDocument] = field(default_factory=list)
     # What the model sees of the conversation after this turn (gauge, divider, warning).
     view: WindowView | None = None
+    # The reply as the model wrote it (markup a reasoning split takes out included: a
+    # harmony call's header), for reading its tool calls; "" where not kept.
+    written: str = ""
 
     @classmethod
     def of_run(

@@ -299,7 +299,10 @@ class ToolTurns:
         if report.message_id is None or not report.reply or self.runner is None:
             return []
         try:
-            parsed = parse_reply(report.reply, self.call_format())
+            fmt = self.call_format()
+            # A harmony call's header is markup the reasoning split takes out of the reply.
+            text = report.written if fmt is CallFormat.HARMONY and report.written else report.reply
+            parsed = parse_reply(text, fmt)
         except ToolCallError as exc:
             turn.note = one_line(str(exc))
             return []
