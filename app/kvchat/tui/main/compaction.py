@@ -52,7 +52,7 @@ class Compacting:
         if view is None or self.ctx.state.session_id != session_id:
             return
         await self.ctx.conversation.set_window(view.first_message_id, view.divider())
-        self.ctx.status.set_window(view.used, view.reserve, view.next_drops)
+        self.ctx.status.set_window(view.reserve, view.next_drops)
         warning = view.warning()
         if warning is None:
             self.offered.discard(session_id)

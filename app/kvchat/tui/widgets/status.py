@@ -79,11 +79,11 @@ class StatusBar(Vertical):
         self.used = used
         self._show_ctx()
 
-    def set_window(self, used: int, reserve: int, warn: bool) -> None:
-        """The gauge from a turn's (or an opened session's) window: the tokens the
-        conversation takes, those kept for the reply, and whether the next turn would leave
-        messages out (the gauge then shows full)."""
-        self.used, self.reserve, self.warn = used, reserve, warn
+    def set_window(self, reserve: int, warn: bool) -> None:
+        """The gauge's part from the window (a turn's, or an opened session's): the tokens
+        kept for the reply, and whether the next turn would leave messages out (the gauge
+        then shows full). What the context holds stays :meth:`set_context`'s."""
+        self.reserve, self.warn = reserve, warn
         self._show_ctx()
 
     def _show_ctx(self) -> None:
