@@ -184,14 +184,19 @@ class ToolBox:
             server.connection = None
 
     def start(self) -> list[ServerState]:
-        """Start every enabled server that is not running (each within its timeout_s);
-        a failure is the server's state and error line, not an exception."""
-        for server in list(self._servers.values()):
-            if server.enabled and server.config is not None:
-                try:
-                    self._ensure(server)
-                except ToolError:
-                    pass
+        """Start every enabled server that is not running, side by side (each within its
+        timeout_s); a failure is the server's state and error line, not an exception."""
+        waiting = [s for s in self._servers.values() if s.enabled and s.config is not None]
+        if waiting:
+            # Side by side: one slow server costs its own time cap, not everyone's.
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(8, len(waiting)), thread_name_prefix="kvchat-mcp-start"
+            ) as pool:
+                for done in [pool.submit(self._ensure, server) for server in waiting]:
+                    try:
+                        done.result()
+                    except ToolError:
+                        pass  # the server's state says why
         return self.servers()
 
     def _ensure(self, server: _Server) -> Connection:

@@ -171,7 +171,7 @@ class Connection:
         try:
             return await asyncio.wait_for(asyncio.shield(ready), timeout_s)
         except TimeoutError:
-            await self.stop(timeout_s=5.0)
+            await self.stop(timeout_s=0.0)  # it is mid-handshake: no goodbye to wait for
             raise ToolTimeoutError(
                 f"server {self.name} did not start and list its tools within {timeout_s:g} s"
             ) from None
@@ -272,6 +272,8 @@ class Connection:
         if task is None or task.done():
             return
         try:
+            if timeout_s <= 0:
+                raise TimeoutError
             await asyncio.wait_for(asyncio.shield(task), timeout_s)
         except (TimeoutError, Exception):
             task.cancel()

@@ -333,3 +333,21 @@ def test_bad_json_from_an_http_server_is_one_line_never_a_hang():
             assert time.monotonic() - began < 12.0
     finally:
         server.close()
+
+
+def test_servers_that_never_speak_time_out_side_by_side_and_are_ended(tmp_path: Path):
+    def silent(name: str) -> McpServerConfig:
+        pid_file = tmp_path / f"{name}.pid"
+        script = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(120)"
+        return McpServerConfig(command=sys.executable, args=["-c", script], timeout_s=3)
+
+    with ToolBox({"slow": silent("slow"), "slower": silent("slower")}) as toolbox:
+        began = time.monotonic()
+        states = {state.name: state for state in toolbox.start()}
+        took = time.monotonic() - began
+        assert states["slow"].error == "server slow did not start and list its tools within 3 s"
+        assert states["slower"].status == "failed"
+        # Both at once: one cap and the SDK's 2 s wait before it ends a process, not two.
+        assert 3.0 <= took < 8.0, took
+        pids = [int((tmp_path / f"{name}.pid").read_text()) for name in ("slow", "slower")]
+        assert all(gone(pid) for pid in pids)  # ended when their start was given up
