@@ -18,7 +18,8 @@ from tests.e2e.attachments.test_read_once import chatml_tokens, manual
 
 FLAGS = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "4096", "--json"]
 QUESTION = "What colour is the valve in room 12?"
-LINES = 40  # about 1,100 tokens: a read of several seconds here
+LINES = 40  # about 1,100 tokens: a read of several seconds here (Ctrl+C lands inside it)
+SMALL = 14  # about 400 tokens: the library's bookkeeping, read four times
 
 
 def docs_list(cli, home: Path) -> list[dict]:
@@ -54,7 +55,7 @@ def test_a_library_document_starts_a_conversation_with_no_prefill_and_is_kept_un
     kvhome: Path, copy_home, cli, tmp_path: Path
 ) -> None:
     path = tmp_path / "valves.txt"
-    path.write_text(manual(LINES) + "\n")
+    path.write_text(manual(SMALL) + "\n")
     added = cli(kvhome, "docs", "add", str(path), "--n-ctx", "4096")
     assert "valves.txt:" in added.stdout and "kept in the library" in added.stdout
     (entry,) = docs_list(cli, kvhome)
@@ -64,10 +65,10 @@ def test_a_library_document_starts_a_conversation_with_no_prefill_and_is_kept_un
     assert reading["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and reading["kv_type"] == "f16"
     assert reading["on_disk"] and entry["kv_bytes"] == reading["kv_bytes"] > 0
 
-    block = f'<document name="valves.txt" kind="text">\n{manual(LINES)}\n</document>'
+    block = f'<document name="valves.txt" kind="text">\n{manual(SMALL)}\n</document>'
     wanted = chatml_tokens(block, QUESTION)
     shared = common_prefix(chatml_tokens(block, "a"), wanted)
-    assert entry["tokens"] == shared > 1_000
+    assert entry["tokens"] == shared > 350
 
     baseline_home = copy_home(kvhome, "baseline")
     report = cli(kvhome, "ask", "--new", "--doc", "valves.txt", QUESTION, *FLAGS).json
@@ -98,7 +99,7 @@ def test_a_library_document_starts_a_conversation_with_no_prefill_and_is_kept_un
 
     # The file changes: the library keeps the text it read, and says so; a new add reads
     # the new version in place of the old one.
-    path.write_text(manual(LINES) + "\nItem 41: a new valve.\n")
+    path.write_text(manual(SMALL) + "\nItem 41: a new valve.\n")
     listed = cli(kvhome, "docs", "list").stdout
     assert "changed on disk" in listed and "reads the new version" in listed
     newer = cli(kvhome, "docs", "add", str(path), "--n-ctx", "4096").stdout
