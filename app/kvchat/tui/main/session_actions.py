@@ -8,6 +8,7 @@ for with an ``OpenRequested`` message.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +25,11 @@ from kvchat.tui.phrases import shorten, slug
 if TYPE_CHECKING:
     from kvchat.service.chat import SearchHit
     from kvchat.tui.screens.dialogs import ExportRequest, SessionSettings
+
+
+# Imported messages are counted this many at a time, after this pause (see count_tokens).
+COUNT_BATCH = 256
+COUNT_PAUSE_S = 0.5
 
 
 class SessionActions:
@@ -133,11 +139,23 @@ class SessionActions:
     async def count_tokens(self, session_id: str) -> None:
         """Once a session is hot: the model counts the tokens of its messages that came
         without a count (imported), and the list shows the session's size from then on
-        (stored: ``kvchat list`` says the same)."""
-        backend = self.ctx.backend
-        # Not on_engine: that is a user's action, and makes the housekeeping after a reply
-        # (the settle, the snapshot write) yield to it.
-        counted = await backend.engine_thread.run(backend.chat.sessions.count_tokens, session_id)
+        (stored: ``kvchat list`` says the same). A batch at a time while the session stays
+        open and nothing else waits for the engine, so a switch or a turn never queues
+        behind more than one batch."""
+        backend, state = self.ctx.backend, self.ctx.state
+        counted = 0
+        while True:
+            await asyncio.sleep(COUNT_PAUSE_S)
+            if state.session_id != session_id or state.turn is not None or backend.engine_jobs:
+                break
+            # Not on_engine: that is a user's action, and makes the housekeeping after a
+            # reply (the settle, the snapshot write) yield to it.
+            batch = await backend.engine_thread.run(
+                backend.chat.sessions.count_tokens, session_id, COUNT_BATCH
+            )
+            counted += batch
+            if batch < COUNT_BATCH:
+                break
         if counted:
             await self.ctx.refresh()
 
