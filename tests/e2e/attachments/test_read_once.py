@@ -48,10 +48,14 @@ def chatml_tokens(document_block: str, question: str) -> list[int]:
     return vocab.tokenize(text.encode(), add_bos=False, special=True)
 
 
+# About 1,450 tokens: sharing is exact at any size (kvchat bench --docs measures 2,000-8,000).
+LINES = 50
+
+
 @pytest.fixture(scope="module")
 def document(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("docs") / "valves.txt"
-    path.write_text(manual() + "\n")
+    path.write_text(manual(LINES) + "\n")
     return path
 
 
@@ -71,9 +75,9 @@ def test_a_second_conversation_restores_the_document_and_decodes_only_its_questi
 ) -> None:
     source, first = first_read
     assert first["restore"]["from"] == "none"
-    assert first["tokens"]["decoded"] == first["tokens"]["prompt"] > 2_500
+    assert first["tokens"]["decoded"] == first["tokens"]["prompt"] > 1_200
     (read,) = first["documents"]
-    assert read["name"] == "valves.txt" and read["tokens"] > 2_500
+    assert read["name"] == "valves.txt" and read["tokens"] > 1_200
 
     home = copy_home(source, "second")
     baseline_home = copy_home(source, "baseline")
@@ -82,7 +86,7 @@ def test_a_second_conversation_restores_the_document_and_decodes_only_its_questi
         baseline_home, "ask", "--new", "-a", str(document), SECOND, "--no-restore", *FLAGS
     ).json
 
-    block = f'<document name="valves.txt" kind="text">\n{manual()}\n</document>'
+    block = f'<document name="valves.txt" kind="text">\n{manual(LINES)}\n</document>'
     wanted = chatml_tokens(block, SECOND)
     shared = common_prefix(chatml_tokens(block, FIRST), wanted)
     assert second["tokens"]["prompt"] == len(wanted)

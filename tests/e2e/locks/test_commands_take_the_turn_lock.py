@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import FAST, REPO, clean_env, run_cli
 
-LONG = ["--temperature", "0", "--max-tokens", "1500", "--n-ctx", "2048"]
+LONG = ["--temperature", "0", "--max-tokens", "600", "--n-ctx", "2048"]
 
 
 def _partial_rows(home: Path, session: str) -> int:
@@ -42,8 +42,9 @@ def _start(home: Path, *args: str, env: dict[str, str] | None = None) -> subproc
 
 def _streaming(home: Path, session: str) -> subprocess.Popen[str]:
     """A turn streaming a long reply on ``session``, once its partial reply is stored."""
-    # Greedy, this reply runs to the 1,500-token limit (10-20 s here, far longer than the
-    # commands' few seconds of waiting for the lock): it is caught streaming every time.
+    # Greedy, this reply runs to the 600-token limit (8 s on one quiet thread here, twice the
+    # commands' start and their 3 s of waiting for the lock; a busy machine slows both): it is
+    # caught streaming every time.
     story = "Write a long essay about the history of Rome."
     turn = _start(home, "ask", "--session", session, "--json", *LONG, story)
     deadline = time.monotonic() + 120
