@@ -78,7 +78,7 @@ def assert_fallback_matches_baseline(cli, home, baseline_home, session, reason, 
     ],
     ids=["truncated", "flipped-byte", "missing", "foreign"],
 )
-@pytest.mark.parametrize("fmt", ["chunks", "blob"])
+@pytest.mark.parametrize("fmt", ["chunks", pytest.param("blob", marks=pytest.mark.stress)])
 def test_damaged_snapshot_falls_back_with_its_reason(
     turn_homes, copy_home, cli, damage, reason, fmt
 ):
@@ -145,7 +145,7 @@ def test_different_kv_type_falls_back(one_turn_home, copy_home, cli):
     assert again["restore"]["from"] == "disk"
 
 
-@pytest.mark.parametrize("fmt", ["chunks", "blob"])
+@pytest.mark.parametrize("fmt", ["chunks", pytest.param("blob", marks=pytest.mark.stress)])
 def test_snapshot_row_and_file_disagreeing_falls_back(turn_homes, copy_home, cli, fmt):
     source, first = turn_homes(fmt)
     home = copy_home(source, "edited-row")

@@ -28,7 +28,7 @@ def ask(cli, home: Path, session: str | None, text: str, **kwargs: Any) -> dict[
     return cli(home, "ask", *where, text, "--json", *FAST, **kwargs).json
 
 
-@pytest.mark.parametrize("fmt_name", ["chunks", "blob"])
+@pytest.mark.parametrize("fmt_name", ["chunks", pytest.param("blob", marks=pytest.mark.stress)])
 @pytest.mark.parametrize("where", ["relative", "absolute"])
 def test_e2e_a_path_column_outside_deletes_nothing_and_falls_back(
     turn_homes, copy_home, cli, tmp_path, fmt_name, where

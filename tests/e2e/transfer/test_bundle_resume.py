@@ -33,7 +33,7 @@ def import_json(cli, home: Path, path: Path, *flags: str) -> dict[str, Any]:
     return item
 
 
-@pytest.mark.parametrize("fmt", ["chunks", "blob"])
+@pytest.mark.parametrize("fmt", ["chunks", pytest.param("blob", marks=pytest.mark.stress)])
 def test_a_bundle_resumes_in_an_empty_home_like_a_full_prefill(
     turn_homes, copy_home, cli, tmp_path, fmt
 ):
