@@ -344,7 +344,9 @@ class Compactor:
                 target = self._compacted_prompt(plan, text, engine)
                 tiers = self.turns.host.tiers
                 self.turns.upkeep.abandon()
-                tiers.spill()
+                # An empty context for no session (what it held is saved): the compacted
+                # prompt is this engine's own reading, whatever the context held before.
+                tiers.make_hot(plan.session_id, no_restore=True)
                 read = engine.prefill(target, cancel)
                 if read.reused + read.decoded < len(target):
                     engine.clear()
