@@ -5,12 +5,14 @@ writes the summary leaves the conversation as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,24 @@ def test_a_given_summary_is_kept_with_yes(filled: tuple[Path, str]) -> None:
     assert ask["restore"]["from"] == "disk"
     assert ask["window"]["summarized"] == done["plan"]["covered"]
     assert ask["tokens"]["decoded"] <= 20  # its message and the template's few tokens
+
+
+def test_a_bundle_of_a_compacted_session_carries_the_summary(
+    filled: tuple[Path, str], tmp_path: Path
+) -> None:
+    home, session_id = filled
+    kvchat(home, "compact", session_id, "--summary", "They talked about rivers.", "--yes", *FLAGS)
+    bundle = tmp_path / "long.zip"
+    kvchat(home, "export", session_id, "--format", "bundle", "-o", str(bundle))
+    with zipfile.ZipFile(bundle) as archive:
+        exported = json.loads(archive.read("messages.json"))
+    (summary,) = exported["summaries"]
+    assert summary["text"] == "They talked about rivers."
+    assert exported["messages"][summary["after"]]["content"].startswith("Fact ")
+    assert len(exported["messages"]) == 32  # every message, the summarized ones too
+    other = tmp_path / "other"
+    imported = kvchat(other, "import", str(bundle), "--json").json
+    assert imported  # a bundle with a summary imports (its messages; see the README)
 
 
 @pytest.mark.parametrize(
