@@ -46,6 +46,7 @@ T = TypeVar("T")
 # Past the coroutine's own cap, how long the caller's thread waits for the loop to answer.
 _LOOP_GRACE_S = 10.0
 _CLOSE_TIMEOUT_S = 10.0
+_PING_WAIT_S = 5.0
 
 
 @dataclass
@@ -279,6 +280,12 @@ class ToolBox:
         args = check_arguments(qualified, arguments)
         server = self._get(spec.server)
         connection = self._ensure(server)
+        if not self._run(connection.still_there(), _PING_WAIT_S):
+            with self._lock:
+                if server.connection is connection:
+                    server.connection, server.status = None, "failed"
+            self._run(connection.stop(0.0), _CLOSE_TIMEOUT_S)
+            connection = self._ensure(server)  # started again (or a one-line failure)
         assert server.config is not None
         cap_s = server.config.timeout_s if timeout_s is None else timeout_s
         if not 0 < cap_s <= 24 * 3600:

@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -27,6 +28,9 @@ STDERR_TAIL_BYTES = 4096
 # One streamed HTTP event (a result) read at most: the SDK's own default is 1 MiB, under the
 # results kvchat keeps (a 10 MB page); past this the call fails with one line.
 MAX_HTTP_EVENT_BYTES = 64 * 1024 * 1024
+# A server idle this long is pinged before a call (see Connection.still_there).
+IDLE_CHECK_S = 1.0
+PING_TIMEOUT_S = 2.0
 # Pages of tools/list read at most (a server whose cursor never ends).
 MAX_LIST_PAGES = 64
 
@@ -153,7 +157,7 @@ class Connection:
         self.config = config
         self.session: Any = None
         self.lost: str | None = None  # why a running connection ended
-        self.pid: int | None = None
+        self.last_used = 0.0  # time.monotonic() of its last answer
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stderr = StderrTail() if config.command is not None else None
@@ -205,6 +209,7 @@ class Connection:
                     if not cursor:
                         break
                 self.session = session
+                self.last_used = time.monotonic()
                 if not ready.done():
                     ready.set_result(tools)
                 await self._stop.wait()
@@ -228,6 +233,25 @@ class Connection:
     def alive(self) -> bool:
         return self.session is not None and self._task is not None and not self._task.done()
 
+    async def still_there(self) -> bool:
+        """Whether the server still answers, asked (a ping) only when it has been idle for
+        :data:`IDLE_CHECK_S`: a server that exited between calls is started again before
+        the next call rather than failing it. Only a closed connection counts as gone (a
+        busy server, or one without ping, is there)."""
+        if not self.alive:
+            return False
+        if time.monotonic() - self.last_used < IDLE_CHECK_S:
+            return True
+        try:
+            await asyncio.wait_for(self.session.send_ping(), PING_TIMEOUT_S)
+        except Exception as exc:
+            if _connection_closed(exc):
+                self.lost = "it had exited since its last call"
+                self.session = None
+                return False
+        self.last_used = time.monotonic()
+        return self.alive
+
     async def call(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> Any:
         """Call ``tool``; the result in wire shape. A timeout, a lost connection or a
         protocol error is a one-line ToolError."""
@@ -236,6 +260,7 @@ class Connection:
             raise ServerGoneError(f"server {self.name} is not running ({self.lost or 'stopped'})")
         assert self._task is not None
         since = self._stderr.written if self._stderr is not None else 0
+        self.last_used = time.monotonic()
         call = asyncio.ensure_future(self.session.call_tool(tool, arguments))
         ended = asyncio.ensure_future(asyncio.shield(self._task))
         ended.add_done_callback(_taken)

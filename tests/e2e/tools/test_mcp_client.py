@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from kvchat.tools import (
     ToolTimeoutError,
     UnknownToolError,
 )
+from kvchat.tools.client import IDLE_CHECK_S
 from kvchat.tools.parse import RESULT_CAP_CHARS
 from tests.conftest import REPO
 from tests.faults.hostile_http import LocalServer, RawHandler, is_one_clean_line
@@ -128,6 +130,16 @@ def test_a_server_that_dies_mid_call_is_one_line_and_restarted_at_the_next_call(
     (state,) = box.servers()
     assert state.status == "failed" and state.error == str(died.value)
     assert gone(first)
+    second = int(box.call("notes.whoami", {}).text)
+    assert second != first and box.servers()[0].status == "running"
+
+
+def test_a_server_that_exited_between_calls_is_started_again_for_the_next(box: ToolBox):
+    first = int(box.call("notes.whoami", {}).text)
+    os.kill(first, signal.SIGKILL)
+
+    time.sleep(IDLE_CHECK_S + 0.2)  # idle long enough to be asked first
+    assert box.call("notes.add", {"a": 2, "b": 2}).text == "4"  # the call itself runs
     second = int(box.call("notes.whoami", {}).text)
     assert second != first and box.servers()[0].status == "running"
 
