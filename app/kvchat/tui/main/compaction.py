@@ -113,7 +113,10 @@ class Compacting:
 
         try:
             draft = await backend.on_engine(
-                compaction.draft, plan, cancel=stop.is_set, on_token=on_token
+                compaction.draft,
+                plan,
+                cancel=lambda: stop.is_set() or backend.closing,
+                on_token=on_token,
             )
         except KvchatError as exc:
             stop.set()
@@ -139,7 +142,9 @@ class Compacting:
             return
         status.set_turn("reading the compacted conversation once…", "busy")
         try:
-            done = await backend.on_engine(compaction.accept, plan, text)
+            done = await backend.on_engine(
+                compaction.accept, plan, text, cancel=lambda: backend.closing
+            )
         except KvchatError as exc:
             status.set_turn(f"not compacted: {one_line(str(exc))}", "error")
             return
