@@ -226,6 +226,10 @@ def ask(
     if chat.host.plan_note:
         click.echo(f"plan: {chat.host.plan_note}", err=True)
     click.echo(f"[{report.session_id}] {shown(report.summary(), sys.stderr)}", err=True)
+    warning = report.view.warning() if report.view is not None else None
+    if warning is not None:  # the app's /compact is `kvchat compact SESSION` here
+        warning = warning.replace("/compact", f"kvchat compact {report.session_id}")
+        click.echo(f"kvchat: {warning}", err=True)
     if documents is not None:
         names = ", ".join(row.name for row in documents.rows)
         how = "read once for this conversation" if session_ref else _read_once(report)
@@ -823,6 +827,7 @@ def config_cmd(ctx: click.Context, as_json: bool, **flags: Any) -> None:
     for secret in ("server_api_key", "openai_api_key"):
         if rows[secret]["value"]:
             rows[secret]["value"] = "(set)"  # a secret is never printed
+    rows["mcp"]["value"] = effective.mcp.summary()  # names only: env and headers hold secrets
     if as_json:
         click.echo(
             json.dumps(

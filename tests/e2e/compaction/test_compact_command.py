@@ -73,6 +73,16 @@ def test_dry_run_says_the_cost_and_changes_nothing(filled: tuple[Path, str]) -> 
     assert line.startswith(f"a summary replaces {plan['replaced_tokens']:,} tokens")
 
 
+def test_ask_warns_before_the_next_turn_leaves_messages_out(filled: tuple[Path, str]) -> None:
+    home, session_id = filled
+    result = kvchat(home, "ask", "--session", session_id, "And lakes?", *FLAGS)
+    assert "old messages left the window" in result.stderr
+    assert (
+        "kvchat: the context is nearly full: the next turn leaves the oldest messages out "
+        f"unless you compact them (kvchat compact {session_id} writes a summary"
+    ) in result.stderr
+
+
 def test_a_given_summary_is_kept_with_yes(filled: tuple[Path, str]) -> None:
     home, session_id = filled
     sessions, messages, _ = counts(home)
