@@ -102,6 +102,17 @@ class McpSettings(BaseModel):
     servers: dict[str, McpServerConfig] = Field(default_factory=dict)
     problems: dict[str, str] = Field(default_factory=dict)
 
+    def summary(self) -> str:
+        """The servers by name, for ``kvchat config`` (their env and headers may hold
+        secrets: never printed; ``kvchat tools list`` shows each)."""
+        if not self.servers and not self.problems:
+            return "none"
+        names = ", ".join(
+            name + ("" if config.enabled else " (off)") for name, config in self.servers.items()
+        )
+        bad = f"{len(self.problems)} unreadable" if self.problems else ""
+        return "; ".join(part for part in (names, bad) if part) + " (kvchat tools list)"
+
     @model_validator(mode="before")
     @classmethod
     def _each_server(cls, data: Any) -> Any:
