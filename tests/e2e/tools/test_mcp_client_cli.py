@@ -254,3 +254,22 @@ def test_a_server_sending_bad_json_leaves_stderr_quiet(tmp_path: Path):
         assert listed.stderr == "" and "could not start" in listed.stdout
     finally:
         server.close()
+
+
+def test_config_names_the_servers_and_never_prints_their_env_or_headers(tmp_path: Path):
+    home = tmp_path / "home"
+    write_config(
+        home,
+        '[mcp.servers.files]\ncommand = "x"\nenv = { TOKEN = "secret-env-value" }\n'
+        '[mcp.servers.web]\nurl = "http://127.0.0.1:1/mcp"\nenabled = false\n'
+        'headers = { Authorization = "Bearer secret-header-value" }\n',
+    )
+    shown = run_cli(home, "config", "--json")
+    assert shown.json["settings"]["mcp"]["value"] == "files, web (off) (kvchat tools list)"
+    text = run_cli(home, "config").stdout
+    assert "files, web (off) (kvchat tools list)" in text
+    for output in (shown.stdout, text):
+        assert "secret-env-value" not in output and "secret-header-value" not in output
+    assert (
+        run_cli(tmp_path / "empty", "config", "--json").json["settings"]["mcp"]["value"] == "none"
+    )
