@@ -118,7 +118,12 @@ def test_the_plan_says_what_the_summary_replaces_and_what_the_re_read_costs(
     assert plan.replaced_tokens > N_CTX // 2
     line = plan.line()
     assert f"replaces {plan.replaced_tokens:,} tokens of {plan.covered} messages" in line
-    assert f"({plan.kept_tokens:,} tokens and the summary's)" in line
+    assert (
+        f"the {plan.kept} newest messages stay: reading them again ({plan.kept_tokens:,} tokens)"
+        in line
+    )
+    if plan.speed:  # the engine probe measured this machine's prompt speed
+        assert f"takes about {plan.kept_tokens / plan.speed:,.1f} s here" in line
 
 
 def test_the_model_writes_a_summary_shorter_than_what_it_replaces(compacted: Compacted) -> None:
