@@ -89,7 +89,7 @@ async def test_ctrl_g_save_and_cancel_are_on_an_80x24_screen(service: StandInSer
         await _wait(lambda: isinstance(app.screen, SettingsDialog))
         await pilot.pause()
         dialog = app.screen
-        box = dialog.query_one("#settings-dialog").region
+        box = dialog.query_one("#settings-dialog").content_region  # inside border and padding
         screen = Region(0, 0, 80, 24)
         for button in dialog.query(Button):
             assert screen.contains_region(button.region), (button.id, button.region)
@@ -98,7 +98,15 @@ async def test_ctrl_g_save_and_cancel_are_on_an_80x24_screen(service: StandInSer
         assert dialog.query_one("#settings-fields").max_scroll_y > 0
         well = dialog.query_one("#set-temperature", Input).styles.background
         assert well != dialog.query_one("#settings-dialog").styles.background
-        await pilot.click("#cancel")
+        # A refusal's line does not push them off either.
+        dialog.query_one("#set-temperature", Input).value = "9"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert dialog.query_one("#settings-error").has_class("-shown")
+        box = dialog.query_one("#settings-dialog").content_region
+        for button in dialog.query(Button):
+            assert box.contains_region(button.region), (button.id, button.region, box)
+        await pilot.click("#cancel")  # reachable: the click lands on it
         await _wait(lambda: app.screen is app.main)
 
 

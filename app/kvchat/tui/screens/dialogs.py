@@ -351,9 +351,9 @@ class SettingsDialog(Dialog):
                     compact=True,
                 )
 
-    # Rows of the dialog that are not its fields: border, padding, title, error line and
-    # the buttons' row with its margin.
-    FRAME_ROWS = 9
+    # Rows of the dialog that are not its fields: border, padding, title, the error line
+    # (when shown) and the buttons' row, each with its margin.
+    FRAME_ROWS = 10
 
     def on_mount(self) -> None:
         self.query_one("#system-prompt", TextArea).focus()
