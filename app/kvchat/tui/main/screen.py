@@ -25,7 +25,6 @@ from textual import events, on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.screen import Screen
 from textual.widget import Widget
 from textual.worker import Worker, WorkerState
 
@@ -70,6 +69,7 @@ from kvchat.tui.main.slash import SlashCommands
 from kvchat.tui.main.tools import ToolCalls
 from kvchat.tui.main.turns import FLUSH_HZ, TurnRunner
 from kvchat.tui.main.watch import WATCH_S, SessionWatch
+from kvchat.tui.stacked import RepaintsScreensAbove
 from kvchat.tui.widgets.conversation import Conversation, MessageView
 from kvchat.tui.widgets.documents import DocumentsPanel
 from kvchat.tui.widgets.footer import KeysFooter
@@ -92,8 +92,9 @@ NARROW_COLUMNS = 80
 ESC_AFTER_DIALOG_S = 1.0
 
 
-class MainScreen(Screen[None]):
-    """Sessions sidebar, conversation, input and status bar; every key of the key table."""
+class MainScreen(RepaintsScreensAbove):
+    """Sessions sidebar, conversation, input and status bar; every key of the key table.
+    What changes under a stack of dialogs is drawn through them (see kvchat.tui.stacked)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [*bindings()]
 
