@@ -11,6 +11,7 @@ from kvchat.errors import KvchatError
 from kvchat.store.connection import SqlBase, now
 from kvchat.store.documents_sql import insert_imported_documents
 from kvchat.store.sessions_sql import new_session_id
+from kvchat.store.summaries_sql import insert_imported_summaries
 from kvchat.store.tools_sql import insert_imported_tools
 
 
@@ -40,7 +41,8 @@ class ImportsSql(SqlBase):
         Each item: ``title``, ``system_prompt``, ``settings``, ``created``/``updated`` (None:
         now), ``messages`` as (role, content, created or None, token_count, partial), optional
         ``documents`` (:data:`~kvchat.store.documents_sql.ImportedDocumentFields`, placed by
-        message index), and ``key``: a meta key for its content, or None. An item whose key names a session that
+        message index), optional ``summaries`` as (message index, text, replaced tokens),
+        and ``key``: a meta key for its content, or None. An item whose key names a session that
         still exists is not inserted again. ``file_key`` records every session of the file.
         Returns (session id, inserted now) per item. Raises KvchatError if ``file_key``
         already names live sessions (another import of the same file won the race).
@@ -105,7 +107,8 @@ class ImportsSql(SqlBase):
                 )
                 documents = item.get("documents")
                 tools = item.get("tools")
-                if documents or tools:
+                summaries = item.get("summaries")
+                if documents or tools or summaries:
                     ids = [
                         row[0]
                         for row in conn.execute(
@@ -116,6 +119,8 @@ class ImportsSql(SqlBase):
                         insert_imported_documents(conn, session_id, documents, ids, stamp)
                     if tools:
                         insert_imported_tools(conn, tools, ids)
+                    if summaries:
+                        insert_imported_summaries(conn, session_id, summaries, ids, stamp)
                 if key:
                     conn.execute(
                         "INSERT INTO meta (key, value) VALUES (?, ?)"

@@ -8,6 +8,8 @@ with their session (ON DELETE CASCADE).
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,3 +83,22 @@ class SummariesSql(SqlBase):
             row_id = cursor.lastrowid
         rows = self._rows("SELECT * FROM summaries WHERE id=?", (row_id,))
         return _summary(rows[0])
+
+
+def insert_imported_summaries(
+    conn: sqlite3.Connection,
+    session_id: str,
+    summaries: Sequence[tuple[int, str, int]],
+    message_ids: Sequence[int],
+    stamp: str,
+) -> None:
+    """An import's summaries (message index, text, replaced tokens), in its transaction: each
+    stands for the messages up to the one its index names (checked by the reader)."""
+    conn.executemany(
+        "INSERT INTO summaries (session_id, upto_message_id, text, replaced_tokens, created)"
+        " VALUES (?, ?, ?, ?, ?)",
+        [
+            (session_id, message_ids[index], text, tokens, stamp)
+            for index, text, tokens in summaries
+        ],
+    )

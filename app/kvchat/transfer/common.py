@@ -105,6 +105,16 @@ def imported_call(
     return call_id, name, check_text(path, text, f"{where}.arguments") or "{}"
 
 
+class ImportedSummary(NamedTuple):
+    """A compaction summary of an imported session, checked
+    (:mod:`kvchat.transfer.imported_summaries`): ``message`` indexes the session's imported
+    messages (the last one it stands for)."""
+
+    message: int
+    text: str
+    replaced_tokens: int
+
+
 class ImportedDocument(NamedTuple):
     """One document of an imported session, checked
     (:mod:`kvchat.transfer.imported_documents`); ``message`` indexes the session's imported
@@ -154,6 +164,8 @@ class ImportedSession:
     extra: dict[str, Any] = field(default_factory=dict)
     # Its documents (kvchat's own exports and bundles carry them).
     documents: list[ImportedDocument] = field(default_factory=list)
+    # Its compaction summaries, oldest first (kvchat's own exports and bundles carry them).
+    summaries: list[ImportedSummary] = field(default_factory=list)
 
 
 class BadFile(KvchatError):

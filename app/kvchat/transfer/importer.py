@@ -148,6 +148,8 @@ def _session_key(fmt: str, session: ImportedSession) -> str | None:
     ]
     if session.documents:  # a conversation with other documents is another conversation
         content.append([[d.name, d.sha256, d.message, d.text] for d in session.documents])
+    if session.summaries:  # and so is one the model reads through another summary
+        content.append([list(summary) for summary in session.summaries])
     digest = hashlib.sha256(json.dumps(content, ensure_ascii=False).encode("utf-8"))
     return SESSION_KEY.format(digest.hexdigest())
 
@@ -206,6 +208,8 @@ def _store_sessions(
                     for m in s.messages
                 ],
                 "documents": [tuple(d) for d in s.documents],
+                # (message index, text, replaced tokens) of its compaction summaries
+                "summaries": [tuple(summary) for summary in s.summaries],
                 # (message index, tool, calls) of its tool messages and replies that called
                 "tools": [
                     (i, None if m.tool is None else tuple(m.tool), m.calls)

@@ -27,6 +27,7 @@ from kvchat.transfer.common import (
     require,
 )
 from kvchat.transfer.imported_documents import read_documents
+from kvchat.transfer.imported_summaries import read_summaries
 
 FORMAT = "kvchat.session/1"
 NAME = "kvchat JSON"
@@ -125,5 +126,6 @@ def read(path: Path, document: Any) -> list[ImportedSession]:
             created=iso_time(session.get("created")),
             updated=iso_time(session.get("updated")),
             documents=read_documents(path, document.get("documents"), kept),
+            summaries=read_summaries(path, document.get("summaries"), kept),
         )
     ]

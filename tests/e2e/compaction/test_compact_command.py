@@ -107,7 +107,7 @@ def test_a_given_summary_is_kept_with_yes(filled: tuple[Path, str]) -> None:
     assert ask["tokens"]["decoded"] <= 20  # its message and the template's few tokens
 
 
-def test_a_bundle_of_a_compacted_session_carries_the_summary(
+def test_a_bundle_of_a_compacted_session_carries_the_summary_and_resumes(
     filled: tuple[Path, str], tmp_path: Path
 ) -> None:
     home, session_id = filled
@@ -121,8 +121,18 @@ def test_a_bundle_of_a_compacted_session_carries_the_summary(
     assert exported["messages"][summary["after"]]["content"].startswith("Fact ")
     assert len(exported["messages"]) == 32  # every message, the summarized ones too
     other = tmp_path / "other"
-    imported = kvchat(other, "import", str(bundle), "--json").json
-    assert imported  # a bundle with a summary imports (its messages; see the README)
+    (entry,) = kvchat(other, "import", str(bundle), "--json").json["sessions"]
+    assert entry["kv"]["reason"] is None and entry["kv"]["tokens"] > 0
+    imported = entry["session"]
+    # The import places the summary where it applies: the bundle resumes from its KV.
+    ask = kvchat(other, "ask", "--session", imported, "And lakes?", "--json", *FLAGS).json
+    assert ask["restore"]["from"] == "disk"
+    assert ask["tokens"]["reused"] >= entry["kv"]["tokens"] - 4
+    assert ask["tokens"]["decoded"] <= 20  # its message and the template's few tokens
+    assert ask["window"]["summarized"] == summary["after"] + 1
+    again = kvchat(other, "export", imported, "--format", "json").json
+    assert again["summaries"][0]["text"] == summary["text"]
+    assert again["summaries"][0]["after"] == summary["after"]
 
 
 @pytest.mark.parametrize(
