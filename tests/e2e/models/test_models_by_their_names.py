@@ -41,6 +41,10 @@ def test_a_turn_records_the_store_name_not_the_blob(stores: Path, kvhome: Path) 
         remembered = service.models.session_model(first.session_id)
         assert remembered is not None and remembered.name == "ollama:tiny:latest"
         assert remembered.path.name.startswith("sha256-")
+        # The reply's kept figures (F3, after a restart too) name the model the same way.
+        assert first.message_id is not None
+        figures = service.sessions.figures(first.message_id)
+        assert figures is not None and figures.model == "ollama:tiny:latest"
         store: Store = service.store
         row = store.get_session_model(first.session_id)
         assert row is not None and row.model_name == "ollama:tiny:latest"
