@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.bench.export_gen import write_chatgpt_export
-from tests.conftest import REPO, CliResult, clean_env, run_cli
+from tests.conftest import REPO, CliResult, clean_env, run_cli_here
 
 SESSIONS = 1000
 
@@ -23,7 +23,7 @@ def big_home(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]
     export = root / "conversations.json"
     write_chatgpt_export(export, SESSIONS, 2)
     home = root / "home"
-    return home, run_cli(home, "import", str(export))
+    return home, run_cli_here(home, "import", str(export))
 
 
 def test_import_off_a_terminal_counts_on_stderr(big_home):
@@ -38,12 +38,12 @@ def test_import_off_a_terminal_counts_on_stderr(big_home):
 
 def test_list_into_a_pipe_prints_every_session(big_home):
     home, _ = big_home
-    result = run_cli(home, "list")
+    result = run_cli_here(home, "list")
     lines = result.stdout.splitlines()
     assert len(lines) == SESSIONS + 1 and lines[0].startswith("ID ")
     assert "Conversation 0:" in lines[1] and "Conversation 999:" in lines[-1]
     assert result.stderr == ""
-    assert run_cli(home, "list", "--all").stdout == result.stdout
+    assert run_cli_here(home, "list", "--all").stdout == result.stdout
 
 
 def test_list_loads_no_engine(big_home):
@@ -67,19 +67,19 @@ def test_list_loads_no_engine(big_home):
 
 def test_list_limit_says_how_many_more(big_home):
     home, _ = big_home
-    result = run_cli(home, "list", "--limit", "5")
+    result = run_cli_here(home, "list", "--limit", "5")
     lines = result.stdout.splitlines()
     assert len(lines) == 6
     assert [line.split()[2] for line in lines[1:]] == ["0:", "1:", "2:", "3:", "4:"]
     assert result.stderr.strip() == "… 995 more sessions (kvchat list --all, or --limit N)"
-    listed = run_cli(home, "list", "--json", "--limit", "3").json
+    listed = run_cli_here(home, "list", "--json", "--limit", "3").json
     assert [item["title"].split(":")[0] for item in listed] == [
         "Conversation 0",
         "Conversation 1",
         "Conversation 2",
     ]
-    assert len(run_cli(home, "list", "--json").json) == SESSIONS
-    both = run_cli(home, "list", "--limit", "2", "--all", check=False)
+    assert len(run_cli_here(home, "list", "--json").json) == SESSIONS
+    both = run_cli_here(home, "list", "--limit", "2", "--all", check=False)
     assert both.returncode == 2 and "either --limit or --all" in both.stderr
 
 
@@ -116,9 +116,9 @@ def test_list_on_a_terminal_shows_one_screen(big_home):
 def test_export_all_writes_every_session_privately(big_home, tmp_path):
     home, _ = big_home
     out = tmp_path / "exports"
-    result = run_cli(home, "export", "--all", "-o", str(out), "--format", "json")
+    result = run_cli_here(home, "export", "--all", "-o", str(out), "--format", "json")
     files = sorted(out.iterdir())
-    ids = {item["id"] for item in run_cli(home, "list", "--json").json}
+    ids = {item["id"] for item in run_cli_here(home, "list", "--json").json}
     assert {f.name for f in files} == {f"{i}.json" for i in ids} and len(files) == SESSIONS
     assert result.stderr.strip() == f"wrote 1,000 sessions to {out}"
     assert out.stat().st_mode & 0o777 == 0o700
@@ -132,9 +132,9 @@ def test_export_all_refuses_a_link_in_the_folder(big_home, tmp_path):
     out.mkdir()
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
-    first = run_cli(home, "list", "--json", "--limit", "1").json[0]["id"]
+    first = run_cli_here(home, "list", "--json", "--limit", "1").json[0]["id"]
     (out / f"{first}.md").symlink_to(victim)
-    result = run_cli(home, "export", "--all", "-o", str(out), check=False)
+    result = run_cli_here(home, "export", "--all", "-o", str(out), check=False)
     assert result.returncode == 2 and f"cannot write {out / first}.md" in result.stderr
     assert victim.read_text() == "keep me"
 
@@ -150,7 +150,7 @@ def test_export_all_refuses_a_link_in_the_folder(big_home, tmp_path):
 )
 def test_export_all_says_what_it_needs(big_home, tmp_path, args, said):
     home, _ = big_home
-    result = run_cli(home, *args, check=False)
+    result = run_cli_here(home, *args, check=False)
     assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
 
 

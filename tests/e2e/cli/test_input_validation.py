@@ -1,6 +1,7 @@
 """The CLI refuses bad input before it stores anything: out-of-range flags, an empty or
 unreadable message, with one line naming the range; help that says what no command does,
-JSON flags with help, and `ask -` reading the message from stdin. Real `kvchat` processes."""
+JSON flags with help (commands run in the test's process), and `ask -` reading the message
+from stdin (a real `kvchat` process)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, REPO, clean_env, run_cli
+from tests.conftest import FAST, REPO, clean_env, run_cli, run_cli_here
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -36,15 +37,15 @@ def _env(home: Path) -> dict[str, str]:
     ],
 )
 def test_ask_refuses_bad_input_before_storing_anything(kvhome: Path, args: list[str]) -> None:
-    result = run_cli(kvhome, *args, check=False)
+    result = run_cli_here(kvhome, *args, check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("kvchat: ")
     assert "Traceback" not in result.stderr
-    assert run_cli(kvhome, "list", "--json").json == []
+    assert run_cli_here(kvhome, "list", "--json").json == []
 
 
 def test_ask_temperature_message_names_the_range(kvhome: Path) -> None:
-    result = run_cli(kvhome, "ask", "Hi", "--temperature", "3", check=False)
+    result = run_cli_here(kvhome, "ask", "Hi", "--temperature", "3", check=False)
     assert "temperature must be from 0 to 2" in result.stderr
 
 
@@ -62,14 +63,14 @@ def test_service_refuses_out_of_range_overrides(kvhome: Path) -> None:
 
 
 def test_help_says_no_command_opens_the_app(kvhome: Path) -> None:
-    text = " ".join(run_cli(kvhome, "--help").stdout.split())
+    text = " ".join(run_cli_here(kvhome, "--help").stdout.split())
     assert "none of them opens the app" in text
     assert "with no command to open the terminal app" in text
 
 
 @pytest.mark.parametrize("command", ["fork", "cache"])
 def test_json_flags_have_help(kvhome: Path, command: str) -> None:
-    out = run_cli(kvhome, command, "--help").stdout
+    out = run_cli_here(kvhome, command, "--help").stdout
     line = next(line for line in out.splitlines() if "--json" in line)
     assert "JSON" in line.split("--json", 1)[1]
 
@@ -84,7 +85,7 @@ def test_models_pull_names_the_extra(kvhome: Path) -> None:
     blocker = kvhome.parent / "nohub"
     (blocker / "huggingface_hub").mkdir(parents=True)
     (blocker / "huggingface_hub" / "__init__.py").write_text("raise ImportError('absent')\n")
-    env = {"PYTHONPATH": str(blocker)}
+    env = {"PYTHONPATH": str(blocker)}  # a new process's import path
     result = run_cli(
         kvhome, "models", "pull", "--repo", "a/b", "--file", "x.gguf", env=env, check=False
     )
@@ -104,5 +105,5 @@ def test_ask_dash_reads_the_message_from_stdin(kvhome: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     session = __import__("json").loads(proc.stdout)["session"]
-    md = run_cli(kvhome, "export", session, "--format", "json").json
+    md = run_cli_here(kvhome, "export", session, "--format", "json").json
     assert md["messages"][0]["content"] == "What is 2+2? [piped]"

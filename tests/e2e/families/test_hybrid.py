@@ -31,7 +31,7 @@ from kvchat.planner.plan import (
     state_bytes_per_token,
 )
 from kvchat.service.chat import ChatService
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 from tests.e2e.families.test_families import (
     FIRST,
     FLAGS,
@@ -151,14 +151,14 @@ def test_a_recurrent_state_is_never_placed_without_a_checkpoint(
 ) -> None:
     model = family(arch)
     flags = [*FLAGS, "--n-ctx", "1024", "--model", str(model)]
-    first = run_cli(kvhome, "ask", "--new", FIRST, "--json", *flags).json
+    first = run_cli_here(kvhome, "ask", "--new", FIRST, "--json", *flags).json
     session = first["session"]
     assert "recurrent" in (first["snapshot"]["whole_reason"] or "")
 
-    # A new process resumes from the whole state and decodes only the new message ...
+    # A new command (a new service and engine) resumes from the whole state and decodes only the new message ...
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
-    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
-    full = run_cli(
+    resumed = run_cli_here(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli_here(
         full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
     ).json
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
@@ -203,14 +203,14 @@ def test_sliding_window_families_resume_branch_and_equal_a_full_prefill(
 ) -> None:
     model = family(arch)
     flags = [*FLAGS, "--n-ctx", "1024", "--model", str(model)]
-    first = run_cli(kvhome, "ask", "--new", FIRST, "--json", *flags).json
+    first = run_cli_here(kvhome, "ask", "--new", FIRST, "--json", *flags).json
     session = first["session"]
     assert first["snapshot"]["whole_reason"] is None
     assert first["snapshot"]["chunks_written"] > 0 and first["snapshot"]["checkpoints_written"]
 
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
-    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
-    full = run_cli(
+    resumed = run_cli_here(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli_here(
         full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
     ).json
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]
