@@ -63,6 +63,41 @@ class SummariesSql(SqlBase):
         )
         return _summary(rows[0]) if rows else None
 
+    def copy_summaries(self, source_id: str, target_id: str, copied: int) -> int:
+        """Give a branch (``target_id``, whose first ``copied`` messages are copies of
+        ``source_id``'s, in order) the source's summaries that stand for messages among
+        those; returns how many. One transaction."""
+        with self._tx() as conn:
+            source = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (source_id,)
+                )
+            ]
+            target = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (target_id,)
+                )
+            ]
+            place = {message_id: n for n, message_id in enumerate(source[:copied])}
+            rows = conn.execute(
+                "SELECT upto_message_id, text, replaced_tokens, created FROM summaries"
+                " WHERE session_id=? ORDER BY id",
+                (source_id,),
+            ).fetchall()
+            kept = [
+                (target_id, target[place[upto]], text, tokens, created)
+                for upto, text, tokens, created in rows
+                if upto in place and place[upto] < len(target)
+            ]
+            conn.executemany(
+                "INSERT INTO summaries (session_id, upto_message_id, text, replaced_tokens,"
+                " created) VALUES (?, ?, ?, ?, ?)",
+                kept,
+            )
+        return len(kept)
+
     def add_summary(
         self, session_id: str, upto_message_id: int, text: str, replaced_tokens: int
     ) -> Summary:

@@ -192,6 +192,16 @@ def test_the_view_of_an_open_session_says_what_the_turns_say(compacted: Compacte
     assert view.divider() == after.divider()
 
 
+def test_a_fork_of_the_compacted_conversation_reads_what_it_read(compacted: Compacted) -> None:
+    svc = compacted.service
+    child = svc.sessions.fork(compacted.session_id)
+    (summary,) = svc.store.summaries(child.id)
+    assert summary.text == compacted.draft.text
+    assert svc.compaction.view(child.id).divider() == (
+        svc.compaction.view(compacted.session_id).divider()
+    )
+
+
 def test_greedy_after_compaction_equals_a_full_prefill_of_the_compacted_prompt(
     compacted: Compacted,
 ) -> None:

@@ -131,3 +131,24 @@ def test_exports_carry_the_summary_after_the_last_message_it_stands_for(tmp_path
     page = export_session(session, history, "html", summaries=summaries)
     assert page.index("answer 1") < page.index('class="msg summary"') < page.index("question 2")
     assert "<em>twice</em>" in page  # its Markdown rendered as a message's is
+
+
+def test_a_branch_keeps_the_summaries_of_the_messages_it_copies(tmp_path: Path) -> None:
+    store, session_id = store_with(tmp_path, 3)
+    history = store.messages(session_id)
+    store.add_summary(session_id, history[1].id, "first", 10)
+    store.add_summary(session_id, history[3].id, "second", 20)
+    whole = store.create_session("Whole", None)
+    for m in history:
+        store.add_message(whole.id, m.role, m.content)
+    assert store.copy_summaries(session_id, whole.id, len(history)) == 2
+    copies = store.messages(whole.id)
+    assert [(s.upto_message_id, s.text) for s in store.summaries(whole.id)] == [
+        (copies[1].id, "first"),
+        (copies[3].id, "second"),
+    ]
+    early = store.create_session("Early", None)
+    for m in history[:3]:  # a branch at message #3: the second summary is beyond it
+        store.add_message(early.id, m.role, m.content)
+    assert store.copy_summaries(session_id, early.id, 3) == 1
+    assert [s.text for s in store.summaries(early.id)] == ["first"]
