@@ -281,8 +281,8 @@ class SessionBook:
         by ``label`` (what the branch is: "Fork at #7", "Edit of #3")."""
         title = self._branch_title(self.store.get_session(session_id).title, label)
         branch = self.store.copy_session(session_id, title, upto_message=upto, then=then)
-        copied = len(self.store.messages(branch.id)) - (1 if then is not None else 0)
-        self.store.copy_summaries(session_id, branch.id, copied)  # it reads what it did here
+        # It reads what the conversation read there (its shared KV fits its prompt).
+        self.store.copy_summaries(session_id, branch.id, added=1 if then is not None else 0)
         self.remember(branch.id)
         return branch
 

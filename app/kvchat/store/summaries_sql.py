@@ -63,23 +63,23 @@ class SummariesSql(SqlBase):
         )
         return _summary(rows[0]) if rows else None
 
-    def copy_summaries(self, source_id: str, target_id: str, copied: int) -> int:
-        """Give a branch (``target_id``, whose first ``copied`` messages are copies of
-        ``source_id``'s, in order) the source's summaries that stand for messages among
-        those; returns how many. One transaction."""
+    def copy_summaries(self, source_id: str, target_id: str, added: int = 0) -> int:
+        """Give a branch (``target_id``: copies of ``source_id``'s first messages, in order,
+        then ``added`` messages of its own) the source's summaries that stand for messages
+        it copied; returns how many. One transaction; a source without summaries costs one
+        indexed read."""
+        if not self._rows("SELECT 1 FROM summaries WHERE session_id=? LIMIT 1", (source_id,)):
+            return 0
         with self._tx() as conn:
-            source = [
-                row[0]
-                for row in conn.execute(
-                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (source_id,)
+
+            def ids(session_id: str) -> list[int]:
+                rows = conn.execute(
+                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (session_id,)
                 )
-            ]
-            target = [
-                row[0]
-                for row in conn.execute(
-                    "SELECT id FROM messages WHERE session_id=? ORDER BY id", (target_id,)
-                )
-            ]
+                return [row[0] for row in rows]
+
+            source, target = ids(source_id), ids(target_id)
+            copied = max(0, len(target) - added)
             place = {message_id: n for n, message_id in enumerate(source[:copied])}
             rows = conn.execute(
                 "SELECT upto_message_id, text, replaced_tokens, created FROM summaries"
@@ -89,7 +89,7 @@ class SummariesSql(SqlBase):
             kept = [
                 (target_id, target[place[upto]], text, tokens, created)
                 for upto, text, tokens, created in rows
-                if upto in place and place[upto] < len(target)
+                if upto in place
             ]
             conn.executemany(
                 "INSERT INTO summaries (session_id, upto_message_id, text, replaced_tokens,"

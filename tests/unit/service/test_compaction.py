@@ -141,7 +141,7 @@ def test_a_branch_keeps_the_summaries_of_the_messages_it_copies(tmp_path: Path) 
     whole = store.create_session("Whole", None)
     for m in history:
         store.add_message(whole.id, m.role, m.content)
-    assert store.copy_summaries(session_id, whole.id, len(history)) == 2
+    assert store.copy_summaries(session_id, whole.id) == 2
     copies = store.messages(whole.id)
     assert [(s.upto_message_id, s.text) for s in store.summaries(whole.id)] == [
         (copies[1].id, "first"),
@@ -150,5 +150,6 @@ def test_a_branch_keeps_the_summaries_of_the_messages_it_copies(tmp_path: Path) 
     early = store.create_session("Early", None)
     for m in history[:3]:  # a branch at message #3: the second summary is beyond it
         store.add_message(early.id, m.role, m.content)
-    assert store.copy_summaries(session_id, early.id, 3) == 1
+    store.add_message(early.id, "user", "an edited question")  # the branch's own
+    assert store.copy_summaries(session_id, early.id, added=1) == 1
     assert [s.text for s in store.summaries(early.id)] == ["first"]
