@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+
+import anyio
 
 try:
     from mcp.server.mcpserver import MCPServer as ServerClass
@@ -49,9 +50,10 @@ def whoami() -> str:
 
 
 @server.tool()
-def hang() -> str:
-    """Never answers (sleeps an hour)."""
-    time.sleep(3600)
+async def hang() -> str:
+    """Never answers (sleeps an hour; async: mcp 1.x runs a sync tool on the server's loop,
+    which would stop every other call too)."""
+    await anyio.sleep(3600)
     return "woke"
 
 
@@ -87,7 +89,11 @@ def main() -> None:
         sys.exit(5)
     if len(sys.argv) > 2 and sys.argv[1] == "http":
         server.settings.log_level = "WARNING"
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+        if hasattr(server.settings, "port"):  # mcp 1.x: host and port are settings
+            server.settings.host, server.settings.port = "127.0.0.1", int(sys.argv[2])
+            server.run("streamable-http")
+        else:
+            server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
     else:
         server.run("stdio")
 

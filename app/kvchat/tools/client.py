@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import anyio
+
 from kvchat.config import McpServerConfig
 from kvchat.tools.api import ServerGoneError, ToolError, ToolTimeoutError, Transport
 from kvchat.tools.parse import quoted
@@ -315,8 +317,12 @@ def _taken(future: asyncio.Future[Any]) -> None:
 
 
 def _connection_closed(exc: BaseException) -> bool:
-    """The SDK's "Connection closed" (JSON-RPC -32000): the server's end went away."""
-    error = getattr(_leaf(exc), "error", None)
+    """The server's end went away: the SDK's "Connection closed" (JSON-RPC -32000), or (mcp
+    1.x) anyio's closed or broken stream under it."""
+    leaf = _leaf(exc)
+    if isinstance(leaf, anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream):
+        return True
+    error = getattr(leaf, "error", None)
     return getattr(error, "code", None) == -32000
 
 
