@@ -61,6 +61,8 @@ SUMMARY_TOKENS = 200
 # What a compaction keeps: the newest messages that fit this share of the context left
 # after the reply reserve, so many turns follow before the next one is due.
 KEEP_SHARE = 0.5
+# More characters than any token of a model's vocabulary takes, as a bound before counting.
+CHARS_PER_TOKEN = 16
 # The label of the branch that keeps the conversation as it was before a compaction.
 BEFORE_LABEL = "Before compaction"
 
@@ -194,6 +196,14 @@ class Compactor:
             overflow=overflow,
         )
 
+    def loaded_view(self, session_id: str) -> WindowView | None:
+        """:meth:`view` when the model is loaded already; None when it is not (or takes
+        whole messages): a glance at the window never loads a model."""
+        loaded = self.turns.host.loaded
+        if loaded is None or loaded.token_level() is None:
+            return None
+        return self.view(session_id)
+
     def plan(self, session_id: str) -> CompactionPlan:
         """Which messages a summary would stand for now: all but the newest that fit half
         the context left after the reply reserve (at least the messages that would leave
@@ -252,7 +262,13 @@ class Compactor:
         """The ask for a summary of ``covered``, its oldest messages left out until it fits
         the context with room for the summary."""
         room = engine.n_ctx - SUMMARY_TOKENS - 1
-        start = 0
+        # No token is longer than a few characters: the newest messages whose text could
+        # fit at all, before any rendering (an import of thousands of messages).
+        start = len(covered) - 1  # the newest message always
+        chars = len(earlier or "") + len(covered[start].content)
+        while start > 0 and chars + len(covered[start - 1].content) <= room * CHARS_PER_TOKEN:
+            start -= 1
+            chars += len(covered[start].content)
         while True:
             ask = [
                 {"role": "system", "content": SUMMARY_SYSTEM},

@@ -70,7 +70,7 @@ class Compacting:
     async def _refresh_view(self, session_id: str) -> None:
         compaction = self.ctx.backend.chat.compaction
         try:
-            view = await self.ctx.backend.on_engine(compaction.view, session_id)
+            view = await self.ctx.backend.on_engine(compaction.loaded_view, session_id)
         except KvchatError:
             return  # the view is a courtesy: the next turn reports its own
         await self.show_view(session_id, view, offer=False)  # opening offers nothing
