@@ -62,6 +62,8 @@ def _entry(raw: Mapping[str, Any], enabled: bool) -> dict[str, Any]:
 def read_mcp_json(path: Path, *, enabled: bool = False) -> ImportPlan:
     """The servers of ``path`` (see the module's docstring), or a ToolError for a file that
     cannot be read at all."""
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+        raise ToolError(f"{quoted(path)} is not a regular file")
     try:
         with open(path, "rb") as fh:
             data = fh.read(MAX_IMPORT_BYTES + 1)

@@ -4,6 +4,7 @@ config file, the SDK's server (tests/mcp_server.py) over stdio."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 import tomllib
@@ -224,6 +225,10 @@ def test_import_of_a_file_that_is_not_an_mcp_config_is_one_line_and_writes_nothi
         path.write_bytes(data)
         line = one_line_failure(run_cli(home, "tools", "import", str(path), check=False))
         assert str(path) in line or name in line, line
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # nobody writes: a plain open would wait forever
+    line = one_line_failure(run_cli(home, "tools", "import", str(fifo), check=False, timeout=60))
+    assert line == f"{fifo} is not a regular file"
     missing = run_cli(home, "tools", "import", str(tmp_path / "absent.json"), check=False)
     assert missing.returncode == 2 and is_one_clean_line(missing.stderr.rstrip("\n"))
     assert not (home / "config.toml").exists()
