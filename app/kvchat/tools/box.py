@@ -121,6 +121,8 @@ class ToolBox:
             raise ToolTimeoutError(
                 f"the tools' event loop did not answer in {timeout_s:g} s"
             ) from None
+        except concurrent.futures.CancelledError:
+            raise ToolError("the tool box was closed meanwhile") from None
 
     # -- servers --------------------------------------------------------------------------
 
@@ -316,6 +318,13 @@ class ToolBox:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is not None and thread is not None:
+            # A start or call still under way (another thread's) is cancelled: its server's
+            # process is ended by the transport, and its caller gets one line.
+            leftover = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
+            try:
+                leftover.result(_CLOSE_TIMEOUT_S)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                pass
             loop.call_soon_threadsafe(loop.stop)
             thread.join(_CLOSE_TIMEOUT_S)
             if not thread.is_alive():
@@ -331,3 +340,12 @@ class ToolBox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task on the loop and wait for them (a bounded time)."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=_CLOSE_TIMEOUT_S / 2)

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -363,3 +364,26 @@ def test_servers_that_never_speak_time_out_side_by_side_and_are_ended(tmp_path: 
         assert 3.0 <= took < 8.0, took
         pids = [int((tmp_path / f"{name}.pid").read_text()) for name in ("slow", "slower")]
         assert all(gone(pid) for pid in pids)  # ended when their start was given up
+
+
+def test_close_during_a_start_ends_the_server_and_answers_its_caller(tmp_path: Path):
+    pid_file = tmp_path / "silent.pid"
+    script = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(120)"
+    toolbox = ToolBox(
+        {"silent": McpServerConfig(command=sys.executable, args=["-c", script], timeout_s=60)}
+    )
+    answered: list[Any] = []
+    starter = threading.Thread(target=lambda: answered.append(toolbox.tools()))
+    starter.start()
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    began = time.monotonic()
+    toolbox.close()  # the app quits while a server is still starting
+    starter.join(15)
+    assert not starter.is_alive() and answered == [[]]
+    assert time.monotonic() - began < 10  # not the start's 60 s cap
+    assert gone(int(pid_file.read_text()))
+    (state,) = toolbox.servers()
+    assert state.status == "failed" and state.error == "the tool box was closed meanwhile"
