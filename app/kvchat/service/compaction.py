@@ -194,7 +194,12 @@ class Compactor:
             summarized=summarized,
             next_drops=len(prompt) + NEXT_MESSAGE_ALLOWANCE + reserve > engine.n_ctx,
             overflow=overflow,
+            summary=self._summary_text(session_id) if summarized else None,
         )
+
+    def _summary_text(self, session_id: str) -> str | None:
+        summary = self.turns.store.current_summary(session_id)
+        return summary.text if summary is not None else None
 
     def loaded_view(self, session_id: str) -> WindowView | None:
         """:meth:`view` when the model is loaded already; None when it is not (or takes

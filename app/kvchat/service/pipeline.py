@@ -161,6 +161,10 @@ class TurnPipeline:
             head = with_summary(head, summary.text)
         return head, self.documents.chat(session.id, kept, thinks), kept, summarized
 
+    def _summary_text(self, session_id: str) -> str | None:
+        summary = self.store.current_summary(session_id)
+        return summary.text if summary is not None else None
+
     def check_documents(
         self, read: ReadDocuments, system_prompt: str | None, max_tokens: int
     ) -> DocumentFit | None:
@@ -548,6 +552,7 @@ class TurnPipeline:
             next_drops=len(prompt) + stats.generated + NEXT_MESSAGE_ALLOWANCE + reserve
             > engine.n_ctx,
             overflow=self.host.settings.overflow,
+            summary=self._summary_text(session_id) if summarized else None,
         )
         # From here on the reply exists: whatever fails is reported, never raised.
         self._store_reply(report, session_id, stats, replaces, saver)

@@ -304,6 +304,7 @@ class WindowView:
     summarized: int = 0  # of those, how many a compaction summary stands for
     next_drops: bool = False  # the next turn would leave messages out of the window
     overflow: str = "compact"  # the setting: what happens then
+    summary: str | None = None  # the summary the model reads (None: no compaction)
 
     def gauge(self) -> str:
         """The status bar's gauge, e.g. "ctx 1,234/2,048 (+512 reply)"."""

@@ -11,6 +11,7 @@ from textual.widgets import Label
 
 from kvchat.config import load_settings
 from kvchat.service.chat import ChatService
+from kvchat.text import visible
 from kvchat.tui.main import MainScreen
 from kvchat.tui.screens.compaction import CompactionDialog
 from tests.e2e.tui.test_tui import SIZE, home, make_app, ready, send, service_of, wait_until
@@ -59,8 +60,14 @@ def divider_above(main: MainScreen) -> int | None:
     children = list(page.children)
     for index, child in enumerate(children):
         if child.id == "window-divider":
-            return getattr(children[index + 1], "message_id", None)
+            below = [c for c in children[index + 1 :] if c.id != "window-summary"]
+            return getattr(below[0], "message_id", None) if below else None
     return None
+
+
+def summary_shown(main: MainScreen) -> str | None:
+    found = list(main.conversation.query("#window-summary").results(Label))
+    return str(found[0].content) if found else None
 
 
 async def test_drop_shows_the_divider_the_gauge_and_a_warning(home: Path) -> None:
@@ -71,6 +78,7 @@ async def test_drop_shows_the_divider_the_gauge_and_a_warning(home: Path) -> Non
         assert main.session_id == session_id
         await wait_until(lambda: divider(main) is not None)  # on opening, before any turn
         assert "earlier messages are kept but not read" in (divider(main) or "")
+        assert summary_shown(main) is None  # no compaction: no summary
         await send(pilot, main, "Turn 16: and one about the Moon?")
         report = main.last_report
         assert report is not None and report.view is not None and report.dropped_messages
@@ -106,6 +114,7 @@ async def test_compact_is_offered_kept_and_the_next_turn_reads_only_itself(home:
         await wait_until(lambda: "with a summary of" in (divider(main) or ""))
         summary = service.store.current_summary(session_id)
         assert summary is not None and summary.text == written
+        assert summary_shown(main) == f"Summary the model reads: {visible(written)}"
         assert divider_above(main) is not None
         assert divider_above(main) == min(
             m.id for m in service.store.messages(session_id) if m.id > summary.upto_message_id

@@ -51,7 +51,7 @@ class Compacting:
         run, until a turn no longer warns)."""
         if view is None or self.ctx.state.session_id != session_id:
             return
-        await self.ctx.conversation.set_window(view.first_message_id, view.divider())
+        await self.ctx.conversation.set_window(view.first_message_id, view.divider(), view.summary)
         self.ctx.status.set_window(view.reserve, view.next_drops)
         warning = view.warning()
         if warning is None:

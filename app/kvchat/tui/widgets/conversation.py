@@ -20,6 +20,7 @@ from textual.widget import Widget
 from textual.widgets import Label
 from textual.worker import Worker, WorkerState
 
+from kvchat.text import visible
 from kvchat.tui.widgets.body import MessageBody
 from kvchat.tui.widgets.message_view import ROLE_NAMES, MessageView, message_parser
 from kvchat.tui.widgets.thought import ThoughtFigures
@@ -128,8 +129,9 @@ class Conversation(VerticalScroll, can_focus=False):
         # their folded line says it when shown again.
         self.thought_figures: dict[tuple[int, str], ThoughtFigures] = {}
         # Where the model's window starts: the divider's message id and its line (None: the
-        # model reads every message).
+        # model reads every message), and the summary it reads before it (None: none).
         self.window_start: tuple[int, str] | None = None
+        self.window_summary: str | None = None
 
     async def show(
         self,
@@ -212,10 +214,14 @@ class Conversation(VerticalScroll, can_focus=False):
 
     # --- what the model sees --------------------------------------------------------------
 
-    async def set_window(self, message_id: int | None, line: str | None) -> None:
+    async def set_window(
+        self, message_id: int | None, line: str | None, summary: str | None = None
+    ) -> None:
         """Draw the divider above message ``message_id`` (where the model's window starts,
-        ``line`` saying so), or none; kept across shows of the session."""
+        ``line`` saying so, then the ``summary`` the model reads there), or none; kept
+        across shows of the session."""
         self.window_start = (message_id, line) if message_id is not None and line else None
+        self.window_summary = summary if self.window_start is not None else None
         await self.place_divider()
 
     async def place_divider(self) -> None:
@@ -223,7 +229,7 @@ class Conversation(VerticalScroll, can_focus=False):
         page = self._page
         if page is None:
             return
-        for old in page.query("#window-divider"):
+        for old in page.query("#window-divider, #window-summary"):
             await old.remove()
         start = self.window_start
         view = self.find(start[0]) if start is not None else None
@@ -231,6 +237,10 @@ class Conversation(VerticalScroll, can_focus=False):
             return
         divider = Label(f"── {start[1]} ──", id="window-divider", classes="not-shown", markup=False)
         await page.mount(divider, before=view)
+        if self.window_summary:
+            text = f"Summary the model reads: {visible(self.window_summary)}"
+            summary = Label(text, id="window-summary", classes="not-shown", markup=False)
+            await page.mount(summary, before=view)
 
     # --- the pages before and after the window ------------------------------------------------
 
