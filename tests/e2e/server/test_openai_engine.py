@@ -29,7 +29,7 @@ import pytest
 from kvchat.engine.openai import figures_of, read_chunk
 from kvchat.service.chat import ChatService
 from kvchat.service.reports import TokenCounts
-from tests.conftest import REPO, clean_env, run_cli
+from tests.conftest import REPO, clean_env, run_cli, run_cli_here
 from tests.e2e.server.test_server import Server
 from tests.helpers import greedy_service
 
@@ -131,7 +131,7 @@ def proxy(server: Server) -> Iterator[RecordingProxy]:
 
 
 def ask(home: Path, url: str, *args: str, check: bool = True, **env: str):  # type: ignore[no-untyped-def]
-    return run_cli(home, "--openai", f"{url}/v1", "ask", *args, *GREEDY, env=env, check=check)
+    return run_cli_here(home, "--openai", f"{url}/v1", "ask", *args, *GREEDY, env=env, check=check)
 
 
 def stored(home: Path, role: str) -> list[tuple[str, str, int]]:

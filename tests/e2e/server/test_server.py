@@ -26,7 +26,7 @@ from kvchat.engine.server_build import ServerPlan, find_binary
 from kvchat.engine.server_http import ServerError, normalize_url
 from kvchat.kvcache.server_tiers import identity_mismatch, slot_file_name
 from kvchat.paths import bundled_model_path
-from tests.conftest import REPO, clean_env, probe_says_repack, run_cli
+from tests.conftest import REPO, clean_env, probe_says_repack, run_cli, run_cli_here
 
 GREEDY = ["--temperature", "0", "--max-tokens", "24"]
 N_CTX = 1024  # per slot
@@ -123,7 +123,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def ask(home: Path, url: str, *args: str, check: bool = True, **env: str):  # type: ignore[no-untyped-def]
-    return run_cli(home, "--server", url, "ask", *args, "--json", *GREEDY, env=env, check=check)
+    return run_cli_here(
+        home, "--server", url, "ask", *args, "--json", *GREEDY, env=env, check=check
+    )
 
 
 def test_a_second_process_resumes_from_the_server_and_after_a_server_restart(
