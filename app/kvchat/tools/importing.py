@@ -160,6 +160,8 @@ def add_to_config(config_path: Path, plan: ImportPlan) -> tuple[list[str], list[
     there). The file is replaced whole (temporary file, fsync, rename), keeping its mode
     (0600 when new), and only after the new text reads back as the same servers."""
     try:
+        if config_path.is_file() and config_path.stat().st_size > MAX_IMPORT_BYTES:
+            raise ToolError(f"kvchat's config {quoted(config_path)} is over 1 MiB: not edited")
         old = config_path.read_text("utf-8") if config_path.is_file() else ""
         existing = tomllib.loads(old) if old else {}
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
