@@ -2,8 +2,9 @@
 its window, shows where the window starts, is compacted with the model's summary, goes on
 decoding only each new message, and replies as a full prefill of the compacted prompt does.
 
-The conversation is built once for the module (58 exchanges stored as text, then real turns),
-so the model reads the long history once.
+The conversation is built once for the module (exchanges stored as text, then real turns),
+so the model reads the long history once: by default 30 exchanges at n_ctx 1024 (the same
+steps at half the reading); under ``stress`` the issue's 60 turns at n_ctx 2048.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from kvchat.service.compaction import BEFORE_LABEL, Compaction, CompactionPlan, 
 from kvchat.service.context_window import SUMMARY_HEADER
 from tests.helpers import greedy_service
 
-N_CTX = 2048
+# (n_ctx, exchanges stored before the turn that outgrows the window)
+SIZES = [
+    pytest.param((1024, 29), id="1024"),
+    pytest.param((2048, 59), id="2048-60-turns", marks=pytest.mark.stress),
+]
 MAX_TOKENS = 16
 TOPICS = ["the Moon", "the ocean", "volcanoes", "glaciers", "comets", "deserts", "rivers"]
 NEXT = "Turn 61: and what is a comet?"
@@ -40,6 +45,8 @@ class Compacted:
     """The module's conversation at each step of its compaction."""
 
     service: ChatService
+    n_ctx: int
+    exchanges: int  # stored before the turn that outgrew the window
     session_id: str
     overflowing: TurnReport  # the turn that outgrew the window
     plan: CompactionPlan
@@ -51,15 +58,18 @@ class Compacted:
     prefilled: TurnReport  # the same reply again from a full prefill
 
 
-@pytest.fixture(scope="module")
-def compacted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compacted]:
+@pytest.fixture(scope="module", params=SIZES)
+def compacted(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Compacted]:
+    n_ctx, exchanges = request.param
     home = tmp_path_factory.mktemp("compaction") / "home"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCHAT_HOME", str(home))
-        svc = greedy_service(home, n_ctx=N_CTX, max_tokens=MAX_TOKENS)
+        svc = greedy_service(home, n_ctx=n_ctx, max_tokens=MAX_TOKENS)
         try:
             session = svc.sessions.new_session(system_prompt="You answer in one sentence.")
-            for i in range(59):
+            for i in range(exchanges):
                 svc.sessions.add_message(session.id, "user", ask(i))
                 svc.sessions.add_message(session.id, "assistant", fact(i))
             overflowing = svc.send(session.id, "Turn 60: what did we talk about?")
@@ -75,6 +85,8 @@ def compacted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compacted]:
             prefilled = svc.regenerate(session.id, no_restore=True)
             yield Compacted(
                 svc,
+                n_ctx,
+                exchanges,
                 session.id,
                 overflowing,
                 plan,
@@ -102,10 +114,10 @@ def test_the_turn_that_outgrows_the_window_shows_where_it_starts_and_warns(
     assert view.divider() == (
         f"the model sees from here; {report.dropped_messages} earlier messages are kept but not read"
     )
-    assert view.n_ctx == N_CTX and view.reserve == MAX_TOKENS
+    assert view.n_ctx == compacted.n_ctx and view.reserve == MAX_TOKENS
     assert view.used == report.tokens.prompt + report.tokens.generated
     assert view.next_drops and "/compact" in (view.warning() or "")
-    assert view.gauge() == f"ctx {view.used:,}/{N_CTX:,} (+{MAX_TOKENS} reply) !"
+    assert view.gauge() == f"ctx {view.used:,}/{compacted.n_ctx:,} (+{MAX_TOKENS} reply) !"
 
 
 def test_the_plan_says_what_the_summary_replaces_and_what_the_re_read_costs(
@@ -114,8 +126,8 @@ def test_the_plan_says_what_the_summary_replaces_and_what_the_re_read_costs(
     plan = compacted.plan
     # It covers at least what left the window, and keeps at most half of the context.
     assert plan.covered > compacted.overflowing.dropped_messages
-    assert 0 < plan.kept_tokens <= (N_CTX - MAX_TOKENS) // 2
-    assert plan.replaced_tokens > N_CTX // 2
+    assert 0 < plan.kept_tokens <= (compacted.n_ctx - MAX_TOKENS) // 2
+    assert plan.replaced_tokens > compacted.n_ctx // 2
     line = plan.line()
     assert f"replaces {plan.replaced_tokens:,} tokens of {plan.covered} messages" in line
     assert (
@@ -139,12 +151,14 @@ def test_the_summary_is_stored_as_a_summary_and_the_history_stays(compacted: Com
     assert summary.text == compacted.draft.text
     assert summary.upto_message_id == compacted.plan.upto_message_id
     messages = store.messages(compacted.session_id)
-    assert len(messages) == 2 * 59 + 2 + 2  # every message, the two turns after included
+    assert (
+        len(messages) == 2 * compacted.exchanges + 2 + 2
+    )  # every message, the two turns after included
     assert all(summary.text != m.content for m in messages)
     # The conversation as it was is the branch before: every message, no summary.
     branch = store.get_session(compacted.done.branch_id)
     assert branch.title.startswith(BEFORE_LABEL)
-    assert len(store.messages(branch.id)) == 2 * 59 + 2
+    assert len(store.messages(branch.id)) == 2 * compacted.exchanges + 2
     assert store.current_summary(branch.id) is None
 
 
@@ -223,7 +237,8 @@ def test_the_whole_history_exports_with_the_summary_where_it_applies(compacted: 
     assert summary["after"] == compacted.plan.covered  # the index of the last it stands for
     assert summary["upto_message_id"] == compacted.plan.upto_message_id
     markdown = svc.sessions.export(session_id, "md")
-    assert ask(0) in markdown and ask(58) in markdown and NEXT in markdown
+    last = ask(compacted.exchanges - 1)
+    assert ask(0) in markdown and last in markdown and NEXT in markdown
     assert f"the model reads this instead of messages 1-{compacted.plan.covered}" in markdown
     assert markdown.index("## Summary") > markdown.index(fact(compacted.plan.covered // 2 - 1))
     html = svc.sessions.export(session_id, "html")

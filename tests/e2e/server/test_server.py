@@ -77,7 +77,9 @@ class Server:
         self.start()
 
     def start(self) -> None:
-        argv = [*self.plan.argv(), "--threads", "2", *self.extra]
+        # One thread, as every engine of the run (tests/README.md): two workers on two cores
+        # with a server spinning on two threads wait on each other at every step.
+        argv = [*self.plan.argv(), "--threads", "1", *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 90

@@ -122,7 +122,7 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
     log = base / "supervisor.log"
     env = clean_env()
     env["KVCHAT_HOME"] = str(base / "server-home")
-    argv = ["server", "start", "--port", str(port), "--slots", "1", "--threads", "2"]
+    argv = ["server", "start", "--port", str(port), "--slots", "1", "--threads", "1"]
     argv += ["--slot-dir", str(slot_dir), "--n-ctx", "1024"]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
