@@ -48,7 +48,7 @@ def save_config_values(values: Mapping[str, Value], path: Path | None = None) ->
         tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:  # never expected: said rather than written
         raise KvchatError(f"config file {path} would not be valid TOML: {exc}") from None
-    _write_atomic(path, text)
+    write_config_text(path, text)
     return path
 
 
@@ -133,7 +133,7 @@ def _read(path: Path) -> str:
     return text
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_config_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, sync it, rename it over ``path``."""
     try:
         if not path.parent.is_dir():
@@ -154,4 +154,4 @@ def _write_atomic(path: Path, text: str) -> None:
         raise KvchatError(f"cannot write config file {path}: {exc.strerror or exc}") from None
 
 
-__all__ = ["WRITABLE", "save_config_values", "with_values"]
+__all__ = ["WRITABLE", "save_config_values", "with_values", "write_config_text"]

@@ -11,9 +11,7 @@ kvchat's config file (a temporary file, then a rename; the result is read back a
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +21,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvchat.config import MCP_MAX_SERVERS, McpServerConfig
-from kvchat.paths import ensure_private_dir
+from kvchat.config_file import write_config_text
+from kvchat.text import one_line
 from kvchat.tools.api import ToolError
 from kvchat.tools.parse import quoted
 
@@ -39,6 +38,11 @@ class ImportPlan:
 
     servers: dict[str, McpServerConfig] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+def shown(path: Path) -> str:
+    """The path the user named, whole (its end says which file), as one visible line."""
+    return one_line(str(path))
 
 
 def safe_name(name: str) -> str:
@@ -63,27 +67,27 @@ def read_mcp_json(path: Path, *, enabled: bool = False) -> ImportPlan:
     """The servers of ``path`` (see the module's docstring), or a ToolError for a file that
     cannot be read at all."""
     if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
-        raise ToolError(f"{quoted(path)} is not a regular file")
+        raise ToolError(f"{shown(path)} is not a regular file")
     try:
         with open(path, "rb") as fh:
             data = fh.read(MAX_IMPORT_BYTES + 1)
     except OSError as exc:
-        raise ToolError(f"cannot read {quoted(path)}: {exc.strerror or exc}") from None
+        raise ToolError(f"cannot read {shown(path)}: {exc.strerror or exc}") from None
     if len(data) > MAX_IMPORT_BYTES:
-        raise ToolError(f"{quoted(path)} is over {MAX_IMPORT_BYTES:,} bytes: not an MCP config")
+        raise ToolError(f"{shown(path)} is over {MAX_IMPORT_BYTES:,} bytes: not an MCP config")
     try:
         document = json.loads(data.decode("utf-8-sig"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ToolError(f"{quoted(path)} is not JSON: {quoted(exc)}") from None
+        raise ToolError(f"{shown(path)} is not JSON: {quoted(exc)}") from None
     if not isinstance(document, dict):
-        raise ToolError(f"{quoted(path)} holds no mcpServers or servers object")
+        raise ToolError(f"{shown(path)} holds no mcpServers or servers object")
     table = document.get("mcpServers")
     if table is None:
         table = document.get("servers")
     if table is None and isinstance(document.get("mcp"), dict):
         table = document["mcp"].get("servers")
     if not isinstance(table, dict):
-        raise ToolError(f"{quoted(path)} holds no mcpServers or servers object")
+        raise ToolError(f"{shown(path)} holds no mcpServers or servers object")
     plan = ImportPlan()
     for index, (name, raw) in enumerate(table.items()):
         if len(plan.servers) >= MCP_MAX_SERVERS:
@@ -187,21 +191,5 @@ def add_to_config(config_path: Path, plan: ImportPlan) -> tuple[list[str], list[
         raise ToolError(
             f"the config would not read back ({quoted(exc)}): nothing written"
         ) from None
-    _replace(config_path, new)
+    write_config_text(config_path, new)  # atomic, 0600, as the app's own settings
     return added, kept
-
-
-def _replace(path: Path, text: str) -> None:
-    ensure_private_dir(path.parent)
-    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o600
-    fd, temporary = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
