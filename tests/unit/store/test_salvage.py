@@ -72,7 +72,13 @@ def test_salvage_reads_the_pages_sqlite_cannot_walk(tmp_path: Path, how: str, at
     report = doctor.salvage(path)
 
     salvaged = _salvaged(path)
-    assert report.sessions == N_SESSIONS and report.messages == len(salvaged) >= at_least
+    assert report.messages == len(salvaged) >= at_least
+    # Every session a salvaged message belongs to is there (its row, or one made for it).
+    # Cut in half, which sessions keep messages depends on where SQLite put the pages (a
+    # schema with more tables moves them); otherwise every session is found.
+    assert report.sessions == len({session for session, _ in salvaged.values()})
+    if how != "half":
+        assert report.sessions == N_SESSIONS
     for message_id, (_, content) in salvaged.items():
         assert content == texts[message_id]  # the text written (its last version), no garbage
     tables = report.tables
@@ -81,7 +87,12 @@ def test_salvage_reads_the_pages_sqlite_cannot_walk(tmp_path: Path, how: str, at
     assert counted == len(salvaged)
     if how == "half":
         assert tables["messages"].recovered > 0
-        assert tables["messages"].lost == len(texts) - len(salvaged)  # by the sessions' counts
+        session_rows = tables["sessions"].read + tables["sessions"].recovered
+        if session_rows == N_SESSIONS:
+            assert tables["messages"].lost == len(texts) - len(salvaged)  # by their counts
+        else:  # the rows that count their messages are gone too: each such session is said
+            said = [line for line in report.lost if "its row is lost" in line]
+            assert len(said) == report.sessions - session_rows
     for table, counts in tables.items():
         assert counts.line(table).startswith(f"{table}: ")
     assert doctor.check(path).ok

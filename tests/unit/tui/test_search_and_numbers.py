@@ -272,11 +272,11 @@ async def test_message_details_on_demand(service: StandInService) -> None:
         main = app.main
         main.conversation.views[1].focus()
         await pilot.pause()
-        await pilot.press("f3")  # a reply from before this run: its time and tokens
+        await pilot.press("f3")  # a reply stored without figures: its time and tokens
         await _wait(lambda: isinstance(app.screen, DetailsDialog))
         text = app.screen.text  # type: ignore[attr-defined]
         assert text.startswith("Message #2 · Assistant") and "Tokens: 6" in text
-        assert "Time: " in text and "kept for the replies generated since" in text
+        assert "Time: " in text and "Figures: none kept (a reply imported" in text
         await pilot.press("escape")
         await _wait(lambda: app.screen is main)
 
