@@ -24,6 +24,10 @@ from pathlib import Path
 import pytest
 from packaging.version import InvalidVersion, Version
 
+# Building the wheel and a fresh environment takes ~40 s of the default run's ten minutes: it
+# runs in CI's second step (`.ci/run`, `-m stress`), as the packaging check it is.
+pytestmark = pytest.mark.stress
+
 REPO = Path(__file__).resolve().parents[3]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 CATALOG = tomllib.loads((REPO / "models" / "catalog.toml").read_text())
