@@ -48,11 +48,19 @@ class TableSalvage:
     read: int = 0
     recovered: int = 0
     lost: int = 0  # rows SQLite could not read and no page held
+    # Rows may be lost beyond ``lost`` that nothing counts (messages of a session whose row,
+    # which counts them, is gone too).
+    more_lost_uncounted: bool = False
 
     def line(self, table: str) -> str:
+        uncounted = (
+            ", and an unknown number more (the rows that counted them are gone)"
+            if self.more_lost_uncounted
+            else ""
+        )
         return (
             f"{table}: {self.read} read by SQLite, {self.recovered} recovered from its "
-            f"pages, {self.lost} unreadable rows lost"
+            f"pages, {self.lost} unreadable rows lost{uncounted}"
         )
 
 
@@ -151,6 +159,7 @@ def salvage(path: Path) -> SalvageReport:
         )
         sessions.lost = max(0, len(unreadable["sessions"]) - sessions.recovered)
         orphans = {str(m.get("session_id")) for m in read_messages.values()} - set(read_sessions)
+        messages.more_lost_uncounted = bool(orphans)
         for session_id in sorted(orphans):
             if _SESSION_ID.fullmatch(session_id):  # its messages survived, its row did not
                 read_sessions[session_id] = {"id": session_id, "title": f"Recovered {session_id}"}
