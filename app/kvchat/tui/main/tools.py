@@ -55,7 +55,14 @@ class ToolCalls:
                 app.push_screen(ToolCallDialog(request), lambda d: answer.set_result(d or "deny"))
 
             app.call_from_thread(ask)
-            return answer.result()
+            # The app may quit with the dialog open: its answer never comes, and the engine
+            # thread must not wait for it forever (quitting waits for that thread).
+            while True:
+                try:
+                    return answer.result(timeout=0.5)
+                except TimeoutError:
+                    if not app.is_running:
+                        return "deny"
 
         return approve
 
