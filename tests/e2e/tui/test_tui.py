@@ -389,7 +389,8 @@ async def test_missing_model_shows_an_error_screen(home: Path, tmp_path: Path) -
         screen = app.screen
         assert "model file not found" in str(screen.query_one("#error-detail").render())
         assert str(missing) in str(screen.query_one("#error-path").render())
-        assert "--model" in screen.query_one("#error-fix", Markdown).source
+        # Textual's Markdown takes its text when mounted (after the screen shows): wait for it.
+        await wait_until(lambda: "--model" in screen.query_one("#error-fix", Markdown).source)
         app.simulate_key("q")
         await wait_until(lambda: app._closed)
     assert app.return_code == EXIT_FATAL  # a script sees that the app could not start
