@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvchat.errors import KvchatError
 from kvchat.paths import config_file, ensure_private_dir
+from kvchat.system import current as current_system
 
 # Keys this module may write: what the app lets the user pick (kvchat.config's fields).
 WRITABLE = frozenset({"theme", "model", "open_with_session_model"})
@@ -139,8 +140,7 @@ def write_config_text(path: Path, text: str) -> None:
         if not path.parent.is_dir():
             ensure_private_dir(path.parent)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(temporary, flags, 0o600)
+        fd = current_system().open_no_follow(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(text)

@@ -403,10 +403,12 @@ def run_child(
 def child_answer(stdout: str) -> dict[str, Any]:
     """The child's last line, checked like the file: ``{"ok": true, "speeds": {…}}`` with
     bounded speeds, or ``{"error": text}``; {} for anything else."""
+    from kvchat.engine.openai_wire import loads
+
     last = stdout.strip().splitlines()[-1:] or [""]
     try:
-        answer = json.loads(last[0][:65536])
-    except (ValueError, RecursionError):
+        answer = loads(last[0], "the probe child's answer", cap=65536)
+    except KvchatError:
         return {}
     if not isinstance(answer, dict):
         return {}

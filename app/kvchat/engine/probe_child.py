@@ -57,9 +57,10 @@ def _watch_parent(parent: int) -> None:
 def main(argv: list[str]) -> int:
     from kvchat.engine.api import EngineConfig, GenerationParams, GenerationStats
     from kvchat.engine.llama import LlamaEngine
+    from kvchat.engine.openai_wire import loads
     from kvchat.errors import KvchatError
 
-    request = json.loads(argv[0])
+    request = loads(argv[0], "the probe request", cap=65536)
     if isinstance(request.get("parent"), int):
         _watch_parent(request["parent"])
     config = EngineConfig(

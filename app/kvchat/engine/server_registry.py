@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import platformdirs
 
+from kvchat.errors import KvchatError
 from kvchat.system import Listener
 from kvchat.system import current as current_system
 
@@ -81,13 +82,14 @@ def local_server(url: str, model_path: str) -> LocalServer | None:
 def _read(path: Path) -> LocalServer | None:
     """The entry at ``path``: a small regular file (never through a link, never blocking on a
     FIFO), or None for anything else, damaged included."""
+    from kvchat.engine.openai_wire import loads
     from kvchat.engine.probe_book import read_bounded
 
     raw = read_bounded(path, 65536)
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
+        data = loads(raw, "a server registry entry", cap=65536)
         return LocalServer(
             port=int(data["port"]),
             slot_dir=str(data["slot_dir"]),
@@ -96,7 +98,7 @@ def _read(path: Path) -> LocalServer | None:
             url=str(data["url"]),
             server_pid=int(data.get("server_pid") or 0),
         )
-    except (ValueError, KeyError, TypeError, RecursionError):
+    except (KvchatError, ValueError, KeyError, TypeError):
         return None
 
 
