@@ -22,6 +22,34 @@ from kvchat.store.versions_sql import sync_current_version
 RANKED_MATCHES = 5000
 
 
+def append_message(
+    sql: SqlBase,
+    conn: sqlite3.Connection,
+    session_id: str,
+    role: str,
+    content: str,
+    stamp: str,
+    token_count: int = 0,
+    partial: bool = False,
+    finish_reason: str | None = None,
+    reasoning: str = "",
+) -> int:
+    """Within the caller's transaction: check the session's counts, insert the message,
+    move the session's updated time; the new message's id."""
+    problem = check_counts(conn, session_id)
+    if problem is not None:
+        raise sql._found_damage(problem)
+    cursor = conn.execute(
+        "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
+        " finish_reason, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (session_id, role, content, stamp, token_count, int(partial), finish_reason, reasoning),
+    )
+    conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
+    message_id = cursor.lastrowid
+    assert message_id is not None
+    return message_id
+
+
 class MessagesSql(SqlBase):
     """Messages: append, read, update, delete; full-text search."""
 
@@ -53,26 +81,18 @@ class MessagesSql(SqlBase):
         """Append a message and commit it (durable once this returns)."""
         stamp = now()
         with self._tx() as conn:
-            problem = check_counts(conn, session_id)
-            if problem is not None:
-                raise self._found_damage(problem)
-            cursor = conn.execute(
-                "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
-                " finish_reason, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    session_id,
-                    role,
-                    content,
-                    stamp,
-                    token_count,
-                    int(partial),
-                    finish_reason,
-                    reasoning,
-                ),
+            message_id = append_message(
+                self,
+                conn,
+                session_id,
+                role,
+                content,
+                stamp,
+                token_count,
+                partial,
+                finish_reason,
+                reasoning,
             )
-            conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
-            message_id = cursor.lastrowid
-        assert message_id is not None
         # Built from what was written, not read back: once the commit returned, nothing may
         # fail (a caller that saw an error would write the message again, as a second row).
         return Message(

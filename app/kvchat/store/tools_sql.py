@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvchat.store.connection import SqlBase, now
+from kvchat.store.messages_sql import append_message
 from kvchat.store.rows import Message
-from kvchat.store.sessions_sql import check_counts
 
 TOOL_ROLE = "tool"
 
@@ -172,16 +172,9 @@ class ToolsSql(SqlBase):
         ignored)."""
         stamp = now()
         with self._tx() as conn:
-            problem = check_counts(conn, session_id)
-            if problem is not None:
-                raise self._found_damage(problem)
-            cursor = conn.execute(
-                "INSERT INTO messages (session_id, role, content, created, token_count, partial,"
-                " finish_reason, reasoning) VALUES (?, ?, ?, ?, ?, 0, NULL, '')",
-                (session_id, TOOL_ROLE, content, stamp, token_count),
+            message_id = append_message(
+                self, conn, session_id, TOOL_ROLE, content, stamp, token_count
             )
-            message_id = cursor.lastrowid
-            assert message_id is not None
             conn.execute(
                 "INSERT INTO tool_messages (message_id, name, call_id, arguments, is_error,"
                 " truncated, full_text, seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -196,7 +189,6 @@ class ToolsSql(SqlBase):
                     record.seconds,
                 ),
             )
-            conn.execute("UPDATE sessions SET updated=? WHERE id=?", (stamp, session_id))
         return Message(
             id=message_id,
             session_id=session_id,
