@@ -250,6 +250,20 @@ def unit_tests_start_nothing(
     monkeypatch.setattr("kvchat.engine.llama.LlamaEngine.__init__", refused("loaded a model"))
 
 
+@pytest.fixture(autouse=True)
+def os_calls_put_back(request: pytest.FixtureRequest) -> Any:
+    """A guard: a test that forces one of kvchat.system's implementations puts back the one
+    for this OS (a leak made every later test on the worker run the Windows one)."""
+    from kvchat import system
+
+    native = system.use(None).name
+    yield
+    leaked = system.current().name
+    if leaked != native:
+        system.use(native)
+        pytest.fail(f"{request.node.nodeid} left kvchat.system on {leaked!r}, not {native!r}")
+
+
 # Set while a test marked ``unprobed_repack`` runs (one that loads tiny F16 models with
 # repacking on, which crashes nothing: see test_sliding_window).
 UNPROBED_REPACK: list[str] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import signal
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -142,3 +143,18 @@ class System(Protocol):
     def clipboard_command(self, env: Mapping[str, str]) -> tuple[str, ...] | None:
         """A clipboard command (argv) installed and usable here, or None."""
         ...
+
+
+def unix_clipboard_command(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """``wl-copy`` needs a Wayland session and ``xclip`` an X display; ``pbcopy`` is macOS's."""
+    path = env.get("PATH")
+    wl_copy = shutil.which("wl-copy", path=path)
+    if wl_copy and env.get("WAYLAND_DISPLAY"):
+        return (wl_copy,)
+    xclip = shutil.which("xclip", path=path)
+    if xclip and env.get("DISPLAY"):
+        return (xclip, "-selection", "clipboard")
+    pbcopy = shutil.which("pbcopy", path=path)
+    if pbcopy:
+        return (pbcopy,)
+    return None

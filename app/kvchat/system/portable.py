@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 import filelock
 
-from kvchat.system.api import CpuInfo, Listener, LockBusy, ProcessUsage
+from kvchat.system.api import CpuInfo, Listener, LockBusy, ProcessUsage, unix_clipboard_command
 
 _WINDOWS = os.name == "nt"
 # Windows opens files in text mode unless told; never inherited by children there.
@@ -217,16 +217,7 @@ class PortableSystem:
         clip = shutil.which("clip", path=path) if _WINDOWS else None
         if clip:
             return (clip,)
-        pbcopy = shutil.which("pbcopy", path=path)
-        if pbcopy:
-            return (pbcopy,)
-        wl_copy = shutil.which("wl-copy", path=path)
-        if wl_copy and env.get("WAYLAND_DISPLAY"):
-            return (wl_copy,)
-        xclip = shutil.which("xclip", path=path)
-        if xclip and env.get("DISPLAY"):
-            return (xclip, "-selection", "clipboard")
-        return None
+        return unix_clipboard_command(env)
 
 
 def _windows_pid_alive(pid: int) -> bool:

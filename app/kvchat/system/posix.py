@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import shutil
 import signal
 import sys
 import time
@@ -15,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvchat.system.api import CpuInfo, Listener, LockBusy, ProcessUsage
+from kvchat.system.api import CpuInfo, Listener, LockBusy, ProcessUsage, unix_clipboard_command
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only: fault the pages in at once
 # Buffers one preadv call takes.
@@ -215,22 +214,7 @@ class PosixSystem:
         return ProcessUsage(cpu, rss)
 
     def clipboard_command(self, env: Mapping[str, str]) -> tuple[str, ...] | None:
-        return _clipboard_command(env)
-
-
-def _clipboard_command(env: Mapping[str, str]) -> tuple[str, ...] | None:
-    """``wl-copy`` needs a Wayland session and ``xclip`` an X display; ``pbcopy`` is macOS's."""
-    path = env.get("PATH")
-    wl_copy = shutil.which("wl-copy", path=path)
-    if wl_copy and env.get("WAYLAND_DISPLAY"):
-        return (wl_copy,)
-    xclip = shutil.which("xclip", path=path)
-    if xclip and env.get("DISPLAY"):
-        return (xclip, "-selection", "clipboard")
-    pbcopy = shutil.which("pbcopy", path=path)
-    if pbcopy:
-        return (pbcopy,)
-    return None
+        return unix_clipboard_command(env)
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -169,6 +169,7 @@ def os_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """Each of kvchat.system's implementations in turn (also in processes started here)."""
     monkeypatch.setenv(system.PLATFORM_ENV, request.param)
     yield system.use(request.param)
+    monkeypatch.delenv(system.PLATFORM_ENV)  # before use(None), or it would choose it again
     system.use(None)
 
 
