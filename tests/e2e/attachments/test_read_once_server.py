@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.engine import common_prefix
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 from tests.e2e.attachments.test_read_once import chatml_tokens, manual
 from tests.e2e.server.test_server import Server
 
@@ -47,11 +47,11 @@ def test_with_server_the_reading_is_a_slot_file_the_next_conversation_restores(
 ) -> None:
     home = tmp_path / "home"
     flags = [*GREEDY, "--json", "--server", server.url]
-    first = run_cli(home, "ask", "--new", "-a", str(document), FIRST, *flags).json
+    first = run_cli_here(home, "ask", "--new", "-a", str(document), FIRST, *flags).json
     assert first["restore"]["from"] == "none" and first["snapshot"]["error"] is None
     baseline_home = copy_home(home, "baseline")
-    second = run_cli(home, "ask", "--new", "-a", str(document), SECOND, *flags).json
-    baseline = run_cli(
+    second = run_cli_here(home, "ask", "--new", "-a", str(document), SECOND, *flags).json
+    baseline = run_cli_here(
         baseline_home, "ask", "--new", "-a", str(document), SECOND, "--no-restore", *flags
     ).json
 
@@ -71,9 +71,9 @@ def test_with_openai_the_text_is_sent_and_the_servers_cached_tokens_are_shown(
 ) -> None:
     home = tmp_path / "home"
     flags = [*GREEDY, "--openai", f"{server.url}/v1"]
-    first = run_cli(home, "ask", "--new", "-a", str(document), FIRST, "--json", *flags).json
+    first = run_cli_here(home, "ask", "--new", "-a", str(document), FIRST, "--json", *flags).json
     assert first["remote"]["figures"] == "usage+timings"
-    second = run_cli(home, "ask", "--new", "-a", str(document), SECOND, *flags)
+    second = run_cli_here(home, "ask", "--new", "-a", str(document), SECOND, *flags)
     wanted = chatml_tokens(BLOCK, SECOND)
     shared = common_prefix(chatml_tokens(BLOCK, FIRST), wanted)
     line = (
@@ -88,8 +88,8 @@ def test_the_library_reads_ahead_with_kvchats_own_engine_only(
 ) -> None:
     home = tmp_path / "home"
     for flags in (["--server", server.url], ["--openai", f"{server.url}/v1"]):
-        refused = run_cli(home, "docs", "add", str(document), *flags, check=False)
+        refused = run_cli_here(home, "docs", "add", str(document), *flags, check=False)
         assert refused.returncode == 2 and refused.stdout == ""
         (line,) = refused.stderr.strip().splitlines()
         assert line.startswith("kvchat: kvchat docs reads documents ahead with kvchat's own")
-    assert run_cli(home, "docs", "list", "--json").json == {"documents": []}
+    assert run_cli_here(home, "docs", "list", "--json").json == {"documents": []}

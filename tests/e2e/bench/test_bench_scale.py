@@ -18,7 +18,7 @@ from kvchat.bench.scale import (
     measure_search,
 )
 from kvchat.config import Settings
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 
 
 def test_first_paint_and_its_memory_grow_less_than_half_from_100_to_1000_sessions(tmp_path):
@@ -27,7 +27,7 @@ def test_first_paint_and_its_memory_grow_less_than_half_from_100_to_1000_session
         home = tmp_path / f"home-{n}"
         built = build_home(home, n, 2, tmp_path)
         assert built.imported == 2 * n
-        listed = run_cli(home, "list", "--json", "--limit", "1").json
+        listed = run_cli_here(home, "list", "--json", "--limit", "1").json
         assert listed[0]["title"].startswith(NEWEST_TITLE) and listed[0]["messages"] == 2
         figures[n] = first_paint(home, 3, shows=NEWEST_TITLE)
     paint = figures[1000]["total_ms"] / figures[100]["total_ms"]
@@ -44,7 +44,7 @@ def test_search_and_list_figures_count_what_they_read(tmp_path):
     measure_search(Settings(), home, built, 1)
     assert built.search_hits == {"rare": rare_hits(300, 10), "common": 50}  # 50: one page
     assert rare_hits(300, 10) == 3
-    hits = run_cli(home, "list", "--json").json
+    hits = run_cli_here(home, "list", "--json").json
     assert len(hits) == 300
     measure_list(home, built, 1)
     assert built.list_ms > 0 and built.list_all_ms > 0
@@ -61,7 +61,7 @@ def test_long_session_switches_jumps_and_streams_as_the_scale_bench_times_it(tmp
     build_home(home, 4, 2, tmp_path)
     long = add_long_session(home, 300, tmp_path, sizes=(1, 1))
     assert long.messages == 300
-    listed = run_cli(home, "list", "--json").json
+    listed = run_cli_here(home, "list", "--json").json
     assert listed[0]["title"].startswith(NEWEST_TITLE)  # the long one second, reachable
     assert listed[1]["title"].startswith(LONG_TITLE) and listed[1]["messages"] == 300
     measure_long(home, long, keys=20, rounds=1, n_ctx=768)

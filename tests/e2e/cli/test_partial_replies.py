@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import FAST, REPO, run_cli
+from tests.conftest import FAST, REPO, run_cli_here
 from tests.e2e.cli.test_input_validation import _env
 
 # --- item 4: cut replies: never a broken character; "stopped at the token limit"; continue -----
@@ -56,13 +56,13 @@ def test_ask_continue_appends_to_the_last_reply(one_turn_home, copy_home) -> Non
     source, turn = one_turn_home
     home = copy_home(source, "continue-home")
     session = turn["session"]
-    before = run_cli(home, "export", session, "--format", "json").json["messages"]
-    result = run_cli(home, "ask", "--continue", "--session", session, "--json", *FAST)
+    before = run_cli_here(home, "export", session, "--format", "json").json["messages"]
+    result = run_cli_here(home, "ask", "--continue", "--session", session, "--json", *FAST)
     more = result.json["reply"]
-    after = run_cli(home, "export", session, "--format", "json").json["messages"]
+    after = run_cli_here(home, "export", session, "--format", "json").json["messages"]
     assert len(after) == len(before)
     assert after[-1]["content"] == before[-1]["content"] + more
-    bad = run_cli(home, "ask", "--continue", "Hi", check=False)
+    bad = run_cli_here(home, "ask", "--continue", "Hi", check=False)
     assert bad.returncode == 2 and "--session" in bad.stderr
 
 
@@ -116,10 +116,10 @@ def test_a_killed_ask_leaves_its_partial_reply(kvhome: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
-    sessions = run_cli(kvhome, "list", "--json").json
+    sessions = run_cli_here(kvhome, "list", "--json").json
     assert len(sessions) == 1
     session = sessions[0]["id"]
-    messages = run_cli(kvhome, "export", session, "--format", "json").json["messages"]
+    messages = run_cli_here(kvhome, "export", session, "--format", "json").json["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"]
     reply = messages[1]
     assert reply.get("partial") is True

@@ -28,7 +28,7 @@ import pytest
 
 from kvchat.config import Settings
 from kvchat.service.chat import ChatService
-from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli
+from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli, run_cli_here
 
 DEFAULT_CASES = 16
 GREEDY = dict(temperature=0.0, max_tokens=8, n_ctx=1024)
@@ -429,12 +429,12 @@ def _fill(directory: Path, leave: int) -> None:
 def test_a_full_disk_gives_one_clear_line_and_keeps_the_reply(small_disk, tmp_path: Path):
     disk = small_disk(64)
     home = disk / "home"
-    first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
+    first = run_cli_here(home, "ask", "--new", "Hi", "--json", *FAST).json
     session = first["session"]
     _fill(disk, leave=256 * 1024)  # room for the database's messages, not for KV
     said_full, kept = [], []
     for i in range(6):
-        result = run_cli(
+        result = run_cli_here(
             home, "ask", "--session", session, f"Next {i}?", "--json", *FAST, check=False
         )
         assert_clean(result)
@@ -462,11 +462,11 @@ def test_a_full_disk_gives_one_clear_line_and_keeps_the_reply(small_disk, tmp_pa
         ["ask", "--session", session, "Still there?", *FAST],
         ["export", session],
     ):
-        assert_clean(run_cli(home, *args, check=False))
+        assert_clean(run_cli_here(home, *args, check=False))
     (disk / "filler").unlink()
     messages, _ = db_state(home)
     assert [c for (_, r, c) in messages if r == "user"][:2] == ["Hi", "Next 0?"]
-    resumed = run_cli(home, "ask", "--session", session, "And now?", "--json", *FAST)
+    resumed = run_cli_here(home, "ask", "--session", session, "And now?", "--json", *FAST)
     assert_clean(resumed)
 
 

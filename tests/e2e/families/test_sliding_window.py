@@ -25,7 +25,7 @@ from kvchat.kvcache.state import ranges as kvlayout
 from kvchat.planner import read_gguf
 from kvchat.planner.plan import PlanConfig, memory_at, window_cells
 from kvchat.service.chat import ChatService
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 from tests.e2e.families.test_families import (
     FLAGS,
     KV_LOG,
@@ -364,12 +364,12 @@ def test_gemma3_270m_keeps_windows_and_resumes_2000_tokens_exactly(
     assert windowed / total == pytest.approx((3 * 4096 + 15 * 1024) / (18 * 4096), rel=0.01)
 
     flags = [*FLAGS, "--n-ctx", "4096", "--model", str(gemma3_270m), "--chat-template", "gemma"]
-    first = run_cli(kvhome, "ask", "--new", HISTORY, "--json", *flags).json
+    first = run_cli_here(kvhome, "ask", "--new", HISTORY, "--json", *flags).json
     session = first["session"]
     assert first["tokens"]["prompt"] > 1900
     resumed_home, full_home = copies(kvhome, tmp_path, "resumed", "full-2")
-    resumed = run_cli(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
-    full = run_cli(
+    resumed = run_cli_here(resumed_home, "ask", "--session", session, SECOND, "--json", *flags).json
+    full = run_cli_here(
         full_home, "ask", "--session", session, SECOND, "--no-restore", "--json", *flags
     ).json
     assert resumed["restore"]["from"] == "disk", resumed["restore"]["reason"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, run_cli_here
 from tests.unit.planner.test_model_stores import stores, tiny
 
 __all__ = ["stores", "tiny"]  # fixtures shared with the module they come from
@@ -14,15 +14,15 @@ __all__ = ["stores", "tiny"]  # fixtures shared with the module they come from
 
 def test_a_model_in_ollamas_store_replies_and_resumes_by_name(stores: Path, kvhome: Path) -> None:
     env = {"HOME": os.environ["HOME"]}
-    listed = run_cli(kvhome, "models", "list", "--local", "--json", env=env).json["models"]
+    listed = run_cli_here(kvhome, "models", "list", "--local", "--json", env=env).json["models"]
     row = next(r for r in listed if r["name"] == "ollama:tiny:latest")
     assert row["usable"] and row["attention"] == "GQA" and row["architecture"] == "llama"
-    first = run_cli(
+    first = run_cli_here(
         kvhome, "--model", "ollama:tiny", "ask", "--new", "Hi", "--json", *FAST, env=env
     )
     report = first.json
     assert report["tokens"]["reused"] == 0
-    again = run_cli(
+    again = run_cli_here(
         kvhome,
         "--model",
         "ollama:tiny:latest",
@@ -36,5 +36,5 @@ def test_a_model_in_ollamas_store_replies_and_resumes_by_name(stores: Path, kvho
     ).json
     assert again["restore"]["from"] == "disk"
     assert again["tokens"]["reused"] == again["restore"]["tokens"] > 0
-    missing = run_cli(kvhome, "--model", "ollama:nothing", "ask", "Hi", env=env, check=False)
+    missing = run_cli_here(kvhome, "--model", "ollama:nothing", "ask", "Hi", env=env, check=False)
     assert missing.returncode == 2 and "models list --local" in missing.stderr

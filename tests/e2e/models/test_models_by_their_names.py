@@ -10,7 +10,7 @@ from pathlib import Path
 from kvchat.config import load_settings
 from kvchat.service.chat import ChatService
 from kvchat.store import Store
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, run_cli_here
 from tests.unit.planner.test_model_stores import stores, tiny
 
 __all__ = ["stores", "tiny"]  # fixtures shared with the module they come from
@@ -19,17 +19,17 @@ __all__ = ["stores", "tiny"]  # fixtures shared with the module they come from
 def test_plan_and_model_take_store_names_with_or_without_prefix(stores: Path, kvhome: Path) -> None:
     env = {"HOME": os.environ["HOME"]}
     for spec in ("ollama:tiny", "ollama:tiny:latest", "tiny", "tiny:latest", "someone/helper:v1"):
-        plan = run_cli(kvhome, "models", "plan", spec, env=env, check=False)
+        plan = run_cli_here(kvhome, "models", "plan", spec, env=env, check=False)
         assert plan.returncode == 0, (spec, plan.stderr)
         assert "llama" in plan.stdout, spec
-    missed = run_cli(kvhome, "models", "plan", "tiyn", env=env, check=False)
+    missed = run_cli_here(kvhome, "models", "plan", "tiyn", env=env, check=False)
     assert missed.returncode == 2
     assert missed.stderr.count("\n") == 1
     assert "did you mean 'ollama:tiny:latest'?" in missed.stderr
-    store_miss = run_cli(kvhome, "--model", "ollama:tinny", "ask", "Hi", env=env, check=False)
+    store_miss = run_cli_here(kvhome, "--model", "ollama:tinny", "ask", "Hi", env=env, check=False)
     assert store_miss.returncode == 2
     assert "did you mean 'ollama:tiny:latest'?" in store_miss.stderr
-    reply = run_cli(kvhome, "--model", "tiny", "ask", "--new", "Hi", "--json", *FAST, env=env)
+    reply = run_cli_here(kvhome, "--model", "tiny", "ask", "--new", "Hi", "--json", *FAST, env=env)
     assert reply.json["tokens"]["reused"] == 0 and reply.json["tokens"]["generated"] > 0
 
 

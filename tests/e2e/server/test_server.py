@@ -26,7 +26,7 @@ from kvchat.engine.server_build import ServerPlan, find_binary
 from kvchat.engine.server_http import ServerError, normalize_url
 from kvchat.kvcache.server_tiers import identity_mismatch, slot_file_name
 from kvchat.paths import bundled_model_path
-from tests.conftest import REPO, clean_env, probe_says_repack, run_cli, run_cli_here
+from tests.conftest import REPO, clean_env, probe_says_repack, run_cli_here
 
 GREEDY = ["--temperature", "0", "--max-tokens", "24"]
 N_CTX = 1024  # per slot
@@ -147,7 +147,7 @@ def test_a_second_process_resumes_from_the_server_and_after_a_server_restart(
     third = ask(home, server.url, "--session", session, "Why?").json
     assert third["restore"]["from"] == "server", third["restore"]
     assert third["tokens"]["decoded"] < 64
-    cache = run_cli(home, "--server", server.url, "cache", "--json").json
+    cache = run_cli_here(home, "--server", server.url, "cache", "--json").json
     assert cache["server"]["url"] == server.url and cache["disk"]["snapshots"] == 1
     assert cache["counters"]["restores_disk"] == 2
     assert cache["counters"]["tokens_restored"] == (
@@ -331,7 +331,7 @@ def test_server_url_and_names_are_checked() -> None:
 
 
 def test_kvchat_server_prints_a_command_line_that_fits(tmp_path: Path) -> None:
-    out = run_cli(tmp_path / "home", "server", "--port", "9000", "--slots", "3").stdout
+    out = run_cli_here(tmp_path / "home", "server", "--port", "9000", "--slots", "3").stdout
     args = out.split()
     assert args[args.index("--parallel") + 1] == "3"
     assert args[args.index("--ctx-size") + 1] == str(3 * load_settings().n_ctx)
@@ -342,7 +342,7 @@ def test_kvchat_server_prints_a_command_line_that_fits(tmp_path: Path) -> None:
 
 def test_kvchat_config_names_the_engine_and_server_and_hides_the_key(tmp_path: Path) -> None:
     env = {"KVCHAT_SERVER_API_KEY": "very-secret"}
-    out = run_cli(tmp_path / "home", "--server", "gpu-box:8080", "config", env=env).stdout
+    out = run_cli_here(tmp_path / "home", "--server", "gpu-box:8080", "config", env=env).stdout
     assert "llama-server" in out and "gpu-box:8080" in out
     assert "very-secret" not in out and "(set)" in out
 

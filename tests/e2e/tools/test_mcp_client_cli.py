@@ -1,5 +1,6 @@
-"""``kvchat tools list / call / import`` as a user runs them: `kvchat` processes, kvchat's
-config file, the SDK's server (tests/mcp_server.py) over stdio."""
+"""``kvchat tools list / call / import`` as a user runs them: the `kvchat` command (in the
+test's process, as ``run_cli_here`` runs it; a process where a read must be cut by its
+time cap), kvchat's config file, the SDK's server (tests/mcp_server.py) over stdio."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from kvchat.config import Settings
 from kvchat.service.chat import ChatService
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_cli_here
 from tests.faults.hostile_http import is_one_clean_line
 from tests.mcp_server import TOKENS_TEXT
 
@@ -52,7 +53,7 @@ def test_list_shows_servers_state_and_tools(tmp_path: Path):
         + '[mcp.servers."bad.name"]\ncommand = "x"\n'
         + '[mcp.servers.both]\ncommand = "x"\nurl = "http://127.0.0.1:1/"\n',
     )
-    listed = run_cli(home, "tools", "list", "--json").json
+    listed = run_cli_here(home, "tools", "list", "--json").json
     servers = {row["name"]: row for row in listed["servers"]}
     assert set(servers) == {"notes", "missing", "later", "server4", "both"}
     notes = servers["notes"]
@@ -76,27 +77,27 @@ def test_list_shows_servers_state_and_tools(tmp_path: Path):
         servers["both"]["error"] == "give either command (a stdio server) or url (an HTTP server)"
     )
 
-    text = run_cli(home, "tools", "list").stdout
+    text = run_cli_here(home, "tools", "list").stdout
     assert "notes  stdio  running  8 tools" in text
     assert "  notes.add  Add two integers." in text
     assert "later  stdio  off" in text
 
 
 def test_list_with_no_servers_says_how_to_add_one(tmp_path: Path):
-    result = run_cli(tmp_path / "home", "tools", "list")
+    result = run_cli_here(tmp_path / "home", "tools", "list")
     assert result.stdout.startswith("no MCP servers configured: add [mcp.servers.NAME] to ")
 
 
 def test_call_prints_the_whole_result_and_each_failure_is_one_line(tmp_path: Path):
     home = tmp_path / "home"
     write_config(home, notes_server() + '[mcp.servers.later]\ncommand = "x"\nenabled = false\n')
-    assert run_cli(home, "tools", "call", "notes.add", '{"a": 2, "b": 40}').stdout == "42\n"
-    assert run_cli(home, "tools", "call", "notes.tokens").stdout == TOKENS_TEXT + "\n"
-    huge = run_cli(home, "tools", "call", "notes.huge", '{"mib": 1}')
+    assert run_cli_here(home, "tools", "call", "notes.add", '{"a": 2, "b": 40}').stdout == "42\n"
+    assert run_cli_here(home, "tools", "call", "notes.tokens").stdout == TOKENS_TEXT + "\n"
+    huge = run_cli_here(home, "tools", "call", "notes.huge", '{"mib": 1}')
     assert len(huge.stdout) == 1024 * 1024 + 1
     assert huge.stderr == "kvchat: a model would read the first 16,125 characters\n"
 
-    error = run_cli(home, "tools", "call", "notes.read_note", '{"name": "x"}', check=False)
+    error = run_cli_here(home, "tools", "call", "notes.read_note", '{"name": "x"}', check=False)
     assert error.returncode == 1 and "no note named 'x'" in error.stdout
 
     failures = {
@@ -111,7 +112,7 @@ def test_call_prints_the_whole_result_and_each_failure_is_one_line(tmp_path: Pat
         ("noserver", "{}"): "name a tool as SERVER.TOOL, not noserver",
     }
     for args, line in failures.items():
-        assert one_line_failure(run_cli(home, "tools", "call", *args, check=False)) == line
+        assert one_line_failure(run_cli_here(home, "tools", "call", *args, check=False)) == line
 
 
 def test_call_with_a_session_stores_the_result_in_the_conversation(tmp_path: Path, kvhome: Path):
@@ -120,7 +121,7 @@ def test_call_with_a_session_stores_the_result_in_the_conversation(tmp_path: Pat
     session = service.sessions.new_session("tools from the shell")
     service.close()
 
-    result = run_cli(kvhome, "tools", "call", "notes.tokens", "--session", session.id)
+    result = run_cli_here(kvhome, "tools", "call", "notes.tokens", "--session", session.id)
     assert result.stdout == TOKENS_TEXT + "\n"
     assert result.stderr.startswith("kvchat: notes.tokens: done in ")
     assert f"kvchat: stored in session {session.id} as message " in result.stderr
@@ -137,7 +138,9 @@ def test_call_with_a_session_stores_the_result_in_the_conversation(tmp_path: Pat
         )
     finally:
         service.close()
-    missing = run_cli(kvhome, "tools", "call", "notes.add", "{}", "--session", "nope", check=False)
+    missing = run_cli_here(
+        kvhome, "tools", "call", "notes.add", "{}", "--session", "nope", check=False
+    )
     assert missing.returncode == 2 and "nope" in missing.stderr
 
 
@@ -160,7 +163,7 @@ def test_import_adds_claude_and_vscode_servers_to_the_config(tmp_path: Path):
             }
         )
     )
-    result = run_cli(home, "tools", "import", str(claude))
+    result = run_cli_here(home, "tools", "import", str(claude))
     config = home / "config.toml"
     assert (
         result.stdout
@@ -176,7 +179,7 @@ def test_import_adds_claude_and_vscode_servers_to_the_config(tmp_path: Path):
     servers = tomllib.loads(config.read_text())["mcp"]["servers"]
     assert servers["my-files"]["env"] == {"TOKEN": '${input:token} "quoted"\\ \x7f'}
     assert servers["notes"] == {"command": sys.executable, "args": [SERVER], "enabled": False}
-    listed = run_cli(home, "tools", "list", "--json").json["servers"]
+    listed = run_cli_here(home, "tools", "list", "--json").json["servers"]
     assert [(row["name"], row["status"]) for row in listed] == [
         ("my-files", "off"),
         ("notes", "off"),
@@ -193,7 +196,7 @@ def test_import_adds_claude_and_vscode_servers_to_the_config(tmp_path: Path):
             }
         )
     )
-    again = run_cli(home, "tools", "import", str(vscode), "--enable")
+    again = run_cli_here(home, "tools", "import", str(vscode), "--enable")
     assert again.stdout.splitlines() == [
         f"already in {config}, left as they are: notes",
         f"added 1 to {config} (on): web",
@@ -223,20 +226,20 @@ def test_import_of_a_file_that_is_not_an_mcp_config_is_one_line_and_writes_nothi
     for name, data in cases.items():
         path = tmp_path / name
         path.write_bytes(data)
-        line = one_line_failure(run_cli(home, "tools", "import", str(path), check=False))
+        line = one_line_failure(run_cli_here(home, "tools", "import", str(path), check=False))
         assert str(path) in line or name in line, line
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)  # nobody writes: a plain open would wait forever
     line = one_line_failure(run_cli(home, "tools", "import", str(fifo), check=False, timeout=60))
     assert line == f"{fifo} is not a regular file"
-    missing = run_cli(home, "tools", "import", str(tmp_path / "absent.json"), check=False)
+    missing = run_cli_here(home, "tools", "import", str(tmp_path / "absent.json"), check=False)
     assert missing.returncode == 2 and is_one_clean_line(missing.stderr.rstrip("\n"))
     assert not (home / "config.toml").exists()
 
     write_config(home, "[mcp]\nservers = { a = { command = 'x' } }\n")
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"mcpServers": {"b": {"command": "y"}}}))
-    refused = one_line_failure(run_cli(home, "tools", "import", str(good), check=False))
+    refused = one_line_failure(run_cli_here(home, "tools", "import", str(good), check=False))
     assert refused.startswith("the config would not read back")
     assert (home / "config.toml").read_text() == "[mcp]\nservers = { a = { command = 'x' } }\n"
 
@@ -250,15 +253,15 @@ def test_a_server_sending_bad_json_leaves_stderr_quiet(tmp_path: Path):
     try:
         home = tmp_path / "home"
         write_config(home, f'[mcp.servers.bad]\nurl = "{server.url}/mcp"\ntimeout_s = 5\n')
-        listed = run_cli(home, "tools", "list")
+        listed = run_cli_here(home, "tools", "list")
         assert listed.stderr == "" and "bad  http  running  1 tools" in listed.stdout
-        line = one_line_failure(run_cli(home, "tools", "call", "bad.echo", "{}", check=False))
+        line = one_line_failure(run_cli_here(home, "tools", "call", "bad.echo", "{}", check=False))
         # mcp 2 fails the call at once; mcp 1.x drops the bad answer and the cap ends it.
         assert line.startswith(("bad.echo failed: ", "bad.echo gave no result within 5 s"))
         write_config(
             home, f'[mcp.servers.worse]\nurl = "{server.url}/broken-start"\ntimeout_s = 5\n'
         )
-        listed = run_cli(home, "tools", "list")
+        listed = run_cli_here(home, "tools", "list")
         assert listed.stderr == ""
         assert "server worse could not start: " in listed.stdout or (
             "server worse did not start and list its tools within 5 s" in listed.stdout  # 1.x
@@ -275,12 +278,13 @@ def test_config_names_the_servers_and_never_prints_their_env_or_headers(tmp_path
         '[mcp.servers.web]\nurl = "http://127.0.0.1:1/mcp"\nenabled = false\n'
         'headers = { Authorization = "Bearer secret-header-value" }\n',
     )
-    shown = run_cli(home, "config", "--json")
+    shown = run_cli_here(home, "config", "--json")
     assert shown.json["settings"]["mcp"]["value"] == "files, web (off) (kvchat tools list)"
-    text = run_cli(home, "config").stdout
+    text = run_cli_here(home, "config").stdout
     assert "files, web (off) (kvchat tools list)" in text
     for output in (shown.stdout, text):
         assert "secret-env-value" not in output and "secret-header-value" not in output
     assert (
-        run_cli(tmp_path / "empty", "config", "--json").json["settings"]["mcp"]["value"] == "none"
+        run_cli_here(tmp_path / "empty", "config", "--json").json["settings"]["mcp"]["value"]
+        == "none"
     )

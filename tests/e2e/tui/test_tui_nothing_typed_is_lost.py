@@ -225,18 +225,18 @@ async def test_a_reply_cut_by_kvchat_ask_shows_the_mark_in_the_app_and_the_json_
 ) -> None:
     import json
 
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli_here
     from tests.e2e.tui.test_tui_relaunch_and_continue import quit_app
 
     prompt = "Write a long poem about the sea."
-    asked = run_cli(kvhome, "ask", "--max-tokens", "4", "--temperature", "0", prompt)
+    asked = run_cli_here(kvhome, "ask", "--max-tokens", "4", "--temperature", "0", prompt)
     assert "stopped at the token limit" in asked.stderr
-    sessions = run_cli(kvhome, "list", "--json").json
+    sessions = run_cli_here(kvhome, "list", "--json").json
     session_id = sessions[0]["id"]
-    exported = json.loads(run_cli(kvhome, "export", session_id, "--format", "json").stdout)
+    exported = json.loads(run_cli_here(kvhome, "export", session_id, "--format", "json").stdout)
     meta = exported["message_meta"]
     assert [m["finish_reason"] for m in meta] == [None, "length"]
-    markdown = run_cli(kvhome, "export", session_id).stdout
+    markdown = run_cli_here(kvhome, "export", session_id).stdout
     assert "## Assistant _(stopped at the token limit)_" in markdown
 
     for _ in range(2):  # a launch, then a restart: the mark comes from the store
@@ -369,7 +369,7 @@ async def test_settings_say_a_new_system_prompt_rereads_the_conversation(kvhome:
 
 async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Path) -> None:
     from kvchat.service.chat import ChatService
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli_here
     from tests.e2e.tui.test_tui_relaunch_and_continue import make_settings, quit_app
 
     service = ChatService(make_settings())
@@ -390,7 +390,7 @@ async def test_new_chats_that_never_got_a_message_are_gone_after_quit(kvhome: Pa
         await wait_until(lambda: len(main.sessions.rows) == 4)
         await quit_app(app)
 
-    listed = run_cli(kvhome, "list", "--json").json
+    listed = run_cli_here(kvhome, "list", "--json").json
     assert sorted(s["id"] for s in listed) == sorted([used, kept_empty.id])
     again = make_app()
     async with again.run_test(size=SIZE):

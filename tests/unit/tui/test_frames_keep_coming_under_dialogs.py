@@ -46,6 +46,9 @@ DIALOGS = {
     "f3 ctrl+p": "CommandPalette",
     "ctrl+g ctrl+p": "CommandPalette",
 }
+# The default run opens one of each kind (a dialog, a search screen, a refusal, two stacked
+# screens); ``stress`` opens every one.
+SAMPLE = ("f3", "ctrl+f", "f9", "ctrl+g ctrl+p")
 
 
 class StreamingService(StandInService):
@@ -108,8 +111,15 @@ def shown_text(main: MainScreen) -> str:
     return turn.view.text if turn is not None and turn.view is not None else ""
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [
+        pytest.param(SAMPLE, id="sample"),
+        pytest.param(tuple(DIALOGS), id="every", marks=pytest.mark.stress),
+    ],
+)
 async def test_frames_keep_coming_with_each_dialog_open_during_a_reply(
-    service: StreamingService,
+    service: StreamingService, keys: tuple[str, ...]
 ) -> None:
     app = KvchatApp(service.host.settings, service, cursor_blink=False)
     drawn: list[int] = []  # the token count the status bar showed, frame by frame
@@ -131,7 +141,7 @@ async def test_frames_keep_coming_with_each_dialog_open_during_a_reply(
         await pilot.press("enter")
         await wait_until(lambda: shown_text(main))
         try:
-            await _each_dialog(app, main, pilot.press, drawn)
+            await _each_dialog(app, main, pilot.press, drawn, keys)
         finally:  # the reply stops (its thread would run on past a failure)
             if main.turn is not None:
                 main.turn.cancel.set()
@@ -142,10 +152,15 @@ async def test_frames_keep_coming_with_each_dialog_open_during_a_reply(
 
 
 async def _each_dialog(
-    app: KvchatApp, main: MainScreen, press: Callable[..., Any], drawn: list[int]
+    app: KvchatApp,
+    main: MainScreen,
+    press: Callable[..., Any],
+    drawn: list[int],
+    keys: tuple[str, ...],
 ) -> None:
-    """Open each dialog in turn while the reply streams; frames must keep coming."""
-    for key, dialog in DIALOGS.items():
+    """Open each dialog of ``keys`` in turn while the reply streams; frames must keep coming."""
+    for key in keys:
+        dialog = DIALOGS[key]
         start, shown = len(drawn), len(shown_text(main))
         for one in key.split():
             await press(one)
