@@ -121,13 +121,15 @@ def run_bench(
     repeat: int = 5,
     tiers: bool = True,
     layouts: bool = True,
+    threads: bool = True,
     write_turns: int = 12,
     forks: int = 5,
     reporter: Reporter | None = None,
 ) -> BenchReport:
-    """Measure each size's resume against a re-read and llama.cpp's loader; then writes per
-    turn, forks and the other V layout (each when asked). ``reporter`` gets the estimate
-    (once the prefill speed is measured), each step and what was found."""
+    """Measure the thread count in use against the physical cores, then each size's resume
+    against a re-read and llama.cpp's loader; then writes per turn, forks and the other V
+    layout (each but the resume when asked). ``reporter`` gets the estimate (once the
+    prefill speed is measured), each step and what was found."""
     out = reporter or Reporter()
     say = out.say
     report = BenchReport()
@@ -139,7 +141,7 @@ def run_bench(
         engine = service.load_engine()
         report.machine = machine(engine)
         say(machine_line(report.machine))
-        report.threads = _bench_threads(engine)
+        report.threads = _bench_threads(engine) if threads else {}
         if report.threads.get("speeds"):
             say(threads_line(report.threads))
         fitting = [t for t in sizes if t + 200 <= engine.n_ctx]

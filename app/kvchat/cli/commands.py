@@ -606,6 +606,11 @@ def _write_private(path: Path, text: str) -> None:
 )
 @click.option("--no-tiers", is_flag=True, help="Skip the write-per-turn and fork measurements.")
 @click.option(
+    "--no-threads",
+    is_flag=True,
+    help="Skip timing the thread count in use against the physical cores (~10 s).",
+)
+@click.option(
     "--one-layout",
     is_flag=True,
     help="With --full: skip restores in the other V layout (flash attention the other way).",
@@ -671,6 +676,7 @@ def bench(
     sizes: str | None,
     repeat: int | None,
     no_tiers: bool,
+    no_threads: bool,
     one_layout: bool,
     peers: bool,
     docs: bool,
@@ -739,6 +745,7 @@ def bench(
         repeat=repeat,
         tiers=not no_tiers,
         layouts=full and not one_layout,
+        threads=not no_threads,
         write_turns=12 if full else 8,
         reporter=None if as_json else TerminalReporter(),
     )

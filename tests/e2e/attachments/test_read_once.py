@@ -18,7 +18,7 @@ import pytest
 from kvchat.engine import common_prefix
 from kvchat.engine.llama import weight_repack
 from kvchat.paths import bundled_model_path
-from tests.conftest import run_cli
+from tests.conftest import run_cli_here
 
 # Greedy, short replies; room for a ~3,000-token document.
 FLAGS = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "4096", "--json"]
@@ -48,8 +48,8 @@ def chatml_tokens(document_block: str, question: str) -> list[int]:
     return vocab.tokenize(text.encode(), add_bos=False, special=True)
 
 
-# About 1,450 tokens: sharing is exact at any size (kvchat bench --docs measures 2,000-8,000).
-LINES = 50
+# About 730 tokens: sharing is exact at any size (kvchat bench --docs measures 2,000-8,000).
+LINES = 25
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def first_read(
     """A home where the first conversation about the document read it (the one full read
     both tests start from; each works on a copy)."""
     home = tmp_path_factory.mktemp("first-read") / "home"
-    first = run_cli(home, "ask", "--new", "-a", str(document), FIRST, *FLAGS).json
+    first = run_cli_here(home, "ask", "--new", "-a", str(document), FIRST, *FLAGS).json
     return home, first
 
 
@@ -75,9 +75,9 @@ def test_a_second_conversation_restores_the_document_and_decodes_only_its_questi
 ) -> None:
     source, first = first_read
     assert first["restore"]["from"] == "none"
-    assert first["tokens"]["decoded"] == first["tokens"]["prompt"] > 1_200
+    assert first["tokens"]["decoded"] == first["tokens"]["prompt"] > 600
     (read,) = first["documents"]
-    assert read["name"] == "valves.txt" and read["tokens"] > 1_200
+    assert read["name"] == "valves.txt" and read["tokens"] > 600
 
     home = copy_home(source, "second")
     baseline_home = copy_home(source, "baseline")

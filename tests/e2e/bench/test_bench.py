@@ -82,8 +82,10 @@ def test_e2e_bench_with_a_quantized_v_cache_says_why_one_layout(kvhome: Path, cl
 
 def test_e2e_bench_reads_in_words_with_an_estimate_and_a_bar(kvhome: Path, cli) -> None:
     """The default run (one size here, small): the estimate and the bar on stderr, the
-    headline first on stdout, then the table with one line per column; one V layout."""
-    result = cli(kvhome, "bench", "--sizes", "300", "--repeat", "1", "--no-tiers")
+    headline first on stdout, then the table with one line per column; one V layout; no
+    thread timing when told (the JSON test above times them)."""
+    result = cli(kvhome, "bench", "--sizes", "300", "--repeat", "1", "--no-tiers", "--no-threads")
+    assert not any(line.startswith("threads: ") for line in result.stdout.splitlines())
     err = result.stderr.splitlines()
     estimate = next(line for line in err if line.startswith("this will take about "))
     assert "prompts read at" in estimate

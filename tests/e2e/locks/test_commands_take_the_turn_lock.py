@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import FAST, REPO, clean_env, run_cli
+from tests.conftest import FAST, REPO, clean_env, run_cli_here
 
 LONG = ["--temperature", "0", "--max-tokens", "600", "--n-ctx", "2048"]
 
@@ -59,9 +59,9 @@ def _streaming(home: Path, session: str) -> subprocess.Popen[str]:
 
 def test_fork_export_and_gc_wait_for_a_streaming_reply(tmp_path):
     home = tmp_path / "home"
-    first = run_cli(home, "ask", "--new", "Hi", "--json", *FAST).json
+    first = run_cli_here(home, "ask", "--new", "Hi", "--json", *FAST).json
     session = first["session"]
-    idle = run_cli(home, "ask", "--new", "Hello there", "--json", *FAST).json["session"]
+    idle = run_cli_here(home, "ask", "--new", "Hello there", "--json", *FAST).json["session"]
     bundle = tmp_path / "b.kvchat"
     turn = _streaming(home, session)
     try:
@@ -90,7 +90,7 @@ def test_fork_export_and_gc_wait_for_a_streaming_reply(tmp_path):
     assert session in kept and idle not in kept
 
     # Once the turn has ended, the fork holds the whole reply, not a cut one.
-    child = run_cli(home, "fork", session, "--json").json
+    child = run_cli_here(home, "fork", session, "--json").json
     rows = db.execute(
         "SELECT content, partial FROM messages WHERE session_id=? ORDER BY id", (child["session"],)
     ).fetchall()

@@ -60,16 +60,16 @@ def test_plain_ask_streams_the_reply_and_reports_on_stderr(kvhome: Path, cli):
 
 # --- KV per setting (issue 11 item 3) ---------------------------------------------------------
 
-NORMAL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "2048", "--threads", "1"]
-SMALL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "1024", "--threads", "1"]
+NORMAL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "1024", "--threads", "1"]
+SMALL = ["--temperature", "0", "--max-tokens", "16", "--n-ctx", "512", "--threads", "1"]
 _NOTE_WORDS = (
     "river mountain library garden engine signal theory market history music science planet "
     "ocean village lantern harbour meadow orchard bridge valley forest desert island canyon"
 ).split()
 
 
-def note(i: int, words: int = 170) -> str:
-    """A long user message (~250 tokens) that differs per turn: history grows fast and cheap."""
+def note(i: int, words: int = 85) -> str:
+    """A long user message (~125 tokens) that differs per turn: history grows fast and cheap."""
     body = " ".join(_NOTE_WORDS[(i * 7 + k * 3) % len(_NOTE_WORDS)] for k in range(words))
     return f"Note {i}: {body}. Reply with one short sentence."
 
@@ -84,13 +84,13 @@ def snapshot_tokens(home: Path, session_id: str) -> int:
 
 @pytest.fixture(scope="module")
 def five_notes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A home holding one session of five long notes and their greedy replies at n_ctx 2048
-    (more than n_ctx 1024 holds), its snapshot saved; built once, copied by each test."""
+    """A home holding one session of five long notes and their greedy replies at n_ctx 1024
+    (more than n_ctx 512 holds), its snapshot saved; built once, copied by each test."""
     from kvchat.config import load_settings
     from kvchat.service.chat import open_service
 
     home = tmp_path_factory.mktemp("five-notes") / "home"
-    settings = load_settings(n_ctx=2048, temperature=0.0, max_tokens=16, n_threads=1)
+    settings = load_settings(n_ctx=1024, temperature=0.0, max_tokens=16, n_threads=1)
     with open_service(settings, home=home) as svc:
         session_id = svc.start(note(0)).session_id
         for i in range(1, 5):
@@ -108,13 +108,13 @@ def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_nor
 ) -> None:
     session_id = _copy_of(five_notes, kvhome)
     long_tokens = snapshot_tokens(kvhome, session_id)
-    assert long_tokens > 1024  # more than n_ctx 1024 holds
+    assert long_tokens > 512  # more than n_ctx 512 holds
 
     small = cli(kvhome, "ask", "--session", session_id, "Which note was first?", "--json", *SMALL)
     small = small.json
     assert small["window"]["dropped_messages"] > 0
-    assert small["restore"]["from"] == "none"  # the long snapshot does not fit n_ctx 1024
-    assert snapshot_tokens(kvhome, session_id) < 1024  # this setting's own snapshot
+    assert small["restore"]["from"] == "none"  # the long snapshot does not fit n_ctx 512
+    assert snapshot_tokens(kvhome, session_id) < 512  # this setting's own snapshot
 
     normal = cli(kvhome, "ask", "--session", session_id, "And the last?", "--json", *NORMAL)
     normal = normal.json
@@ -128,7 +128,7 @@ def test_one_run_with_a_smaller_context_keeps_the_long_snapshot_for_the_next_nor
     # And the small setting's own snapshot was kept for it in turn.
     again = cli(kvhome, "ask", "--session", session_id, "Which note?", "--json", *SMALL).json
     assert again["restore"]["from"] == "disk"
-    assert again["restore"]["tokens"] == again["tokens"]["reused"] < 1024
+    assert again["restore"]["tokens"] == again["tokens"]["reused"] < 512
     assert again["tokens"]["decoded"] < 128
 
 

@@ -587,7 +587,7 @@ async def test_at_80_columns_and_wider_the_sidebar_stays(kvhome: Path) -> None:
 # --- item 13: a long prompt's read shows its progress -------------------------------------------
 
 LONG_MESSAGE = "Summarise these notes.\n" + "\n".join(
-    f"Note {n}: the meeting moved to room {n % 7} on day {n % 5}." for n in range(1, 90)
+    f"Note {n}: the meeting moved to room {n % 7} on day {n % 5}." for n in range(1, 45)
 )
 
 
@@ -608,7 +608,7 @@ async def test_a_long_prompt_shows_tokens_read_and_time_left(kvhome: Path) -> No
                 seen.append(text)
             await asyncio.sleep(0.01)
         report = main.last_report
-        assert report is not None and report.tokens.decoded > 1000
+        assert report is not None and report.tokens.decoded > 500
         read = [re.search(r"([\d,]+) / ([\d,]+) tokens", t) for t in seen]
         pairs = [(int(m[1].replace(",", "")), int(m[2].replace(",", ""))) for m in read if m]
         assert len(pairs) >= 2, seen  # it moved while the prompt was read
