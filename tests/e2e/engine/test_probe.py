@@ -29,7 +29,7 @@ from kvchat.engine.probe import (
 )
 from kvchat.errors import KvchatError
 from kvchat.paths import bundled_model_path
-from tests.conftest import FAST, REPO, clean_env, run_cli
+from tests.conftest import FAST, REPO, clean_env, run_cli, run_cli_here
 
 # The probe measures thread counts only where none is set (the run sets one: tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("threads_unset")
@@ -73,10 +73,10 @@ def test_a_crash_with_repacking_turns_it_off_remembers_and_says_it_once(tmp_path
     again = run_cli(kvhome, "ask", "--new", "And four?", *FAST, env=env)
     assert "weight repacking off" not in again.stderr
     assert _outcomes(tmp_path)[0].when == outcome.when
-    config = run_cli(kvhome, "config", env=env).stdout
+    config = run_cli_here(kvhome, "config", env=env).stdout
     assert "engine probe: weight repacking off" in config
     assert "repack" in config and "probe" in config
-    doctor = run_cli(kvhome, "doctor", env=env).stdout
+    doctor = run_cli_here(kvhome, "doctor", env=env).stdout
     assert "weight repacking off: " + ("not run" if has_amx() else "llama.cpp crashed") in doctor
 
 
@@ -95,7 +95,7 @@ def test_the_repack_setting_overrides_the_probe(tmp_path, kvhome):
     (outcome,) = _outcomes(tmp_path)
     assert outcome.trial.repack is False and outcome.failures == []
     # The probe's choice goes to llama-server's command line too.
-    line = run_cli(kvhome, "server", env={**crashing, "KVCHAT_REPACK": "off"}).stdout
+    line = run_cli_here(kvhome, "server", env={**crashing, "KVCHAT_REPACK": "off"}).stdout
     assert "--no-repack" in line.split()
 
 
@@ -182,7 +182,7 @@ def test_a_segfault_mid_reply_keeps_the_text_and_is_reported_on_the_next_start(
     assert len(crash_lines) == 1 and str(log) in crash_lines[0]
     assert "conversations are intact" in crash_lines[0]
     assert "ended in a crash" not in run_cli(kvhome, "ask", "--new", "Hi", *FAST).stderr
-    doctor = run_cli(kvhome, "doctor").stdout
+    doctor = run_cli_here(kvhome, "doctor").stdout
     assert f"log: {log}" in doctor
 
 
@@ -316,5 +316,5 @@ async def test_the_app_killed_by_sigsegv_mid_reply_loses_nothing_and_says_so_nex
         assert len(said) == 1 and "conversations are intact" in said[0]
         # The conversation is there, reopened with its partial reply.
         assert [v.role for v in app.main.conversation.views][:2] == ["user", "assistant"]
-    doctor = run_cli(kvhome, "doctor").stdout
+    doctor = run_cli_here(kvhome, "doctor").stdout
     assert "crash " in doctor and "log: " in doctor
