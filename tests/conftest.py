@@ -20,6 +20,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# pytest rewrites each test module's asserts and keeps the result in __pycache__ only where
+# bytecode may be written: with PYTHONDONTWRITEBYTECODE=1 (CI's environment) every worker
+# rewrote all ~380 modules at every run (~8 s of CPU each). Test modules are written; the
+# ``kvchat`` processes the tests start keep the environment's setting.
+sys.dont_write_bytecode = False
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile kvchat's modules to bytecode once: the hundreds of ``kvchat`` processes the

@@ -65,7 +65,10 @@ class Handler(RawHandler):
         except ValueError:
             self.raw(400, b"")
             return
-        case = CASES[self.path.rsplit("/", 1)[-1]]
+        case = CASES.get(self.path.rsplit("/", 1)[-1])
+        if case is None:  # a client's late request after its case ended (a cancellation)
+            self.raw(404, b"")
+            return
         if "id" not in request:
             self.raw(202, b"")
             return

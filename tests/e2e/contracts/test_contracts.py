@@ -52,7 +52,7 @@ def test_import_contracts() -> None:
 def test_the_service_and_its_seams_type_check() -> None:
     """mypy, strict on the files [tool.mypy] names (the service, the engine protocol, the
     KV tiers)."""
-    check(tool("mypy"), "--no-incremental")
+    check(tool("mypy"))  # incremental: its cache (.mypy_cache, ignored) is checked per file
 
 
 def test_no_package_imports_another_that_imports_it_back() -> None:
