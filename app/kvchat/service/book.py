@@ -16,7 +16,12 @@ from typing import Any
 from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.exports import ExportFormat, export_session, tool_parts
-from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
+from kvchat.service.reports import (
+    SESSION_SETTINGS,
+    SESSION_SWITCHES,
+    TOOL_SWITCHES,
+    tool_switch_problem,
+)
 from kvchat.service.session_index import LAST_SESSION_KEY, OPEN_SESSION_KEY
 from kvchat.service.turn_lock import turn_lock
 from kvchat.store import (
@@ -184,6 +189,10 @@ class SessionBook:
                 raise KvchatError(f"unknown session settings: {', '.join(sorted(unknown))}")
             if not isinstance(settings.get("think", False), bool | None):
                 raise KvchatError("the think setting is true or false")
+            for switch in TOOL_SWITCHES:
+                problem = tool_switch_problem(switch, settings.get(switch, []))
+                if problem is not None:
+                    raise KvchatError(problem)
         return self.store.update_session(session_id, system_prompt=system_prompt, settings=settings)
 
     def delete(self, session_id: str) -> None:

@@ -48,9 +48,35 @@ class MessageRefused(KvchatError):
 
 # Sampling settings a session may override.
 SESSION_SETTINGS = ("temperature", "top_p", "max_tokens", "seed")
-# A session's switches for its chat template: "think" (true, false; unset: the model's
-# default) turns a thinking model's reasoning on or off where its template can.
-SESSION_SWITCHES = ("think",)
+# A session's switches: "think" (true, false; unset: the model's default) turns a thinking
+# model's reasoning on or off where its template can; "tools_off" lists the tools turned
+# off for the session and "tools_always" those the user let run in it without asking (each
+# a list of qualified tool names, kept with the session, its exports and its bundles).
+SESSION_SWITCHES = ("think", "tools_off", "tools_always")
+TOOL_SWITCHES = ("tools_off", "tools_always")
+MAX_SWITCHED_TOOLS = 512
+MAX_TOOL_NAME_CHARS = 300  # server.tool: a server name and MCP's 128-character tool name
+
+
+def session_tools(settings: Mapping[str, Any], switch: str) -> frozenset[str]:
+    """The tool names a session's ``switch`` (one of :data:`TOOL_SWITCHES`) lists."""
+    value = settings.get(switch)
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(name for name in value if isinstance(name, str))
+
+
+def tool_switch_problem(switch: str, value: object) -> str | None:
+    """Why ``value`` cannot be a session's ``switch`` (None when it can): a list of at most
+    :data:`MAX_SWITCHED_TOOLS` printable names of 1 to :data:`MAX_TOOL_NAME_CHARS`."""
+    if not isinstance(value, list) or len(value) > MAX_SWITCHED_TOOLS:
+        return f"{switch} is a list of at most {MAX_SWITCHED_TOOLS} tool names"
+    for name in value:
+        if not (
+            isinstance(name, str) and 0 < len(name) <= MAX_TOOL_NAME_CHARS and name.isprintable()
+        ):
+            return f"{switch} holds tool names of 1-{MAX_TOOL_NAME_CHARS} printable characters"
+    return None
 
 
 def session_think(settings: Mapping[str, Any]) -> bool | None:

@@ -4,8 +4,9 @@ approves it), stores the result as a message of role ``tool`` and lets the model
 The model is offered the session's tools through its chat template's own tools support
 (``tools=``, rendered into the prompt's head; see :meth:`ToolTurns.offered`). A reply is read
 for calls in the model's format (:mod:`kvchat.tools.calls`); each call is shown to the user
-(:class:`CallRequest`) and approved once, always for that tool, or denied; a server whose
-config says ``approve = "always"`` is not asked. The result (what the model reads: the text
+(:class:`CallRequest`) and approved once, always for that tool in the session (kept with it),
+or denied; a server whose config says ``approve = "always"`` is not asked. Which tools are
+off for a session is kept with it too. The result (what the model reads: the text
 cut at the result cap; the whole text kept beside it) is a message of its own, appended:
 the next decode reads only that message and the template's few tokens around it.
 
@@ -26,7 +27,13 @@ from kvchat.engine import CancelCheck
 from kvchat.errors import KvchatError
 from kvchat.service.engine_host import EngineHost
 from kvchat.service.pipeline import TurnOptions, TurnPipeline
-from kvchat.service.reports import TokenCallback, TurnReport, generation_params
+from kvchat.service.reports import (
+    TokenCallback,
+    TurnReport,
+    generation_params,
+    session_tools,
+    tool_switch_problem,
+)
 from kvchat.service.turn_lock import turn_lock
 from kvchat.service.upkeep import Upkeep
 from kvchat.store import Message, Store
@@ -159,8 +166,6 @@ class ToolTurns:
         # A GBNF grammar the first reply of each turn follows (None: free text): a small
         # model that never calls a tool on its own is made to (the tests' forced call).
         self.grammar: str | None = None
-        self._always: set[str] = set()  # tools the user allowed for this run of kvchat
-        self._off: dict[str, set[str]] = {}  # per session: tools turned off
         self._specs: list[ToolSpec] | None = None
         self._configured = False
         turns.offer_tools = self.offered
@@ -196,16 +201,44 @@ class ToolTurns:
         return [] if self.runner is None else list(self.runner.servers())
 
     def enabled(self, session_id: str, qualified: str) -> bool:
-        return qualified not in self._off.get(session_id, set())
+        return qualified not in self._switched(session_id, "tools_off")
 
     def set_enabled(self, session_id: str, qualified: str, on: bool) -> None:
-        """Turn a tool on or off for one session (the model is offered only those on)."""
-        off = self._off.setdefault(session_id, set())
-        (off.discard if on else off.add)(qualified)
+        """Turn a tool on or off for one session (the model is offered only those on); kept
+        with the session."""
+        self._switch(session_id, "tools_off", qualified, listed=not on)
+
+    def always(self, session_id: str) -> frozenset[str]:
+        """The tools the user let run in ``session_id`` without asking."""
+        return self._switched(session_id, "tools_always")
+
+    def set_always(self, session_id: str, qualified: str, always: bool) -> None:
+        """Let a tool run in one session without asking (False: ask again); kept with the
+        session."""
+        self._switch(session_id, "tools_always", qualified, listed=always)
 
     def available(self, session_id: str) -> list[ToolSpec]:
         """The tools on for ``session_id``."""
-        return [s for s in self.specs() if self.enabled(session_id, s.qualified)]
+        off = self._switched(session_id, "tools_off")
+        return [s for s in self.specs() if s.qualified not in off]
+
+    def _switched(self, session_id: str, switch: str) -> frozenset[str]:
+        return session_tools(self.store.get_session(session_id).settings, switch)
+
+    def _switch(self, session_id: str, switch: str, qualified: str, *, listed: bool) -> None:
+        """Add ``qualified`` to the session's ``switch`` list, or take it out."""
+        session = self.store.get_session(session_id)
+        names = set(session_tools(session.settings, switch))
+        if (qualified in names) == listed:
+            return
+        (names.add if listed else names.discard)(qualified)
+        settings = {k: v for k, v in session.settings.items() if k != switch}
+        if names:
+            problem = tool_switch_problem(switch, sorted(names))
+            if problem is not None:
+                raise KvchatError(problem)
+            settings[switch] = sorted(names)
+        self.store.update_session(session_id, settings=settings)
 
     def offered(self, session_id: str) -> list[dict[str, Any]] | None:
         """What the chat template is given as ``tools`` for this session's prompts (None:
@@ -341,8 +374,8 @@ class ToolTurns:
         same = [spec for spec in tools if spec.name == name]
         return same[0] if len(same) == 1 else None
 
-    def _needs_asking(self, spec: ToolSpec) -> bool:
-        if spec.qualified in self._always:
+    def _needs_asking(self, session_id: str, spec: ToolSpec) -> bool:
+        if spec.qualified in self.always(session_id):
             return False
         for state in self.servers():
             if state.name == spec.server:
@@ -369,10 +402,13 @@ class ToolTurns:
         if spec is None:
             raise KvchatError(f"no tool named {one_line(request.qualified)[:80]} is on here")
         decision: Decision = "once"
-        if approve is not None and self._needs_asking(spec):
+        if approve is not None and self._needs_asking(request.session_id, spec):
             decision = approve(request)
         if decision == "always":
-            self._always.add(spec.qualified)
+            try:
+                self.set_always(request.session_id, spec.qualified, True)
+            except KvchatError:
+                pass  # not kept (a full disk: storing the result says so); asked again next time
         if decision == "deny":
             line = f"{spec.qualified}: not allowed"
             return self._store_outcome(request, decision, None, DENIED, line, is_error=True)

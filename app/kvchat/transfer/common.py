@@ -17,7 +17,7 @@ import numpy as np
 from kvchat.errors import KvchatError
 from kvchat.limits import sampling_problem
 from kvchat.service.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningStyle, split_reasoning
-from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES
+from kvchat.service.reports import SESSION_SETTINGS, SESSION_SWITCHES, tool_switch_problem
 
 # A JSON file (or a bundle's messages.json) larger than this is refused before it is read.
 MAX_JSON_BYTES = 256 << 20
@@ -309,6 +309,8 @@ _SETTING_TYPES: dict[str, Callable[[object], bool]] = {
     "max_tokens": _number(integer=True, high=1 << 20),
     "seed": lambda v: v is None or _number(integer=True, high=2**63 - 1)(v),
     "think": lambda v: v is None or isinstance(v, bool),
+    "tools_off": lambda v: tool_switch_problem("tools_off", v) is None,
+    "tools_always": lambda v: tool_switch_problem("tools_always", v) is None,
 }
 assert set(_SETTING_TYPES) == set(SESSION_SETTINGS) | set(SESSION_SWITCHES)
 
@@ -325,7 +327,7 @@ def check_settings(path: Path, settings: object, where: str) -> dict[str, Any]:
         if check is None:
             raise BadFile(path, f"{where} has an unknown setting {name!r}")
         if not check(value):
-            raise BadFile(path, f"{where}.{name} has an invalid value {value!r}")
+            raise BadFile(path, f"{where}.{name} has an invalid value {value!r:.80}")
         problem = None if value is None else sampling_problem(name, value)
         if problem is not None:
             raise BadFile(path, f"{where}.{name} has an invalid value: {problem}")

@@ -245,10 +245,13 @@ async def test_calls_are_approved_in_the_app(kvhome: Path) -> None:
         def listed() -> str:
             return "\n".join(n.message for n in app._notifications if n.title == "Tools")
 
-        await wait_until(lambda: "[ ] demo.add" in listed())
+        await wait_until(lambda: "[ ] demo.add · always" in listed())
         assert "demo · running · approve ask" in listed()
         assert "Replies are read for calls as hermes" in listed()
         assert not service.tools.enabled(session, "demo.add")
+        # Kept with the session: "a" above, and off here.
+        kept = service.store.get_session(session).settings
+        assert kept["tools_off"] == ["demo.add"] and kept["tools_always"] == ["demo.add"]
 
         main.prompt.insert("/tools")  # the dialog: Space turns demo.add back on, Ctrl+S keeps it
         await pilot.press("enter")

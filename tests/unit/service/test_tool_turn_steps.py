@@ -98,6 +98,42 @@ def test_names_asking_and_outcomes(tmp_path: Path) -> None:
     store.close()
 
 
+def test_tools_off_and_always_are_kept_with_their_session(tmp_path: Path) -> None:
+    """Which tools are off in a session, and which the user let run in it without asking,
+    are the session's: another session is asked, and a restart (a new ToolTurns on the same
+    database) keeps both."""
+    tools, store, runner, session = make(tmp_path)
+    other = store.create_session("u").id
+    asked: list[tuple[str, str]] = []
+
+    def always(request: CallRequest) -> Decision:
+        asked.append((request.session_id, request.qualified))
+        return "always"
+
+    tools.set_enabled(session, "calc.echo", False)
+    tools._run_call(session, ToolCall("calc.add", {}, "a"), always)
+    tools._run_call(session, ToolCall("calc.add", {}, "b"), always)  # not asked again
+    tools._run_call(other, ToolCall("calc.add", {}, "c"), always)  # another session: asked
+    assert asked == [(session, "calc.add"), (other, "calc.add")]
+    assert runner.called == ["calc.add"] * 3
+
+    again, _, _, _ = make(tmp_path)  # a restart: the same database
+    assert not again.enabled(session, "calc.echo") and again.enabled(other, "calc.echo")
+    assert [s.qualified for s in again.available(session)] == ["calc.add", "auto.echo", "auto.slow"]
+    assert again.offered(session) is not None and len(again.offered(session) or []) == 3
+    assert again.always(session) == {"calc.add"} == again.always(other)
+    again._run_call(session, ToolCall("calc.add", {}, "d"), always)
+    assert len(asked) == 2
+    again.set_always(session, "calc.add", False)  # /tools ask calc.add
+    again.set_enabled(session, "calc.echo", True)
+    again._run_call(session, ToolCall("calc.add", {}, "e"), always)
+    assert asked[-1] == (session, "calc.add") and len(asked) == 3
+    assert store.get_session(session).settings == {"tools_always": ["calc.add"]}
+    again.set_always(session, "calc.add", False)
+    assert store.get_session(session).settings == {}
+    store.close()
+
+
 def test_a_harmony_call_is_read_from_the_reply_as_written(tmp_path: Path) -> None:
     tools, store, _, session = make(tmp_path)
     tools.format = CallFormat.HARMONY

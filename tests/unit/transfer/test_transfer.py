@@ -42,7 +42,8 @@ def write_json(path: Path, document: Any) -> Path:
 
 def test_kvchat_json_round_trip_keeps_messages_prompt_settings_and_times(service, tmp_path):
     original = service.sessions.new_session("Ünïcode & <b>tags</b>", "Answer in French.")
-    service.sessions.configure(original.id, settings={"temperature": 0.2, "seed": 7})
+    kept = {"temperature": 0.2, "seed": 7, "tools_off": ["calc.echo"], "tools_always": ["c.add"]}
+    service.sessions.configure(original.id, settings=kept)
     service.sessions.add_message(original.id, "user", "## not a heading\n```\nopen fence")
     service.sessions.add_message(original.id, "assistant", "Réponse 🚀", partial=True)
     service.sessions.add_message(original.id, "user", "   spaces kept   ")
@@ -58,7 +59,7 @@ def test_kvchat_json_round_trip_keeps_messages_prompt_settings_and_times(service
     assert (copy.title, copy.system_prompt, copy.settings) == (
         original.title,
         "Answer in French.",
-        {"temperature": 0.2, "seed": 7},
+        kept,
     )
     assert texts(service, copy.id) == texts(service, original.id)
     assert [m.created for m in service.sessions.messages(copy.id)] == [
@@ -315,6 +316,36 @@ BROKEN: dict[str, tuple[bytes, str]] = {
             }
         ).encode(),
         "session.settings.temperature has an invalid value",
+    ),
+    "kvchat tools off not a list": (
+        json.dumps(
+            {
+                "format": "kvchat.session/1",
+                "session": {"title": "t", "settings": {"tools_off": "calc.add"}},
+                "messages": [],
+            }
+        ).encode(),
+        "session.settings.tools_off has an invalid value 'calc.add'",
+    ),
+    "kvchat tools always too many": (
+        json.dumps(
+            {
+                "format": "kvchat.session/1",
+                "session": {"title": "t", "settings": {"tools_always": ["t.x"] * 513}},
+                "messages": [],
+            }
+        ).encode(),
+        "session.settings.tools_always has an invalid value ['t.x', 't.x',",
+    ),
+    "kvchat tools off with an escape": (
+        json.dumps(
+            {
+                "format": "kvchat.session/1",
+                "session": {"title": "t", "settings": {"tools_off": ["a\x1b]0;x\x07"]}},
+                "messages": [],
+            }
+        ).encode(),
+        "session.settings.tools_off has an invalid value",
     ),
     "chatgpt cycle": (
         json.dumps(

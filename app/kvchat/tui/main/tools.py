@@ -1,6 +1,7 @@
 """Tools in the app: ``/tool NAME {json}`` runs a tool and puts its result into the
 conversation; ``/tools`` lists the servers and tools and which are on for this session
-(``/tools on NAME`` / ``/tools off NAME``); every call waits for the user's answer in
+(``/tools on NAME`` / ``/tools off NAME``; ``/tools ask NAME`` takes back an "always"; all
+kept with the session); every call waits for the user's answer in
 :class:`~kvchat.tui.screens.tool_call.ToolCallDialog` (a model's calls too: see
 :meth:`ToolCalls.approver`)."""
 
@@ -38,8 +39,9 @@ class ToolCalls:
         )
         ctx.slash.register(
             "tools",
-            "The tools, and which are on for this session (on|off NAME: switch one)",
-            "/tools [on|off NAME]",
+            "The tools, and which are on for this session (on|off NAME: switch one; ask NAME: "
+            "ask again before it runs)",
+            "/tools [on|off|ask NAME]",
             self._tools_typed,
         )
 
@@ -123,7 +125,11 @@ class ToolCalls:
             return
         changes = [(name, name in on) for name, was in tools if (name in on) != was]
         if changes:
-            await self.ctx.backend.on_engine(self._engine_switch, session_id, changes)
+            try:
+                await self.ctx.backend.on_engine(self._engine_switch, session_id, changes)
+            except KvchatError as exc:
+                self.ctx.app.notify(one_line(str(exc)), severity="error", timeout=8)
+                return
             self.ctx.app.notify(
                 ", ".join(f"{name} {'on' if now else 'off'}" for name, now in changes),
                 title="Tools",
@@ -136,10 +142,9 @@ class ToolCalls:
         tools = self.ctx.backend.chat.tools
         tools.attach_configured()
         servers = [line for line in tool_lines(tools, session_id) if not line.startswith("  ")]
-        listed = [
-            (spec.qualified, session_id is None or tools.enabled(session_id, spec.qualified))
-            for spec in tools.specs()
-        ]
+        specs = tools.specs()
+        on = {s.qualified for s in (specs if session_id is None else tools.available(session_id))}
+        listed = [(spec.qualified, spec.qualified in on) for spec in specs]
         try:
             note = f"Replies are read for calls as {tools.call_format().value}"
         except KvchatError as exc:
@@ -163,15 +168,18 @@ class ToolCalls:
         tools = self.ctx.backend.chat.tools
         tools.attach_configured()
         switch, _, name = text.partition(" ")
-        if switch in ("on", "off"):
+        if switch in ("on", "off", "ask"):
             if session_id is None or not name.strip():
-                raise KvchatError("/tools on|off NAME: open a session and name a tool")
+                raise KvchatError(f"/tools {switch} NAME: open a session and name a tool")
             known = {s.qualified for s in tools.specs()}
             if name.strip() not in known:
                 raise KvchatError(f"no tool named {one_line(name)[:80]}: /tools lists them")
-            tools.set_enabled(session_id, name.strip(), switch == "on")
+            if switch == "ask":
+                tools.set_always(session_id, name.strip(), False)
+            else:
+                tools.set_enabled(session_id, name.strip(), switch == "on")
         elif text:
-            raise KvchatError("/tools [on|off NAME]")
+            raise KvchatError("/tools [on|off|ask NAME]")
         lines = tool_lines(tools, session_id)
         try:
             lines.append(f"Replies are read for calls as {tools.call_format().value}")
@@ -181,16 +189,20 @@ class ToolCalls:
 
 
 def tool_lines(tools: ToolTurns, session_id: str | None) -> list[str]:
-    """Each server (its state) and its tools, marked on or off for the session."""
+    """Each server (its state) and its tools, marked on or off for the session (and
+    "always" where the user let one run in it without asking)."""
     servers = tools.servers()
     if not servers:
         return ["No tool servers: add [mcp.servers.NAME] to the config"]
     specs = tools.specs()
+    on = {s.qualified for s in (specs if session_id is None else tools.available(session_id))}
+    always = frozenset() if session_id is None else tools.always(session_id)
     lines = []
     for server in servers:
         why = f" ({one_line(server.error)[:100]})" if server.error else ""
         lines.append(f"{one_line(server.name)} · {server.status} · approve {server.approve}{why}")
         for spec in (s for s in specs if s.server == server.name):
-            on = session_id is None or tools.enabled(session_id, spec.qualified)
-            lines.append(f"  {'[x]' if on else '[ ]'} {one_line(spec.qualified)}")
+            mark = "[x]" if spec.qualified in on else "[ ]"
+            asks = " · always" if spec.qualified in always else ""
+            lines.append(f"  {mark} {one_line(spec.qualified)}{asks}")
     return lines

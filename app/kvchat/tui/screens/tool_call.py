@@ -24,7 +24,8 @@ SHOWN_ARGUMENT_CHARS = 4000
 
 
 class ToolCallDialog(Dialog):
-    """Allow a tool call once (o, Enter), always for this tool (a), or deny it (d, Esc)."""
+    """Allow a tool call once (o, Enter), always for this tool in this conversation (a: kept
+    with the session), or deny it (d, Esc)."""
 
     BINDINGS = [
         Binding("o", "answer('once')", "Once", show=False),
@@ -55,7 +56,7 @@ class ToolCallDialog(Dialog):
                 yield Static(arguments, markup=False, id="tool-arguments-text")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Once (o)", variant="primary", id="once")
-                yield Button("Always for this tool (a)", id="always")
+                yield Button("Always in this chat (a)", id="always")
                 yield Button("Deny (d)", variant="error", id="deny")
 
     def on_mount(self) -> None:
