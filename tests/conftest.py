@@ -67,8 +67,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             log.write(json.dumps(line) + "\n")
 
 
-# Short, deterministic turns: greedy decoding, few tokens, a small context.
-FAST = ["--temperature", "0", "--max-tokens", "24", "--n-ctx", "1024"]
+# Short, deterministic turns: greedy decoding, few tokens, a small context (the proofs that a
+# restore replies as a full prefill compare 32 tokens: e2e/resume/test_restore_equals_prefill).
+FAST = ["--temperature", "0", "--max-tokens", "12", "--n-ctx", "1024"]
 
 # What a test is follows from its folder (see pytest_collection_modifyitems). tests/faults,
 # the boundary campaigns, mixes both kinds and marks its tests one by one.

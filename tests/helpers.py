@@ -10,7 +10,7 @@ from kvchat.service.chat import ChatService
 
 # What most model tests run with: short, greedy (temperature 0) and one thread, so replies
 # repeat exactly and two tests running side by side do not fight over the cores.
-GREEDY: dict[str, Any] = {"n_ctx": 1024, "temperature": 0.0, "max_tokens": 24, "n_threads": 1}
+GREEDY: dict[str, Any] = {"n_ctx": 1024, "temperature": 0.0, "max_tokens": 12, "n_threads": 1}
 
 
 def greedy_service(home: Path, model: Path | None = None, **settings: Any) -> ChatService:

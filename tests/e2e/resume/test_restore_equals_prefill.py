@@ -49,7 +49,7 @@ def new_process(fmt: str) -> Case:
         shutil.copytree(home, baseline_home)
         message = "Tell me one fact about the Moon."
         env = SNAPSHOT_FORMATS[fmt]
-        ask = ("ask", "--session", session, message, "--json", *FAST)
+        ask = ("ask", "--session", session, message, "--json", *FAST, "--max-tokens", "32")
         restored = run_cli(restored_home, *ask, env=env).json
         baseline = run_cli(baseline_home, *ask, "--no-restore", env=env).json
         assert restored["tokens"]["generated"] == baseline["tokens"]["generated"] > 0
