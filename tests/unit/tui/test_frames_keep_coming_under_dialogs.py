@@ -74,7 +74,10 @@ class StreamingService(StandInService):
                 on_token(pieces[-1])
             time.sleep(PIECE_S)
         reply = "".join(pieces)
-        message = self.store.add_message(session_id, "assistant", reply, token_count=len(pieces))
+        cut = len(pieces) < PIECES
+        message = self.store.add_message(
+            session_id, "assistant", reply, token_count=len(pieces), partial=cut
+        )
         return TurnReport(
             session_id=session_id,
             reply=reply,
@@ -82,9 +85,8 @@ class StreamingService(StandInService):
             restore=RestoreResult("hot", tokens=0),
             ttft_ms=1,
             tokens_per_s=1 / PIECE_S,
-            finish_reason="cancelled" if len(pieces) < PIECES else "length",
+            finish_reason="cancelled" if cut else "length",
             message_id=message.id,
-            partial=len(pieces) < PIECES,
         )
 
 
