@@ -27,6 +27,7 @@ ROW_KEYS = {
 }
 
 
+@pytest.mark.stress  # --full; the default run's bench is the words test below
 def test_e2e_bench_json_reports_the_limit_and_both_layouts(kvhome: Path, cli) -> None:
     result = cli(
         kvhome, "bench", "--full", "--json", "--sizes", "300", "--repeat", "1", "--no-tiers"
@@ -83,7 +84,7 @@ def test_e2e_bench_with_a_quantized_v_cache_says_why_one_layout(kvhome: Path, cl
 def test_e2e_bench_reads_in_words_with_an_estimate_and_a_bar(kvhome: Path, cli) -> None:
     """The default run (one size here, small): the estimate and the bar on stderr, the
     headline first on stdout, then the table with one line per column; one V layout; no
-    thread timing when told (the JSON test above times them)."""
+    thread timing when told (the --full JSON test above, under stress, times them)."""
     result = cli(kvhome, "bench", "--sizes", "300", "--repeat", "1", "--no-tiers", "--no-threads")
     assert not any(line.startswith("threads: ") for line in result.stdout.splitlines())
     err = result.stderr.splitlines()

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.stress  # the read-once proofs are e2e/attachments/test_read_once*.py
 def test_e2e_bench_docs_reads_a_document_once(kvhome: Path, cli) -> None:
     result = cli(kvhome, "bench", "--docs", "--json", "--sizes", "200,5000", "--n-ctx", "700")
     report = result.json

@@ -6,6 +6,8 @@ typing while a reply streams, at CI size. The full run (10,000 sessions, the run
 
 from __future__ import annotations
 
+import pytest
+
 from kvchat.bench.export_gen import LONG_TITLE, RARE_WORD, rare_hits
 from kvchat.bench.paint import first_paint
 from kvchat.bench.scale import (
@@ -51,6 +53,7 @@ def test_search_and_list_figures_count_what_they_read(tmp_path):
     assert RARE_WORD not in NEWEST_TITLE
 
 
+@pytest.mark.stress  # its full size is tests/stress/test_bench_at_full_size.py
 def test_long_session_switches_jumps_and_streams_as_the_scale_bench_times_it(tmp_path):
     """The long-session part of the scale bench at CI size: a few sessions and one of 300
     one-word messages, in a 768-token context (the oldest messages leave the window, as a
