@@ -247,16 +247,20 @@ class SessionBook:
         under the session's turn lock: never from a reply still streaming.
         """
         with turn_lock(self.locks, session_id):
-            ids = [m.id for m in self.messages(session_id)]
-            if at_message is not None and at_message not in ids:
-                raise KvchatError(f"session {session_id} has no message {at_message}")
-            kept = ids.index(at_message) + 1 if at_message is not None else len(ids)
-            child = self._branch(session_id, at_message, label=f"Fork at #{kept}")
-            row = self.store.get_snapshot(session_id)
-            if at_message is None and row is not None and row.format == "chunks":
-                row.session_id = child.id
-                row.created = ""
-                self.store.put_snapshot(row)
+            return self.fork_holding_lock(session_id, at_message)
+
+    def fork_holding_lock(self, session_id: str, at_message: int | None = None) -> Session:
+        """:meth:`fork` for a caller that holds the session's turn lock (a compaction)."""
+        ids = [m.id for m in self.messages(session_id)]
+        if at_message is not None and at_message not in ids:
+            raise KvchatError(f"session {session_id} has no message {at_message}")
+        kept = ids.index(at_message) + 1 if at_message is not None else len(ids)
+        child = self._branch(session_id, at_message, label=f"Fork at #{kept}")
+        row = self.store.get_snapshot(session_id)
+        if at_message is None and row is not None and row.format == "chunks":
+            row.session_id = child.id
+            row.created = ""
+            self.store.put_snapshot(row)
         return child
 
     def edit(self, session_id: str, message_id: int, text: str) -> Session:

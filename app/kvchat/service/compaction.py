@@ -15,10 +15,10 @@ One compaction, in three steps a UI shows one at a time:
    (disk and RAM) and left as it is: the summary is decoded in the context beside it, not
    in it (the titles' scratch sequence has no room when the context is full, which is
    when compaction is due). Cancelable; nothing is stored;
-3. :meth:`Compactor.accept`: the (edited) summary is checked, the conversation before it
-   kept as a branch (a fork, sharing its KV), the compacted prompt read once, then the
+3. :meth:`Compactor.accept`: the (edited) summary is checked, the compacted prompt read
+   once, then the conversation before it kept as a branch (a fork, sharing its KV), the
    summary stored and the KV saved. Until the summary row is committed the session is as
-   it was.
+   it was, and a kill during the read leaves no branch.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from kvchat.service.reports import (
     generation_params,
 )
 from kvchat.service.turn_lock import turn_lock
-from kvchat.store import Message
+from kvchat.store import Message, Session
 from kvchat.store.summaries_sql import Summary
 from kvchat.text import check_text
 
@@ -349,21 +349,19 @@ class Compactor:
     ) -> Compaction:
         """Compact the session with ``text`` as its summary (see the module docstring).
 
-        The conversation before it is kept first as a branch (a fork: its KV is shared);
-        then the compacted prompt is read once, up to where the next user's words start;
-        then the summary is stored (one row, whole) and the KV saved as the session's.
-        Canceled during the read, or failing before the row is stored, the branch is
-        deleted again and the session is as it was.
+        The compacted prompt is read once, up to where the next user's words start; then
+        the conversation before it is kept as a branch (a fork: its KV is shared), the
+        summary stored (one row, whole) and the KV saved as the session's. Canceled or
+        killed during the read, nothing was stored; failing after the branch and before the
+        row, the branch is deleted again. Either way the session is as it was.
         """
         text = self.check(plan, text)
         store = self.turns.store
         engine = self._engine()
         if plan.upto_message_id not in {m.id for m in store.messages(plan.session_id)}:
             raise KvchatError("the conversation changed since the plan: compact it again")
-        branch = self.book.fork(plan.session_id)
+        branch: Session | None = None
         try:
-            title = store.get_session(plan.session_id).title
-            self.book.rename(branch.id, f"{BEFORE_LABEL}: {title}")
             with turn_lock(self.turns.locks, plan.session_id):
                 target = self._compacted_prompt(plan, text, engine)
                 tiers = self.turns.host.tiers
@@ -375,6 +373,11 @@ class Compactor:
                 if read.reused + read.decoded < len(target):
                     engine.clear()
                     raise KvchatError("compaction canceled: nothing was changed")
+                # The branch only now, next to the summary row: a kill during the read (the
+                # long part) leaves no branch without its summary.
+                branch = self.book.fork_holding_lock(plan.session_id)
+                title = store.get_session(plan.session_id).title
+                self.book.rename(branch.id, f"{BEFORE_LABEL}: {title}")
                 summary = store.add_summary(
                     plan.session_id, plan.upto_message_id, text, plan.replaced_tokens
                 )
@@ -382,10 +385,11 @@ class Compactor:
                 tiers.mark_dirty()
                 snapshot = tiers.save_hot()
         except BaseException:
-            try:
-                self.book.delete(branch.id)
-            except KvchatError:
-                pass
+            if branch is not None:
+                try:
+                    self.book.delete(branch.id)
+                except KvchatError:
+                    pass
             raise
         return Compaction(summary, branch.id, len(target), read.decoded, snapshot)
 

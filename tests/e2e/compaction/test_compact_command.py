@@ -1,18 +1,21 @@
 """``kvchat compact SESSION`` in its own process (issue 42): the cost first, --dry-run
 changes nothing, --summary with --yes compacts (JSON figures), no --yes off a terminal is
 one line and nothing changes, a refused summary is one line, and kill -9 while the model
-writes the summary leaves the conversation as it was."""
+writes the summary leaves the conversation as it was, and at any moment of accepting one,
+the conversation is as it was or compacted with its branch, never half."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
 import zipfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -49,7 +52,7 @@ def filled_home(home: Path, exchanges: int = 16) -> str:
 
 def counts(home: Path) -> tuple[int, int, int]:
     """Sessions, messages and summaries in the home's database."""
-    with sqlite3.connect(home / "kvchat.db") as db:
+    with closing(sqlite3.connect(home / "kvchat.db")) as db:
         return tuple(
             db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
             for table in ("sessions", "messages", "summaries")
@@ -187,3 +190,55 @@ def test_kill_while_the_summary_is_written_leaves_the_conversation_as_it_was(
     assert counts(home) == before  # no summary, no branch
     ask = kvchat(home, "ask", "--session", session_id, "And lakes?", "--json", *FLAGS).json
     assert ask["window"]["summarized"] == 0 and ask["reply"]
+
+
+def _titles(home: Path) -> list[str]:
+    with closing(sqlite3.connect(home / "kvchat.db")) as db:
+        return sorted(title for (title,) in db.execute("SELECT title FROM sessions"))
+
+
+@pytest.mark.parametrize(
+    "fractions",
+    [
+        pytest.param((0.3, 0.4, 0.5, 0.7), id="sample"),
+        pytest.param(tuple(i / 10 for i in range(1, 10)), id="tenths", marks=pytest.mark.stress),
+    ],
+)
+def test_a_kill_while_a_summary_is_accepted_leaves_it_whole_or_as_it_was(
+    tmp_path: Path, fractions: tuple[float, ...]
+) -> None:
+    """kill -9 at points spread over one whole `kvchat compact --summary --yes` on this machine
+    (its start, the model's load, the compacted prompt's read, the summary row, the KV):
+    the home holds the conversation as it was, or compacted with its "Before compaction"
+    branch; never the branch without the summary."""
+    source = tmp_path / "source"
+    session_id = filled_home(source)
+    before, titles_before = counts(source), _titles(source)
+    argv = ["compact", session_id, "--summary", "They talked about rivers.", "--yes", *FLAGS]
+    whole = tmp_path / "whole"
+    shutil.copytree(source, whole)
+    started = time.monotonic()
+    kvchat(whole, *argv)
+    whole_s = time.monotonic() - started
+    after, titles_after = counts(whole), _titles(whole)
+    assert after[0] == before[0] + 1 and after[2] == before[2] + 1
+    seen = []
+    for i, fraction in enumerate(fractions):
+        home = tmp_path / f"killed-{i}"
+        shutil.copytree(source, home)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvchat", *argv],
+            cwd=REPO,
+            env=clean_env() | ENV | {"KVCHAT_HOME": str(home)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(fraction * whole_s)
+        proc.kill()
+        proc.wait(timeout=60)
+        state = (counts(home), _titles(home))
+        assert state in ((before, titles_before), (after, titles_after)), (fraction, state)
+        seen.append(state == (after, titles_after))
+    # The conversation goes on from whatever the last kill left.
+    ask = kvchat(home, "ask", "--session", session_id, "And lakes?", "--json", *FLAGS).json
+    assert ask["reply"] and (ask["window"]["summarized"] > 0) == seen[-1]
