@@ -3,8 +3,8 @@ its window, shows where the window starts, is compacted with the model's summary
 decoding only each new message, and replies as a full prefill of the compacted prompt does.
 
 The conversation is built once for the module (exchanges stored as text, then real turns),
-so the model reads the long history once: by default 30 exchanges at n_ctx 1024 (the same
-steps at half the reading); under ``stress`` the issue's 60 turns at n_ctx 2048.
+so the model reads the long history once: by default 23 exchanges at n_ctx 768 (the same
+steps at a third of the reading); under ``stress`` the issue's 60 turns at n_ctx 2048.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.helpers import greedy_service
 
 # (n_ctx, exchanges stored before the turn that outgrows the window)
 SIZES = [
-    pytest.param((1024, 29), id="1024"),
+    pytest.param((768, 22), id="768"),
     pytest.param((2048, 59), id="2048-60-turns", marks=pytest.mark.stress),
 ]
 MAX_TOKENS = 16

@@ -30,7 +30,7 @@ from kvchat.config import Settings
 from kvchat.service.chat import ChatService
 from tests.conftest import FAST, REPO, CliResult, clean_env, run_cli, run_cli_here
 
-DEFAULT_CASES = 10
+DEFAULT_CASES = 7
 GREEDY = dict(temperature=0.0, max_tokens=8, n_ctx=1024)
 GREEDY_FLAGS = [*FAST, "--max-tokens", "8"]  # the same, for the CLI (the last flag wins)
 
@@ -381,7 +381,7 @@ def _damage_case(
 
 
 def test_damaged_snapshots_and_rows_resume_exactly_or_fall_back(pristine, tmp_path: Path):
-    # 10 cases (each a greedy turn, ~0.5 s) try every kind of damage and both outcomes;
+    # 7 cases (each a greedy turn, ~0.5 s) try every kind of damage and both outcomes;
     # `pytest -m stress` runs STRESS_CASES of them.
     tally = _damage_cases(pristine, tmp_path, n=DEFAULT_CASES, seed=1)
     assert tally["cases"] == DEFAULT_CASES and tally["resumed"] and tally["fallbacks"]
