@@ -235,12 +235,13 @@ class Conversation(VerticalScroll, can_focus=False):
         view = self.find(start[0]) if start is not None else None
         if start is None or view is None or view.parent is not page:
             return
-        divider = Label(f"── {start[1]} ──", id="window-divider", classes="not-shown", markup=False)
-        await page.mount(divider, before=view)
+        labels = [
+            Label(f"── {start[1]} ──", id="window-divider", classes="not-shown", markup=False)
+        ]
         if self.window_summary:
             text = f"Summary the model reads: {visible(self.window_summary)}"
-            summary = Label(text, id="window-summary", classes="not-shown", markup=False)
-            await page.mount(summary, before=view)
+            labels.append(Label(text, id="window-summary", classes="not-shown", markup=False))
+        await page.mount(*labels, before=view)  # together: never a divider without its summary
 
     # --- the pages before and after the window ------------------------------------------------
 
