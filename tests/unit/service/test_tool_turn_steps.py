@@ -129,6 +129,8 @@ def test_tools_off_and_always_are_kept_with_their_session(tmp_path: Path) -> Non
     again._run_call(session, ToolCall("calc.add", {}, "e"), always)
     assert asked[-1] == (session, "calc.add") and len(asked) == 3
     assert store.get_session(session).settings == {"tools_always": ["calc.add"]}
+    branch = store.copy_session(session, "a branch")  # a fork or an edit keeps the choices
+    assert again.always(branch.id) == {"calc.add"} and again.enabled(branch.id, "calc.echo")
     again.set_always(session, "calc.add", False)
     assert store.get_session(session).settings == {}
     store.close()

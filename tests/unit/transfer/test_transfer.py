@@ -421,9 +421,13 @@ def test_sizes_and_counts_are_bounded_before_reading(service, tmp_path, monkeypa
     assert service.sessions.list_sessions() == []
 
 
+BUNDLED_SETTINGS = {"tools_off": ["calc.echo"], "tools_always": ["calc.add"], "seed": 3}
+
+
 def text_bundle(service: ChatService, tmp_path: Path) -> Path:
     """A bundle of a session that has no KV (text only): no model needed."""
     session = service.sessions.new_session("Bundle me")
+    service.sessions.configure(session.id, settings=BUNDLED_SETTINGS)
     service.sessions.add_message(session.id, "user", "Hello")
     service.sessions.add_message(session.id, "assistant", "Hi!")
     written = write_bundle(service, session.id, tmp_path / "text.kvchat")
@@ -449,6 +453,7 @@ def test_a_text_only_bundle_round_trips_and_says_why_it_has_no_kv(service, tmp_p
     assert item.new and item.kv_tokens == 0
     assert item.kv_reason == "the bundle carries no KV (the session has no saved KV)"
     assert texts(service, item.session) == [("user", "Hello", False), ("assistant", "Hi!", False)]
+    assert service.store.get_session(item.session).settings == BUNDLED_SETTINGS
 
 
 @pytest.mark.parametrize(
